@@ -1,0 +1,124 @@
+"""Build an nn.Module from a CaseSpec, deterministically from its seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from conformance.spec import CaseSpec, ModuleSpec, join, walk
+
+_TORCH_BASES = {
+    "Module": nn.Module,
+    "Sequential": nn.Sequential,
+    "ModuleList": nn.ModuleList,
+    "ModuleDict": nn.ModuleDict,
+}
+BATCH = 2
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    classes: dict[str, type]  # class name -> class (drawn and torch's)
+    modules: dict[str, nn.Module]  # spec path -> module (the spec's own tree)
+
+    def module_paths(self) -> dict[int, str]:
+        """id(module) -> its spec path (a shared module keeps its source's path)."""
+        return {id(m): p for p, m in self.modules.items()}
+
+    def example_input(self) -> torch.Tensor:
+        return torch.linspace(-1.0, 1.0, BATCH)
+
+
+def _generic_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Parameters are read by attribute, not from _parameters: FSDP1 with
+    # use_orig_params=False swaps them for plain tensor views during forward.
+    for name in self._case_param_names:
+        x = x + 0.5 * torch.tanh(getattr(self, name)).mean()
+    for name in self._case_buffer_names:
+        x = x + getattr(self, name).mean()
+    for child in self._modules.values():
+        x = call_child(child, x)
+    return x
+
+
+def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run ``child`` on the running activation ``x`` (shape (BATCH,))."""
+    inner = getattr(child, "module", child)  # an FSDP1 wrapper's wrapped module
+    if isinstance(inner, nn.Linear):
+        return child(x[:, None].expand(x.shape[0], inner.in_features)).mean(-1) + x
+    if isinstance(inner, nn.Embedding):
+        idx = torch.arange(x.shape[0]) % inner.num_embeddings
+        return child(idx).mean(-1) + x
+    if isinstance(inner, nn.LayerNorm):
+        n = inner.normalized_shape[0]
+        return child(x[:, None] + torch.arange(n, dtype=x.dtype)).mean(-1) + x
+    if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
+        # torch's own containers (no usable forward): run their children
+        for c in inner._modules.values():
+            x = call_child(c, x)
+        return x
+    return child(x)
+
+
+def make_classes(spec: CaseSpec) -> dict[str, type]:
+    classes: dict[str, type] = dict(_TORCH_BASES)
+    classes.update(Linear=nn.Linear, Embedding=nn.Embedding, LayerNorm=nn.LayerNorm)
+    pending = list(spec.classes)
+    while pending:  # bases first (validate() excludes cycles)
+        c = next(c for c in pending if c.base in classes)
+        pending.remove(c)
+        classes[c.name] = type(c.name, (classes[c.base],), {"forward": _generic_forward, "__module__": "case"})
+    return classes
+
+
+def _make_module(m: ModuleSpec, classes: dict[str, type]) -> nn.Module:
+    if m.cls == "Linear":
+        w = m.params[0].shape
+        return nn.Linear(w[1], w[0], bias=len(m.params) == 2)
+    if m.cls == "Embedding":
+        return nn.Embedding(*m.params[0].shape)
+    if m.cls == "LayerNorm":
+        return nn.LayerNorm(m.params[0].shape[0])
+    mod = classes[m.cls]()
+    mod._case_param_names = [p.name for p in m.params]
+    mod._case_buffer_names = [b.name for b in m.buffers]
+    for p in m.params:
+        mod.register_parameter(p.name, nn.Parameter(torch.empty(p.shape)))
+    for b in m.buffers:
+        mod.register_buffer(b.name, torch.empty(b.shape))
+    return mod
+
+
+def build(spec: CaseSpec) -> Built:
+    """The case's model: same spec and seed, same module and values."""
+    classes = make_classes(spec)
+    modules: dict[str, nn.Module] = {}
+    for path, m in walk(spec.tree):
+        mod = _make_module(m, classes)
+        modules[path] = mod
+        if path:
+            parent_path = path.rpartition(".")[0]
+            modules[parent_path].add_module(m.name, mod)
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for path, m in walk(spec.tree):
+            mod = modules[path]
+            for p in m.params:
+                t = getattr(mod, p.name)
+                t.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                t.requires_grad_(p.requires_grad)
+            for b in m.buffers:
+                getattr(mod, b.name).copy_(torch.randn(b.shape, generator=gen))
+    params = {join(path, p.name): getattr(modules[path], p.name) for path, m in walk(spec.tree) for p in m.params}
+    for s in spec.shared:
+        modules[s.parent].add_module(s.name, modules[s.source])
+    for t in spec.ties:
+        mod = modules[t.module]
+        setattr(mod, t.name, params[t.source])
+        names = getattr(mod, "_case_param_names", None)
+        if names is not None and t.name not in names:
+            names.append(t.name)
+    return Built(model=modules[""], classes=classes, modules=modules)

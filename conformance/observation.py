@@ -1,0 +1,81 @@
+"""Observation: what real FSDP did with one case on one rank (pure data)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FrozenMessage:
+    """A frozen-parameter ValueError or UserWarning, parsed. Names are
+    canonical (the first name the unwrapped model gives that module or
+    parameter); a name that is no alias of anything is kept as written."""
+
+    category: str  # "ValueError" | "UserWarning"
+    text: str
+    module: str | None  # None when the text names no module
+    total_numel: int | None
+    trainable_numel: int | None
+    trainable: tuple[str, ...] | None  # None when the text lists no FQNs
+    frozen: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class UnitObservation:
+    path: str  # canonical path of the wrapped module ("" for the root)
+    managed: tuple[str, ...]  # canonical FQNs in the unit's flat parameter
+    raw_managed: tuple[str, ...]  # as FSDP names them, prefixed with the unit path
+    simulated: tuple[str, ...] | None  # torch's pre-wrap simulation, canonical
+
+
+@dataclass(frozen=True)
+class Observation:
+    api: str
+    rank: int
+    world_size: int
+    torch_version: str
+    units: tuple[UnitObservation, ...] = ()  # in the order FSDP created them
+    error: FrozenMessage | None = None  # wrap raised (category = exception type)
+    warnings: tuple[FrozenMessage, ...] = ()  # frozen-parameter warnings, in order
+    other_warnings: tuple[str, ...] = ()
+    state_dict_keys: tuple[str, ...] = ()
+    named_parameters: tuple[str, ...] = ()  # use_orig_params=True only
+    # tie survival: for each tie group (canonical FQN), whether every alias
+    # still resolves to one tensor after wrapping (use_orig_params=True)
+    ties_intact: tuple[tuple[str, bool], ...] = ()
+    wrap_seconds: float = 0.0  # time inside FSDP's constructor
+    extra: tuple[tuple[str, Any], ...] = ()  # API-specific facts
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Observation":
+        d = dict(d)
+        d["units"] = tuple(UnitObservation(**_tup(u)) for u in d.get("units", ()))
+        if d.get("error"):
+            d["error"] = FrozenMessage(**_tup(d["error"]))
+        d["warnings"] = tuple(FrozenMessage(**_tup(w)) for w in d.get("warnings", ()))
+        return cls(**_tup(d))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def comparable(self) -> dict:
+        """What every rank must agree on (rank and timing removed)."""
+        d = self.to_dict()
+        for k in ("rank", "wrap_seconds"):
+            d.pop(k)
+        return d
+
+
+def _tup(d: dict) -> dict:
+    def conv(v: Any) -> Any:
+        if isinstance(v, list):
+            return tuple(conv(x) for x in v)
+        return v
+
+    return {k: (v if isinstance(v, (dict, FrozenMessage, UnitObservation)) else conv(v)) for k, v in d.items()}

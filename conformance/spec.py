@@ -1,0 +1,417 @@
+"""CaseSpec: the pure, immutable description of one conformance case."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Union
+
+SPEC_VERSION = 1
+
+# Base classes a drawn class may derive from. "Module" gives a plain custom
+# module; the containers are torch's own; a drawn class may also derive from
+# another drawn class, so that isinstance differs from exact type.
+CONTAINER_BASES = ("Module", "Sequential", "ModuleList", "ModuleDict")
+# torch leaf modules a tree may hold; their parameters are fixed by torch.
+LEAF_TYPES = ("Linear", "Embedding", "LayerNorm")
+
+
+class SpecError(ValueError):
+    """A CaseSpec (or its JSON) that does not describe a buildable case."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    requires_grad: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One module: its class, its own parameters and buffers, its children in
+    registration order. ``name`` is the attribute name in the parent ("" for
+    the root)."""
+
+    name: str
+    cls: str
+    params: tuple[ParamSpec, ...] = ()
+    buffers: tuple[BufferSpec, ...] = ()
+    children: tuple["ModuleSpec", ...] = ()
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """A module class the case defines: ``class name(base)``."""
+
+    name: str
+    base: str = "Module"
+
+
+@dataclass(frozen=True)
+class SharedModule:
+    """Register the module at ``source`` again, as ``parent.name``."""
+
+    parent: str
+    name: str
+    source: str
+
+
+@dataclass(frozen=True)
+class TiedParam:
+    """Make ``module.name`` the very Parameter at FQN ``source`` (weight tying).
+    Replaces a parameter of that name in place, else appends one."""
+
+    module: str
+    name: str
+    source: str
+
+
+# ---- wrap policies ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModuleWrap:
+    """torch.distributed.fsdp.wrap.ModuleWrapPolicy(classes)."""
+
+    classes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CustomWrap:
+    """CustomPolicy: targets by path; a target with kwargs gets a kwargs dict
+    (keys from CUSTOM_KWARGS), one without gets True."""
+
+    targets: tuple[str, ...]
+    kwargs: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class SizeBasedWrap:
+    """functools.partial(size_based_auto_wrap_policy, min_num_params=...)."""
+
+    min_num_params: int
+
+
+@dataclass(frozen=True)
+class LambdaWrap:
+    """functools.partial(lambda_auto_wrap_policy, lambda_fn=path in targets)."""
+
+    targets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TransformerWrap:
+    """functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=...)."""
+
+    classes: tuple[str, ...]
+
+
+Policy = Union[ModuleWrap, CustomWrap, SizeBasedWrap, LambdaWrap, TransformerWrap]
+POLICY_TYPES = (ModuleWrap, CustomWrap, SizeBasedWrap, LambdaWrap, TransformerWrap)
+# Per-module kwargs a CustomPolicy may return; values must not change which
+# parameters a unit manages.
+CUSTOM_KWARGS = {
+    "sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+    "limit_all_gathers": (True, False),
+    "forward_prefetch": (True, False),
+}
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    api: str = "fsdp1"  # "fsdp1" | "fsdp2"
+    policy: Policy | None = None
+    use_orig_params: bool = False
+    ignored_modules: tuple[str, ...] = ()
+    ignored_params: tuple[str, ...] = ()  # FQNs, passed as ignored_states
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    tree: ModuleSpec
+    classes: tuple[ClassSpec, ...] = ()
+    shared: tuple[SharedModule, ...] = ()
+    ties: tuple[TiedParam, ...] = ()
+    plan: WrapPlan = field(default_factory=WrapPlan)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # -- JSON ---------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({"version": SPEC_VERSION, "case": _to_data(self)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CaseSpec":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"CaseSpec JSON is not valid JSON: {e}") from None
+        if not isinstance(data, dict) or data.get("version") != SPEC_VERSION or "case" not in data:
+            raise SpecError(f"CaseSpec JSON must be an object with version {SPEC_VERSION} and a 'case'")
+        try:
+            return _from_data(CaseSpec, data["case"])
+        except SpecError:
+            raise
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            raise SpecError(f"CaseSpec JSON does not describe a case: {type(e).__name__}: {e}") from None
+
+    def to_python(self) -> str:
+        """Python source that rebuilds this spec (the repr, with its import)."""
+        return "from conformance.spec import *\n\nspec = " + repr(self) + "\n"
+
+
+# ---- tree queries (pure) ---------------------------------------------------
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def walk(tree: ModuleSpec, prefix: str = "") -> Iterator[tuple[str, ModuleSpec]]:
+    """(path, module) in pre-order, registration order; the spec's own tree
+    (shared modules and ties are not part of it)."""
+    yield prefix, tree
+    for child in tree.children:
+        yield from walk(child, join(prefix, child.name))
+
+
+def module_at(tree: ModuleSpec, path: str) -> ModuleSpec:
+    node = tree
+    if path == "":
+        return node
+    for part in path.split("."):
+        for child in node.children:
+            if child.name == part:
+                node = child
+                break
+        else:
+            raise SpecError(f"no module at path {path!r}")
+    return node
+
+
+def param_fqns(tree: ModuleSpec) -> list[str]:
+    return [join(path, p.name) for path, m in walk(tree) for p in m.params]
+
+
+# ---- validation ------------------------------------------------------------
+
+_IDENT_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+
+
+def _check_name(name: str, what: str) -> None:
+    if not name or not set(name) <= _IDENT_OK or name[0].isdigit() and what != "child":
+        raise SpecError(f"invalid {what} name {name!r}")
+
+
+def validate(spec: CaseSpec) -> None:
+    """Raise SpecError unless ``spec`` describes a buildable case."""
+    if not isinstance(spec.tree, ModuleSpec):
+        raise SpecError("CaseSpec.tree must be a ModuleSpec")
+    class_names = {c.name for c in spec.classes}
+    if len(class_names) != len(spec.classes):
+        raise SpecError("duplicate class names")
+    for c in spec.classes:
+        _check_name(c.name, "class")
+        if c.name in CONTAINER_BASES or c.name in LEAF_TYPES:
+            raise SpecError(f"class {c.name!r} shadows a torch class")
+        if c.base not in CONTAINER_BASES and c.base not in class_names:
+            raise SpecError(f"class {c.name!r} has unknown base {c.base!r}")
+    # bases must not form a cycle
+    bases = {c.name: c.base for c in spec.classes}
+    for c in spec.classes:
+        seen, b = {c.name}, c.base
+        while b in bases:
+            if b in seen:
+                raise SpecError(f"class {c.name!r} has a cyclic base chain")
+            seen.add(b)
+            b = bases[b]
+    known = class_names | set(CONTAINER_BASES) | set(LEAF_TYPES)
+    paths = set()
+    for path, m in walk(spec.tree):
+        if m.cls not in known:
+            raise SpecError(f"module {path or '<root>'} has unknown class {m.cls!r}")
+        paths.add(path)
+        names = [p.name for p in m.params] + [b.name for b in m.buffers] + [c.name for c in m.children]
+        if len(set(names)) != len(names):
+            raise SpecError(f"module {path or '<root>'} has duplicate attribute names")
+        for p in m.params:
+            _check_name(p.name, "parameter")
+            if not p.shape or any(not isinstance(d, int) or d <= 0 for d in p.shape):
+                raise SpecError(f"parameter {join(path, p.name)} has invalid shape {p.shape!r}")
+        for c in m.children:
+            _check_name(c.name, "child")
+        _check_leaf(path, m)
+        if container_kind(spec, m.cls) in ("ModuleList", "Sequential") and m.params:
+            raise SpecError(f"container {path or '<root>'} ({m.cls}) cannot hold parameters")
+        if container_kind(spec, m.cls) == "ModuleList":
+            if [c.name for c in m.children] != [str(i) for i in range(len(m.children))]:
+                raise SpecError(f"ModuleList {path or '<root>'} children must be named 0..n-1")
+    if spec.tree.name != "":
+        raise SpecError("the root module's name must be ''")
+    fqns = set(param_fqns(spec.tree))
+    for s in spec.shared:
+        if s.parent not in paths or s.source not in paths:
+            raise SpecError(f"shared module {s!r} names an unknown path")
+        if s.source == "" or s.source == s.parent or s.parent.startswith(s.source + "."):
+            raise SpecError(f"shared module {s!r} would make a cycle")
+        _check_name(s.name, "child")
+        parent = module_at(spec.tree, s.parent)
+        if any(x.name == s.name for x in parent.params + parent.buffers + parent.children):
+            raise SpecError(f"shared module {s!r} collides with an attribute of {s.parent or '<root>'}")
+        if container_kind(spec, parent.cls) in ("ModuleList", "Sequential"):
+            raise SpecError(f"shared module {s!r}: parent must not be a ModuleList/Sequential")
+    for t in spec.ties:
+        if t.module not in paths or t.source not in fqns:
+            raise SpecError(f"tie {t!r} names an unknown module or parameter")
+        m = module_at(spec.tree, t.module)
+        if m.cls in LEAF_TYPES and t.name not in {p.name for p in m.params}:
+            raise SpecError(f"tie {t!r}: a torch leaf module only ties its own parameters")
+        if container_kind(spec, m.cls) in ("ModuleList", "Sequential"):
+            raise SpecError(f"tie {t!r}: containers cannot hold parameters")
+        if join(t.module, t.name) == t.source:
+            raise SpecError(f"tie {t!r} ties a parameter to itself")
+        if any(x.name == t.name for x in m.buffers + m.children):
+            raise SpecError(f"tie {t!r} collides with an attribute of {t.module or '<root>'}")
+        own = {p.name: p for p in m.params}
+        if t.name in own and own[t.name].shape != _param_spec(spec.tree, t.source).shape:
+            raise SpecError(f"tie {t!r} joins parameters of different shapes")
+    _validate_plan(spec, paths, fqns)
+
+
+def _param_spec(tree: ModuleSpec, fqn: str) -> ParamSpec:
+    path, _, name = fqn.rpartition(".")
+    for p in module_at(tree, path).params:
+        if p.name == name:
+            return p
+    raise SpecError(f"no parameter {fqn!r}")
+
+
+def _check_leaf(path: str, m: ModuleSpec) -> None:
+    if m.cls not in LEAF_TYPES:
+        return
+    where = path or "<root>"
+    if m.children or m.buffers:
+        raise SpecError(f"{m.cls} at {where} cannot have children or buffers")
+    ps = {p.name: p.shape for p in m.params}
+    ok = False
+    if m.cls == "Linear":
+        w = ps.get("weight")
+        ok = w is not None and len(w) == 2 and set(ps) <= {"weight", "bias"} and ps.get("bias", (w[0],)) == (w[0],)
+    elif m.cls == "Embedding":
+        ok = set(ps) == {"weight"} and len(ps["weight"]) == 2
+    elif m.cls == "LayerNorm":
+        w = ps.get("weight")
+        ok = set(ps) == {"weight", "bias"} and len(w) == 1 and ps["bias"] == w
+    if not ok or [p.name for p in m.params] != sorted(ps, key=["weight", "bias"].index):
+        raise SpecError(f"{m.cls} at {where} has parameters {ps!r} that torch's {m.cls} does not")
+
+
+def container_kind(spec: CaseSpec, cls: str) -> str:
+    """The torch base a class ends at: Module / Sequential / ModuleList /
+    ModuleDict, or the leaf type's own name."""
+    bases = {c.name: c.base for c in spec.classes}
+    while cls in bases:
+        cls = bases[cls]
+    return cls
+
+
+def class_ancestry(spec: CaseSpec, cls: str) -> list[str]:
+    """cls and every class it derives from, drawn or torch's (nn.Module last)."""
+    bases = {c.name: c.base for c in spec.classes}
+    out = [cls]
+    while cls in bases:
+        cls = bases[cls]
+        out.append(cls)
+    if out[-1] != "Module":
+        out.append("Module")
+    return out
+
+
+def _validate_plan(spec: CaseSpec, paths: set[str], fqns: set[str]) -> None:
+    plan = spec.plan
+    if plan.api not in ("fsdp1", "fsdp2"):
+        raise SpecError(f"unknown API {plan.api!r}")
+    known_classes = {c.name for c in spec.classes} | set(CONTAINER_BASES) | set(LEAF_TYPES)
+    pol = plan.policy
+    if pol is not None and not isinstance(pol, POLICY_TYPES):
+        raise SpecError(f"unknown policy {pol!r}")
+    if isinstance(pol, (ModuleWrap, TransformerWrap)):
+        for c in pol.classes:
+            if c not in known_classes:
+                raise SpecError(f"policy names unknown class {c!r}")
+    if isinstance(pol, (CustomWrap, LambdaWrap)):
+        for t in pol.targets:
+            if t not in paths:
+                raise SpecError(f"policy names unknown module path {t!r}")
+    if isinstance(pol, CustomWrap):
+        for t, kw in pol.kwargs:
+            if t not in pol.targets:
+                raise SpecError(f"CustomWrap kwargs for {t!r}, which is not a target")
+            for k, v in kw:
+                if k not in CUSTOM_KWARGS or v not in CUSTOM_KWARGS[k]:
+                    raise SpecError(f"CustomWrap kwarg {k}={v!r} is not supported")
+    if isinstance(pol, SizeBasedWrap) and pol.min_num_params < 0:
+        raise SpecError("min_num_params must be >= 0")
+    for p in plan.ignored_modules:
+        if p not in paths or p == "":
+            raise SpecError(f"ignored module {p!r} is not a non-root module path")
+    for f in plan.ignored_params:
+        if f not in fqns:
+            raise SpecError(f"ignored parameter {f!r} is not a parameter FQN")
+
+
+# ---- JSON (de)serialisation -------------------------------------------------
+
+_TYPES = {
+    t.__name__: t
+    for t in (
+        ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
+        WrapPlan, CaseSpec, *POLICY_TYPES,
+    )
+}
+
+
+def _to_data(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        d = {f.name: _to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        d["type"] = type(obj).__name__
+        return d
+    if isinstance(obj, tuple):
+        return [_to_data(x) for x in obj]
+    return obj
+
+
+def _tuplify(x: Any) -> Any:
+    if isinstance(x, list):
+        return tuple(_tuplify(v) for v in x)
+    if isinstance(x, dict):
+        return _from_data(None, x)
+    return x
+
+
+def _from_data(expected: type | None, data: Any) -> Any:
+    if not isinstance(data, dict) or "type" not in data:
+        raise SpecError(f"expected an object with a 'type', got {type(data).__name__}")
+    t = _TYPES.get(data["type"])
+    if t is None or (expected is not None and t is not expected):
+        raise SpecError(f"unexpected type {data['type']!r}")
+    names = {f.name for f in dataclasses.fields(t)}
+    extra = set(data) - names - {"type"}
+    if extra:
+        raise SpecError(f"{t.__name__} has unknown fields {sorted(extra)}")
+    return t(**{k: _tuplify(v) for k, v in data.items() if k != "type"})

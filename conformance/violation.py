@@ -1,0 +1,17 @@
+"""Violation: one disagreement between FSDP and the oracle (pure data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str  # catalog ID, e.g. "WRAP-FQNS"
+    message: str  # one line a person reads
+    # Facts about the case and the disagreement, matched by known_failures.toml
+    # ("policy:callable", "unit:root", "tie:cross-unit", "kind:missing-warning").
+    tags: frozenset[str] = frozenset()
+
+    def __str__(self) -> str:
+        return f"[{self.invariant}] {self.message}"
