@@ -1,0 +1,113 @@
+"""FakeEngine: scenarios in the driver's own process, as one rank of torch's
+fake process group (any world size, no communication: right for structure,
+wrong for values)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from conformance.engine.errors import EngineError
+from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
+from conformance.spec import CaseSpec
+
+# (world_size, rank) of the fake default group a FakeEngine made, if any.
+_fake_group: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def preserve_hypothesis_profile() -> Iterator[None]:
+    """Keep the active Hypothesis profile through imports of torch's test
+    utilities: torch.testing._internal.common_utils registers its own profiles
+    ("dev", "debug", "pytorch_ci") and loads one at import."""
+    try:
+        from hypothesis import settings
+    except ImportError:
+        yield
+        return
+    name = getattr(settings, "_current_profile", None)
+    profiles = dict(getattr(settings, "_profiles", {}))
+    try:
+        yield
+    finally:
+        if name is not None:
+            registered = getattr(settings, "_profiles", None)
+            if registered is not None:
+                registered.update(profiles)  # undo overwrites of same-named profiles
+            settings.load_profile(name)
+
+
+def _import_fake_pg():
+    with preserve_hypothesis_profile():
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    return dist, FakeStore
+
+
+class FakeEngine:
+    """Rank ``rank`` of a fake world of ``world_size``, in this process.
+
+    ``run(scenario, spec)`` returns ``[record]`` (one record, this rank's),
+    shaped exactly like a RankPool record, JSON round trip included. There is
+    no deadline: fake collectives never wait. Scenarios marked ``fault`` (they
+    hang or kill their process) are refused.
+    """
+
+    def __init__(self, world_size: int = 4, rank: int = 0) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise EngineError(f"world_size must be a positive int, got {world_size!r}")
+        if not 0 <= rank < world_size:
+            raise EngineError(f"rank must be in [0, {world_size}), got {rank!r}")
+        self.world_size = world_size
+        self.rank = rank
+        self.backend = "fake"
+        self._closed = False
+        self._join()
+
+    def _join(self) -> None:
+        global _fake_group
+        dist, FakeStore = _import_fake_pg()
+        if dist.is_initialized():
+            if _fake_group == (self.world_size, self.rank) and dist.get_backend() == "fake":
+                return
+            if _fake_group is None:
+                raise EngineError(
+                    f"a {dist.get_backend()} default process group is already initialised in this process; "
+                    "FakeEngine needs the default group"
+                )
+            dist.destroy_process_group()  # another FakeEngine's world
+            _fake_group = None
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
+        _fake_group = (self.world_size, self.rank)
+
+    def run(self, scenario: str, spec: CaseSpec) -> list[dict]:
+        if self._closed:
+            raise EngineError("this FakeEngine is closed")
+        sc = get_scenario(scenario)
+        if sc.fault:
+            raise EngineError(f"scenario {scenario!r} hangs or kills its process: run it in a RankPool, not in-process")
+        if not isinstance(spec, CaseSpec):
+            raise TypeError(f"spec must be a CaseSpec, got {type(spec).__name__}")
+        self._join()
+        record = run_scenario(scenario, spec.to_json(), rank=self.rank)
+        return [json_roundtrip(record)]
+
+    def close(self) -> None:
+        global _fake_group
+        if self._closed:
+            return
+        self._closed = True
+        import torch.distributed as dist
+
+        if dist.is_initialized() and _fake_group == (self.world_size, self.rank):
+            dist.destroy_process_group()
+            _fake_group = None
+
+    def __enter__(self) -> "FakeEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FakeEngine(world_size={self.world_size}, rank={self.rank})"

@@ -1,0 +1,225 @@
+"""The scenario registry: name -> what one rank does with one CaseSpec.
+
+A scenario is ``fn(spec: CaseSpec) -> dict`` (JSON-able). It runs inside a
+rank whose default process group is initialised (pool, torchrun) or in the
+driver over the fake process group. Register one with ``@scenario("name")`` in
+any importable module; the driver must have imported that module, and ranks
+import it by name on first use.
+
+Test-only scenarios (``test_only=True``) exist to exercise the engine's fault
+handling; ``fault=True`` marks the ones that hang or kill their process, which
+the in-process fake tier refuses to run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from conformance.engine.errors import EngineError
+from conformance.spec import CaseSpec
+
+ScenarioFn = Callable[[CaseSpec], dict]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fn: ScenarioFn
+    module: str  # where ranks import it from
+    test_only: bool = False
+    fault: bool = False  # hangs or kills its process: never run in-process
+    # What every rank must agree on, from one rank's value (rank ids, pids and
+    # timings removed).
+    comparable: Callable[[dict], Any] | None = None
+
+    def comparable_value(self, value: dict) -> Any:
+        if self.comparable is not None:
+            return self.comparable(value)
+        return {k: v for k, v in value.items() if k not in ("rank", "pid") and not k.endswith("seconds")}
+
+
+_REGISTRY: dict[str, Scenario] = {}
+
+
+def scenario(
+    name: str,
+    *,
+    test_only: bool = False,
+    fault: bool = False,
+    comparable: Callable[[dict], Any] | None = None,
+) -> Callable[[ScenarioFn], ScenarioFn]:
+    """Register ``fn`` as the scenario ``name``."""
+
+    def register(fn: ScenarioFn) -> ScenarioFn:
+        old = _REGISTRY.get(name)
+        if old is not None and (old.module, old.fn.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise EngineError(f"scenario {name!r} is already registered by {old.module}.{old.fn.__qualname__}")
+        _REGISTRY[name] = Scenario(name, fn, fn.__module__, test_only, fault, comparable)
+        return fn
+
+    return register
+
+
+def get_scenario(name: str, module: str | None = None) -> Scenario:
+    """The scenario ``name``; imports ``module`` first if it is not registered yet."""
+    if name not in _REGISTRY and module:
+        importlib.import_module(module)
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise EngineError(f"unknown scenario {name!r}; known: {', '.join(scenario_names(include_test_only=True))}") from None
+
+
+def scenario_names(*, include_test_only: bool = False) -> list[str]:
+    return sorted(n for n, s in _REGISTRY.items() if include_test_only or not s.test_only)
+
+
+def run_scenario(
+    name: str,
+    spec_json: str,
+    *,
+    rank: int,
+    module: str | None = None,
+    catch: tuple[type[BaseException], ...] = (Exception,),
+) -> dict:
+    """Run one scenario on one rank and return its result record:
+    ``{"rank", "ok": True, "value", "seconds"}`` or
+    ``{"rank", "ok": False, "error": {"type", "message", "traceback"}, "seconds"}``.
+    ``seconds`` times the scenario function alone. An exception is a record,
+    not a crash; the value must be JSON-able."""
+    start = time.perf_counter()
+    try:
+        sc = get_scenario(name, module)
+        spec = CaseSpec.from_json(spec_json)
+        start = time.perf_counter()
+        value = sc.fn(spec)
+        seconds = time.perf_counter() - start
+        if not isinstance(value, dict):
+            raise EngineError(f"scenario {name!r} returned {type(value).__name__}, not a dict")
+        return {"rank": rank, "ok": True, "value": value, "seconds": seconds}
+    except catch as e:
+        seconds = time.perf_counter() - start
+        return {"rank": rank, "ok": False, "error": error_record(e), "seconds": seconds}
+
+
+def error_record(e: BaseException) -> dict:
+    return {
+        "type": type(e).__name__,
+        "message": str(e).splitlines()[0] if str(e) else "",
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+    }
+
+
+def json_roundtrip(record: dict, catch: tuple[type[BaseException], ...] = (Exception,)) -> dict:
+    """The record as it arrives through a pipe (tuples become lists); a value
+    that is not JSON-able becomes an error record."""
+    try:
+        return json.loads(json.dumps(record))
+    except catch as e:
+        return {"rank": record["rank"], "ok": False, "error": error_record(e), "seconds": record["seconds"]}
+
+
+# ---- helpers for scenarios -------------------------------------------------
+
+
+def _device():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---- the real scenarios ----------------------------------------------------
+
+
+def _observation_comparable(value: dict) -> Any:
+    from conformance.observation import Observation
+
+    return Observation.from_dict(value).comparable()
+
+
+@scenario("fsdp1", comparable=_observation_comparable)
+def fsdp1(spec: CaseSpec) -> dict:
+    """Wrap the case with FSDP1 and observe it (conformance.adapters.fsdp1)."""
+    from conformance.adapters import fsdp1 as adapter
+
+    return adapter.observe(spec).to_dict()
+
+
+# ---- test-only scenarios: exercise the engine itself ------------------------
+
+
+@scenario("echo", test_only=True)
+def echo(spec: CaseSpec) -> dict:
+    """Rank, world size and seed, after an all_reduce that proves the group works."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    t = torch.tensor([float(rank + 1)], device=_device())
+    dist.all_reduce(t)
+    return {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "seed": spec.seed,
+        "rank_sum": int(t.item()),
+        "pid": os.getpid(),
+    }
+
+
+@scenario("raise", test_only=True)
+def raise_(spec: CaseSpec) -> dict:
+    """Every rank raises: an error record, not a crash."""
+    import torch.distributed as dist
+
+    raise ValueError(f"scenario 'raise' raised on rank {dist.get_rank()} (seed {spec.seed})")
+
+
+@scenario("sleep_forever", test_only=True, fault=True)
+def sleep_forever(spec: CaseSpec) -> dict:
+    """Rank 0 waits in a barrier that no other rank joins; the others sleep."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0 and dist.get_world_size() > 1:
+        dist.barrier()
+    while True:
+        time.sleep(3600)
+
+
+@scenario("exit_mid_collective", test_only=True, fault=True)
+def exit_mid_collective(spec: CaseSpec) -> dict:
+    """Rank 1 calls os._exit(3) while rank 0 waits in an all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.2)  # let rank 0 enter the collective first
+        os._exit(3)
+    t = torch.ones(1, device=_device())
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": float(t.item())}
+
+
+@scenario("segfault", test_only=True, fault=True)
+def segfault(spec: CaseSpec) -> dict:
+    """Rank 1 dies of SIGSEGV while rank 0 waits in an all_reduce."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(10)  # not reached: faulthandler dumps, then the default action
+    t = torch.ones(1, device=_device())
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": float(t.item())}

@@ -1,0 +1,6 @@
+"""The invariant catalog and its checks."""
+
+from conformance.invariants import fsdp1  # noqa: F401  (registers the FSDP1 invariants)
+from conformance.invariants.catalog import CATALOG, Invariant, UnknownInvariant, get, select
+
+__all__ = ["CATALOG", "Invariant", "UnknownInvariant", "get", "select"]

@@ -1,0 +1,300 @@
+"""FSDP1 auto-wrap, frozen-parameter and tie invariants."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from conformance.invariants.catalog import DOC_FSDP, S000, invariant
+from conformance.observation import FrozenMessage, Observation
+from conformance.oracle.fsdp1 import FSDP1Prediction, UnitPrediction
+from conformance.spec import CaseSpec
+from conformance.violation import Violation
+
+CALLABLE_POLICIES = {"SizeBasedWrap", "LambdaWrap", "TransformerWrap"}
+
+
+def case_tags(spec: CaseSpec, pred: FSDP1Prediction) -> set[str]:
+    """Facts about a case that known_failures.toml entries match on."""
+    tags = {f"policy:{pred.policy_kind}", f"uop:{str(spec.plan.use_orig_params).lower()}"}
+    tags.add("policy:callable" if pred.policy_kind in CALLABLE_POLICIES else "policy:object")
+    if pred.shared_modules:
+        tags.add("shared-module")
+    for t in pred.ties:
+        tags.add("tie")
+        if t.below_lca:
+            tags.add("tie:below-lca")
+    if any(t.below_lca or _alias_outside_unit(t, pred) for t in pred.ties):
+        tags.add("tie:cross-unit")
+    if spec.plan.ignored_modules or spec.plan.ignored_params:
+        tags.add("ignored")
+    return tags
+
+
+def _alias_outside_unit(t, pred: FSDP1Prediction) -> bool:
+    """Some alias of the tied parameter lives under another unit's module."""
+    if t.unit is None:
+        return False
+    unit_paths = sorted((u.path for u in pred.units if u.path), key=len, reverse=True)
+
+    def unit_of(fqn: str) -> str:
+        return next((p for p in unit_paths if fqn.startswith(p + ".")), "")
+
+    return len({unit_of(a) for a in t.aliases}) > 1
+
+
+def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
+    return Violation(inv, msg, frozenset(tags | set(extra)))
+
+
+def _wrapped(pred: FSDP1Prediction, obs: Observation) -> bool:
+    """Both sides agree wrapping succeeded: the structural checks apply."""
+    return pred.error is None and obs.error is None
+
+
+def _managed_by_path(obs: Observation) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for u in obs.units:
+        out.setdefault(u.path, set()).update(u.managed)
+    return out
+
+
+@invariant(
+    "WRAP-UNITS",
+    area="wrap",
+    api="fsdp1",
+    statement="The FSDP units after auto-wrapping are exactly the policy's targets plus the root, each once.",
+    source=f"{S000}; {DOC_FSDP}",
+)
+def check_wrap_units(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    tags = case_tags(spec, pred)
+    if pred.error is None and obs.error is not None and not _tie_rejection(pred, obs):
+        return [_v("WRAP-UNITS", f"wrapping raised {obs.error.category}: {obs.error.text.splitlines()[0]}", tags, "kind:raised")]
+    if not _wrapped(pred, obs):
+        return []
+    want = Counter(u.path for u in pred.units)
+    got = Counter(u.path for u in obs.units)
+    out = []
+    for path in sorted(want.keys() - got.keys()):
+        out.append(_v("WRAP-UNITS", f"module {path or '<root>'} should be an FSDP unit but is not", tags, "kind:missing-unit"))
+    for path in sorted(got.keys() - want.keys()):
+        out.append(_v("WRAP-UNITS", f"module {path or '<root>'} is an FSDP unit but the policy does not target it", tags, "kind:extra-unit"))
+    for path, n in sorted(got.items()):
+        if n > 1:
+            out.append(_v("WRAP-UNITS", f"module {path or '<root>'} is wrapped by {n} FSDP units", tags, "kind:duplicate-unit"))
+    return out
+
+
+@invariant(
+    "WRAP-FQNS",
+    area="wrap",
+    api="fsdp1",
+    statement="Per unit, torch's pre-wrap simulation, the post-wrap managed FQNs and the oracle agree.",
+    source=f"{S000} (ezyang: _get_param_to_fqn(post) == _get_managed_param_to_fqn(pre))",
+)
+def check_wrap_fqns(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    if not _wrapped(pred, obs):
+        return []
+    tags = case_tags(spec, pred)
+    post = _managed_by_path(obs)
+    sim: dict[str, set[str]] = {}
+    for u in obs.units:
+        if u.simulated is not None:
+            sim.setdefault(u.path, set()).update(u.simulated)
+    out = []
+    for u in pred.units:
+        if u.path not in post:
+            continue  # WRAP-UNITS reports the missing unit
+        where = u.path or "<root>"
+        want = set(u.managed)
+        if post[u.path] != want:
+            out.append(_v("WRAP-FQNS", f"unit {where} manages {_diff(post[u.path], want)} after wrapping", tags, "kind:post-vs-oracle"))
+        if u.path in sim and sim[u.path] != post[u.path]:
+            out.append(
+                _v("WRAP-FQNS", f"unit {where}: pre-wrap simulation says {_diff(sim[u.path], post[u.path])} against post-wrap", tags, "kind:sim-vs-post")
+            )
+    return out
+
+
+def _diff(got: set[str], want: set[str]) -> str:
+    parts = []
+    if got - want:
+        parts.append(f"extra {sorted(got - want)}")
+    if want - got:
+        parts.append(f"missing {sorted(want - got)}")
+    return ", ".join(parts) or "the same"
+
+
+@invariant(
+    "WRAP-EXACTLY-ONCE",
+    area="wrap",
+    api="fsdp1",
+    statement="Every non-ignored original parameter is managed by exactly one unit; ignored ones by none.",
+    source=f"{DOC_FSDP}; {S000}",
+)
+def check_exactly_once(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    if not _wrapped(pred, obs):
+        return []
+    tags = case_tags(spec, pred)
+    counts = Counter(f for u in obs.units for f in u.managed)
+    tied = {t.fqn for t in pred.ties}
+    ignored = set(pred.ignored)
+    out = []
+    for fqn in pred.named_parameters:
+        n = counts.get(fqn, 0)
+        extra = {"param:tied"} if fqn in tied else set()
+        if fqn in ignored and n:
+            out.append(_v("WRAP-EXACTLY-ONCE", f"ignored parameter {fqn} is managed by {n} unit(s)", tags | extra, "kind:ignored-managed"))
+        elif fqn not in ignored and n != 1:
+            kind = "kind:unmanaged" if n == 0 else "kind:duplicated"
+            out.append(_v("WRAP-EXACTLY-ONCE", f"parameter {fqn} is managed by {n} units", tags | extra, kind))
+    return out
+
+
+@invariant(
+    "WRAP-STATE-DICT",
+    area="wrap",
+    api="fsdp1",
+    statement="Clean state-dict FQNs (and named_parameters with use_orig_params=True) equal the unwrapped model's.",
+    source=DOC_FSDP,
+)
+def check_state_dict(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    if not _wrapped(pred, obs):
+        return []
+    tags = case_tags(spec, pred)
+    out = []
+    got, want = set(obs.state_dict_keys), set(pred.state_dict_keys)
+    if got != want:
+        out.append(_v("WRAP-STATE-DICT", f"state_dict keys: {_diff(got, want)}", tags, "kind:state-dict"))
+    if spec.plan.use_orig_params:
+        got, want = set(obs.named_parameters), set(pred.named_parameters)
+        if got != want:
+            out.append(_v("WRAP-STATE-DICT", f"named_parameters: {_diff(got, want)}", tags, "kind:named-parameters"))
+    return out
+
+
+def _frozen_mismatch(inv: str, msg: FrozenMessage, want: UnitPrediction, tags: set[str], numbers: bool) -> list[Violation]:
+    where = want.path or "<root>"
+    unit_tag = "unit:root" if want.path == "" else "unit:nonroot"
+    if msg.module is None or msg.trainable is None:
+        return [_v(inv, f"{msg.category} for {where} does not name the module and its parameters: {msg.text.splitlines()[0]!r}", tags, unit_tag, "kind:unparsed-message")]
+    out = []
+    if msg.module != want.path:
+        out.append(_v(inv, f"{msg.category} names module {msg.module or '<root>'}, expected {where}", tags, unit_tag, "kind:wrong-module"))
+        return out
+    if set(msg.trainable) != set(want.trainable) or set(msg.frozen) != set(want.frozen):
+        out.append(
+            _v(inv, f"{msg.category} for {where}: trainable {_diff(set(msg.trainable), set(want.trainable))}; frozen {_diff(set(msg.frozen or ()), set(want.frozen))}", tags, unit_tag, "kind:wrong-fqns")
+        )
+    if numbers and (msg.total_numel, msg.trainable_numel) != (want.total_numel, want.trainable_numel):
+        out.append(
+            _v(inv, f"{msg.category} for {where} reports {msg.total_numel} numel instead of {msg.trainable_numel}; expected {want.total_numel} instead of {want.trainable_numel}", tags, unit_tag, "kind:wrong-numel")
+        )
+    return out
+
+
+@invariant(
+    "FROZEN-ERROR",
+    area="frozen",
+    api="fsdp1",
+    statement="use_orig_params=False and a unit with mixed requires_grad: ValueError at wrap time naming the first violating unit in registration post-order, with its trainable and frozen FQNs.",
+    source=S000,
+)
+def check_frozen_error(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    if pred.error is None:
+        return []
+    tags = case_tags(spec, pred)
+    unit_tag = "unit:root" if pred.error.path == "" else "unit:nonroot"
+    where = pred.error.path or "<root>"
+    if obs.error is None:
+        return [_v("FROZEN-ERROR", f"no error although unit {where} mixes requires_grad", tags, unit_tag, "kind:no-error")]
+    if obs.error.category != "ValueError":
+        return [_v("FROZEN-ERROR", f"raised {obs.error.category}, not ValueError, for unit {where}", tags, unit_tag, "kind:wrong-type")]
+    return _frozen_mismatch("FROZEN-ERROR", obs.error, pred.error, tags, numbers=False)
+
+
+@invariant(
+    "FROZEN-WARN",
+    area="frozen",
+    api="fsdp1",
+    statement="use_orig_params=True: one UserWarning per unit with mixed requires_grad, in post-order, with total and trainable numel and the FQNs.",
+    source=S000,
+)
+def check_frozen_warn(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    if not spec.plan.use_orig_params or not pred.warnings:
+        return []
+    tags = case_tags(spec, pred)
+    if obs.error is not None:
+        return [_v("FROZEN-WARN", f"wrapping raised {obs.error.category} instead of warning", tags, "kind:raised")]
+    got = {w.module: w for w in obs.warnings}
+    out = []
+    for want in pred.warnings:
+        unit_tag = "unit:root" if want.path == "" else "unit:nonroot"
+        w = got.pop(want.path, None)
+        if w is None:
+            out.append(_v("FROZEN-WARN", f"no warning for unit {want.path or '<root>'}, which mixes requires_grad", tags, unit_tag, "kind:missing-warning"))
+            continue
+        if w.category != "UserWarning":
+            out.append(_v("FROZEN-WARN", f"{w.category} instead of UserWarning for {want.path or '<root>'}", tags, unit_tag, "kind:wrong-type"))
+        out += _frozen_mismatch("FROZEN-WARN", w, want, tags, numbers=True)
+    for path in got:
+        out.append(_v("FROZEN-WARN", f"warning for unit {path or '<root>'}, which does not mix requires_grad", tags, "kind:spurious-warning"))
+    if not out and [w.module for w in obs.warnings] != [w.path for w in pred.warnings]:
+        out.append(_v("FROZEN-WARN", f"warnings in order {[w.module for w in obs.warnings]}, expected post-order {[w.path for w in pred.warnings]}", tags, "kind:order"))
+    return out
+
+
+@invariant(
+    "FROZEN-CLEAN",
+    area="frozen",
+    api="fsdp1",
+    statement="No frozen-parameter error and no warning when every unit's requires_grad is uniform.",
+    source=S000,
+)
+def check_frozen_clean(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    if pred.error is not None or pred.warnings:
+        return []
+    tags = case_tags(spec, pred)
+    out = []
+    if obs.error is not None and obs.error.module is not None:
+        out.append(_v("FROZEN-CLEAN", f"frozen-parameter {obs.error.category} for {obs.error.module or '<root>'}, whose requires_grad is uniform", tags, "kind:spurious-error"))
+    for w in obs.warnings:
+        out.append(_v("FROZEN-CLEAN", f"frozen-parameter warning for {w.module or '<root>'}, whose requires_grad is uniform", tags, "kind:spurious-warning"))
+    return out
+
+
+def _tie_rejection(pred: FSDP1Prediction, obs: Observation) -> bool:
+    """FSDP refused a case with a cross-unit tie with an error that says so."""
+    if obs.error is None or not pred.ties:
+        return False
+    text = obs.error.text.lower()
+    return any(w in text for w in ("shared", "tied", "tying"))
+
+
+@invariant(
+    "TIES",
+    area="ties",
+    api="fsdp1",
+    statement="A parameter tied across modules is managed once, its aliases stay one tensor, and a unit below the users' lowest common ancestor is rejected with a clear error; silent duplication is a finding.",
+    source=f"{S000} (awgu: shared parameters must be assigned to the lowest common ancestor or higher)",
+)
+def check_ties(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    if not pred.ties or pred.error is not None:
+        return []
+    tags = case_tags(spec, pred)
+    if obs.error is not None:
+        if _tie_rejection(pred, obs) and any(t.below_lca for t in pred.ties):
+            return []
+        return [_v("TIES", f"wrapping raised {obs.error.category} without naming the tie: {obs.error.text.splitlines()[0]!r}", tags, "kind:unclear-rejection")]
+    counts = Counter(f for u in obs.units for f in u.managed)
+    intact = dict(obs.ties_intact)
+    out = []
+    for t in pred.ties:
+        if counts.get(t.fqn, 0) > 1:
+            out.append(_v("TIES", f"tied parameter {t.fqn} (aliases {list(t.aliases)}) is silently duplicated into {counts[t.fqn]} units", tags, "kind:duplicated"))
+        if intact.get(t.fqn) is False:
+            out.append(_v("TIES", f"aliases {list(t.aliases)} no longer share one tensor after wrapping", tags, "kind:broken"))
+        if t.below_lca:
+            out.append(
+                _v("TIES", f"tied parameter {t.fqn} is managed by unit {t.unit or '<root>'} below its users' common ancestor {t.lca or '<root>'}, and FSDP accepted it silently", tags, "kind:below-lca-accepted")
+            )
+    return out

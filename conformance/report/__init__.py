@@ -1,0 +1,1 @@
+"""Reports: JSON, Markdown, JUnit, HTML; baseline compare; repro scripts."""
