@@ -42,6 +42,7 @@ class Observation:
     warnings: tuple[FrozenMessage, ...] = ()  # frozen-parameter warnings, in order
     other_warnings: tuple[str, ...] = ()
     state_dict_keys: tuple[str, ...] = ()
+    state_dict_error: str | None = None  # state_dict() raised after a good wrap
     named_parameters: tuple[str, ...] = ()  # use_orig_params=True only
     # tie survival: for each tie group (canonical FQN), whether every alias
     # still resolves to one tensor after wrapping (use_orig_params=True)

@@ -157,6 +157,13 @@ def simulate(spec: CaseSpec, unit_paths: list[str]) -> dict[str, tuple[str, ...]
     return out
 
 
+def post_order_names(model: nn.Module) -> list[str]:
+    """The module order torch's frozen-parameter check walks (spec source 000)."""
+    from torch.distributed.fsdp._wrap_utils import _get_post_order_named_modules
+
+    return [name for name, _ in _get_post_order_named_modules(model)]
+
+
 def _ignored_params(spec: CaseSpec, model: nn.Module) -> set[nn.Parameter]:
     out = {p for path in spec.plan.ignored_modules for p in model.get_submodule(path).parameters()}
     out.update(model.get_parameter(f) for f in spec.plan.ignored_params)
@@ -215,7 +222,12 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         UnitObservation(path=p, managed=m, raw_managed=r, simulated=sim.get(p) if with_simulation else None)
         for p, m, r in units
     )
-    state_dict_keys = tuple(clean(k) for k in wrapped.state_dict().keys()) if with_state_dict else ()
+    state_dict_keys, state_dict_error = (), None
+    if with_state_dict:
+        try:
+            state_dict_keys = tuple(clean(k) for k in wrapped.state_dict().keys())
+        except Exception as e:  # FSDP broke after wrapping: an observation
+            state_dict_error = f"{type(e).__name__}: {e}"
     named = ()
     ties = ()
     if spec.plan.use_orig_params:
@@ -229,6 +241,7 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         warnings=frozen_warnings,
         other_warnings=other,
         state_dict_keys=state_dict_keys,
+        state_dict_error=state_dict_error,
         named_parameters=named,
         ties_intact=ties,
         wrap_seconds=wrap_seconds,

@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 from conformance.engine.errors import EngineError
 from conformance.engine.pool import resolve_backend
-from conformance.engine.scenarios import get_scenario, run_scenario
+from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
 from conformance.spec import CaseSpec
 
 SpecSource = Iterable[CaseSpec] | Callable[[], Iterable[CaseSpec]]
@@ -70,7 +70,7 @@ class TorchrunEngine:
 
     def _run_here(self, msg: dict) -> list[dict] | None:
         record = run_scenario(msg["scenario"], msg["spec"], rank=self.rank, module=msg["module"])
-        record = json.loads(json.dumps(record, default=repr))  # same shape as through a pool's pipe
+        record = json_roundtrip(record)  # the same shape as through a pool's pipe
         out = [None] * self.world_size if self.rank == 0 else None
         self._dist.gather_object(record, out, dst=0)
         return out

@@ -161,6 +161,8 @@ def check_state_dict(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) ->
     if not _wrapped(pred, obs):
         return []
     tags = case_tags(spec, pred)
+    if obs.state_dict_error:
+        return [_v("WRAP-STATE-DICT", f"state_dict() raised {obs.state_dict_error.splitlines()[0]}", tags, "kind:state-dict-raised")]
     out = []
     got, want = set(obs.state_dict_keys), set(pred.state_dict_keys)
     if got != want:

@@ -19,6 +19,22 @@ from conformance.spec import (
 _TORCH = {"Module": "nn.Module", "Sequential": "nn.Sequential", "ModuleList": "nn.ModuleList", "ModuleDict": "nn.ModuleDict"}
 
 _OBSERVE = '''
+def show_pre_wrap_simulation():
+    """What torch's helpers behind _validate_frozen_params say each unit will manage."""
+    from torch.distributed.fsdp._wrap_utils import _get_managed_param_to_fqn, _get_post_order_named_modules
+
+    model, policy, kwargs = build()
+    if not hasattr(policy, "_run_policy"):
+        return  # callable policies are not simulated by torch
+    ignored = {p for m in kwargs.get("ignored_modules", []) for p in m.parameters()} | set(kwargs.get("ignored_states", []))
+    targets = set(policy._run_policy(model, set(kwargs.get("ignored_modules", [])), {})) | {model}
+    visited = set()
+    for name, module in _get_post_order_named_modules(model):
+        if module in targets:
+            managed = _get_managed_param_to_fqn(module, ignored, visited, name)
+            print(f"pre-wrap simulation: unit {name or '<root>'!r} would manage {list(managed.values())}")
+
+
 def main():
     if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
         with socket.socket() as s:
@@ -26,6 +42,8 @@ def main():
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        show_pre_wrap_simulation()
     model, policy, kwargs = build()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

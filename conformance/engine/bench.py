@@ -1,0 +1,138 @@
+"""Engine throughput on the same specs: spawn-per-example, the pool, the fake tier.
+
+    python -m conformance.engine.bench [--examples N] [--scenario NAME] [--world-size W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from typing import Sequence
+
+from conformance.engine.fake import FakeEngine
+from conformance.engine.pool import RankPool
+from conformance.spec import CaseSpec
+
+
+def default_scenario() -> str:
+    """fsdp1 once its adapter exists, echo before."""
+    return "fsdp1" if importlib.util.find_spec("conformance.adapters.fsdp1") is not None else "echo"
+
+
+def default_specs(n: int) -> list[CaseSpec]:
+    """``n`` hand-written cases: LoraModel variants (source 000)."""
+    from conformance.examples import lora_model
+
+    return [
+        lora_model(num_layers=1 + i % 3, use_orig_params=bool(i % 2), seed=i)
+        for i in range(n)
+    ]
+
+
+def _check(records: list[dict], engine: str) -> None:
+    bad = [r for r in records if not r.get("ok")]
+    if bad:
+        err = bad[0]["error"]
+        raise RuntimeError(f"{engine}: rank {bad[0]['rank']} raised {err['type']}: {err['message']}")
+
+
+def bench_engines(
+    specs: Sequence[CaseSpec],
+    world_size: int = 2,
+    *,
+    scenario: str | None = None,
+    spawn_examples: int = 3,
+    deadline: float = 120.0,
+) -> dict:
+    """Examples per second of each engine on ``specs`` (spawn-per-example on
+    the first ``spawn_examples`` only: each costs seconds), their ratios, and
+    the pool's overhead: driver wall time per example less the slowest rank's
+    time inside the scenario function. Pool startup and one warm-up example
+    (lazy imports) are timed apart, as is the fake tier's warm-up."""
+    if not specs:
+        raise ValueError("bench_engines needs at least one spec")
+    scenario = scenario or default_scenario()
+    preload = ("conformance.adapters.fsdp1",) if scenario == "fsdp1" else ()
+
+    # (a) a fresh W-process gloo group per example, as MultiProcessTestCase does
+    spawn_specs = list(specs[: max(1, spawn_examples)])
+    t0 = time.perf_counter()
+    for spec in spawn_specs:
+        with RankPool(world_size, "gloo", deadline) as pool:
+            _check(pool.run(scenario, spec), "spawn-per-example")
+    spawn_s = time.perf_counter() - t0
+
+    # (b) the pool
+    t0 = time.perf_counter()
+    with RankPool(world_size, "gloo", deadline, preload=preload) as pool:
+        startup_s = time.perf_counter() - t0
+        _check(pool.run(scenario, specs[0]), "pool")  # warm-up
+        inside = 0.0
+        t0 = time.perf_counter()
+        for spec in specs:
+            records = pool.run(scenario, spec)
+            _check(records, "pool")
+            inside += max(r["seconds"] for r in records)
+        pool_s = time.perf_counter() - t0
+
+    # (c) the fake tier, in this process
+    with FakeEngine(world_size) as fake:
+        _check(fake.run(scenario, specs[0]), "fake")  # warm-up
+        fake_inside = 0.0
+        t0 = time.perf_counter()
+        for spec in specs:
+            records = fake.run(scenario, spec)
+            _check(records, "fake")
+            fake_inside += records[0]["seconds"]
+        fake_s = time.perf_counter() - t0
+
+    n = len(specs)
+    spawn_rate = len(spawn_specs) / spawn_s
+    pool_rate = n / pool_s
+    fake_rate = n / fake_s
+    return {
+        "scenario": scenario,
+        "world_size": world_size,
+        "spawn_per_example": {"examples": len(spawn_specs), "seconds": spawn_s, "examples_per_s": spawn_rate},
+        "pool": {
+            "examples": n,
+            "seconds": pool_s,
+            "examples_per_s": pool_rate,
+            "ms_per_example": 1000 * pool_s / n,
+            "startup_seconds": startup_s,
+            "scenario_seconds": inside,
+            "overhead_ms_per_example": 1000 * (pool_s - inside) / n,
+            "overhead_fraction": (pool_s - inside) / pool_s,
+        },
+        "fake": {
+            "examples": n,
+            "seconds": fake_s,
+            "examples_per_s": fake_rate,
+            "ms_per_example": 1000 * fake_s / n,
+            "scenario_seconds": fake_inside,
+        },
+        "ratios": {
+            "pool_over_spawn": pool_rate / spawn_rate,
+            "fake_over_pool": fake_rate / pool_rate,
+            "fake_over_spawn": fake_rate / spawn_rate,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m conformance.engine.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--examples", type=int, default=200)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--scenario", default=None, help="default: fsdp1 if its adapter exists, else echo")
+    p.add_argument("--spawn-examples", type=int, default=3)
+    a = p.parse_args(argv)
+    result = bench_engines(
+        default_specs(a.examples), a.world_size, scenario=a.scenario, spawn_examples=a.spawn_examples
+    )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
