@@ -122,10 +122,10 @@ class TransformerWrap:
 Policy = Union[ModuleWrap, CustomWrap, SizeBasedWrap, LambdaWrap, TransformerWrap]
 POLICY_TYPES = (ModuleWrap, CustomWrap, SizeBasedWrap, LambdaWrap, TransformerWrap)
 # Per-module kwargs a CustomPolicy may return; values must not change which
-# parameters a unit manages.
+# parameters a unit manages. (limit_all_gathers and use_orig_params must be
+# homogeneous across units: FSDP's lazy init rejects a mix.)
 CUSTOM_KWARGS = {
     "sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
-    "limit_all_gathers": (True, False),
     "forward_prefetch": (True, False),
 }
 
@@ -264,6 +264,7 @@ def validate(spec: CaseSpec) -> None:
     if spec.tree.name != "":
         raise SpecError("the root module's name must be ''")
     fqns = set(param_fqns(spec.tree))
+    added: set[tuple[str, str]] = set()  # (module path, attribute) a shared module or tie adds
     for s in spec.shared:
         if s.parent not in paths or s.source not in paths:
             raise SpecError(f"shared module {s!r} names an unknown path")
@@ -275,6 +276,13 @@ def validate(spec: CaseSpec) -> None:
             raise SpecError(f"shared module {s!r} collides with an attribute of {s.parent or '<root>'}")
         if container_kind(spec, parent.cls) in ("ModuleList", "Sequential"):
             raise SpecError(f"shared module {s!r}: parent must not be a ModuleList/Sequential")
+        if parent.cls in LEAF_TYPES:
+            raise SpecError(f"shared module {s!r}: a torch leaf module cannot have children")
+        if (s.parent, s.name) in added:
+            raise SpecError(f"shared module {s!r} reuses a name another shared module adds")
+        added.add((s.parent, s.name))
+    _check_shared_acyclic(spec)
+    tie_targets = {join(t.module, t.name) for t in spec.ties}
     for t in spec.ties:
         if t.module not in paths or t.source not in fqns:
             raise SpecError(f"tie {t!r} names an unknown module or parameter")
@@ -287,10 +295,38 @@ def validate(spec: CaseSpec) -> None:
             raise SpecError(f"tie {t!r} ties a parameter to itself")
         if any(x.name == t.name for x in m.buffers + m.children):
             raise SpecError(f"tie {t!r} collides with an attribute of {t.module or '<root>'}")
+        if (t.module, t.name) in added:
+            raise SpecError(f"tie {t!r} reuses a name a shared module or another tie adds")
+        added.add((t.module, t.name))
+        # build() ties to the Parameter the tree put at t.source, so a source
+        # that another tie replaces would not mean what the spec says.
+        if t.source in tie_targets:
+            raise SpecError(f"tie {t!r}: its source is itself replaced by a tie (a chain)")
         own = {p.name: p for p in m.params}
         if t.name in own and own[t.name].shape != _param_spec(spec.tree, t.source).shape:
             raise SpecError(f"tie {t!r} joins parameters of different shapes")
     _validate_plan(spec, paths, fqns)
+
+
+def _check_shared_acyclic(spec: CaseSpec) -> None:
+    """Shared modules together must not put a module below itself (each alone
+    is checked against the tree; two can still make a cycle)."""
+    if len(spec.shared) < 2:
+        return
+    below: dict[str, list[str]] = {}
+    for path, m in walk(spec.tree):
+        below[path] = [join(path, c.name) for c in m.children]
+    for s in spec.shared:
+        below[s.parent].append(s.source)
+    for s in spec.shared:
+        stack, seen = [s.source], set()
+        while stack:
+            p = stack.pop()
+            if p == s.parent:
+                raise SpecError(f"shared module {s!r} makes a cycle with the other shared modules")
+            if p not in seen:
+                seen.add(p)
+                stack.extend(below[p])
 
 
 def _param_spec(tree: ModuleSpec, fqn: str) -> ParamSpec:

@@ -1,0 +1,23 @@
+"""Hypothesis strategies that draw CaseSpecs: trees, freeze masks, ties, policies."""
+
+from strategies.cases import case_specs
+from strategies.freeze import FREEZE_KINDS, apply_freeze_mask, freeze_masks
+from strategies.policies import POLICY_KINDS, policies, subtree_numels, wrap_plans
+from strategies.ties import SHARED_KINDS, TIE_KINDS, shared_modules, ties
+from strategies.trees import module_trees
+
+__all__ = [
+    "FREEZE_KINDS",
+    "POLICY_KINDS",
+    "SHARED_KINDS",
+    "TIE_KINDS",
+    "apply_freeze_mask",
+    "case_specs",
+    "freeze_masks",
+    "module_trees",
+    "policies",
+    "shared_modules",
+    "subtree_numels",
+    "ties",
+    "wrap_plans",
+]

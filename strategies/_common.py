@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.spec import CONTAINER_BASES, LEAF_TYPES, ClassSpec, ModuleSpec, ParamSpec, join
+from conformance.spec import LEAF_TYPES, ClassSpec, ModuleSpec, ParamSpec, join
 
 # Prefixes that mark a module as an adapter (LoRA-like): its parameters are the
 # trainable ones under the "adapters" freeze mask.
@@ -83,11 +83,14 @@ def pick(draw: Any, items: list | tuple) -> Any:
 
 
 def pick_subset(draw: Any, items: list | tuple, *, min_size: int, max_size: int) -> list:
-    """A subset of ``items`` in their order; shrinks towards fewer, earlier items."""
+    """A subset of ``items`` in their order: a size, then that many picks
+    (repeats dropped); shrinks towards fewer, earlier items."""
     max_size = min(max_size, len(items))
     if max_size <= 0:
         return []
-    chosen = draw(st.lists(ints(len(items) - 1), min_size=min(min_size, max_size), max_size=max_size, unique=True))
+    min_size = min(min_size, max_size)
+    count = min_size + (draw(ints(max_size - min_size)) if max_size > min_size else 0)
+    chosen = {draw(ints(len(items) - 1)) if len(items) > 1 else 0 for _ in range(count)}
     return [items[i] for i in sorted(chosen)]
 
 
@@ -103,7 +106,7 @@ def maybe(draw: Any, strength: int = 2) -> bool:
 class TreeIndex:
     """Paths, parents, depths, classes and parameters of one tree, computed once."""
 
-    __slots__ = ("tree", "classes", "paths", "modules", "parent", "depth", "kind", "drawn", "params", "param_owner")
+    __slots__ = ("tree", "classes", "paths", "modules", "parent", "children", "depth", "kind", "drawn", "params", "param_owner")
 
     def __init__(self, tree: ModuleSpec, classes: tuple[ClassSpec, ...]) -> None:
         self.tree = tree
@@ -112,6 +115,7 @@ class TreeIndex:
         self.paths: list[str] = []
         self.modules: dict[str, ModuleSpec] = {}
         self.parent: dict[str, str | None] = {}
+        self.children: dict[str, list[str]] = {}
         self.depth: dict[str, int] = {}
         self.kind: dict[str, str] = {}  # container kind, or the leaf type
         self.drawn: set[str] = set()  # paths whose class is a drawn class
@@ -134,8 +138,9 @@ class TreeIndex:
                 fqn = join(path, p.name)
                 self.params[fqn] = p
                 self.param_owner[fqn] = path
-            for c in reversed(m.children):
-                stack.append((join(path, c.name), c, path, depth + 1))
+            kids = [join(path, c.name) for c in m.children]
+            self.children[path] = kids
+            stack.extend((k, c, path, depth + 1) for k, c in zip(reversed(kids), reversed(m.children)))
 
     def is_ancestor(self, a: str, b: str) -> bool:
         """a is a proper ancestor of b."""
@@ -151,5 +156,3 @@ class TreeIndex:
     def is_adapter(self, path: str) -> bool:
         return any(part.startswith(ADAPTER_PREFIXES) for part in path.split(".")) if path else False
 
-
-assert set(CONTAINER_BASES) == {"Module", "Sequential", "ModuleList", "ModuleDict"}

@@ -3,6 +3,7 @@ torch leaf modules, parameters and buffers."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from hypothesis import strategies as st
@@ -18,11 +19,6 @@ CLASS_NAMES = (
     "Decoder", "Expert", "Router", "Stem", "Tower", "Gate", "Mixer", "Cell",
 )
 _SUFFIX = {"Module": "", "ModuleList": "List", "Sequential": "Seq", "ModuleDict": "Dict"}
-# Child kinds, simplest first (a shrunk child is a Linear). "module" is a drawn
-# class deriving (perhaps via other drawn classes) from nn.Module; "lora" a
-# Linear named as an adapter.
-CHILD_KINDS = ("Linear", "module", "ModuleList", "LayerNorm", "module", "Sequential", "Embedding", "lora", "ModuleDict")
-_LEAF_CHILD_KINDS = ("Linear", "module", "LayerNorm", "Embedding", "lora")
 ROOT_KINDS = ("Module", "ModuleDict", "Sequential", "ModuleList")
 MAX_CHILDREN = 4
 
@@ -32,6 +28,20 @@ _LINEAR = (("a", "a", False), ("a", "a", True), ("b", "a", True), ("a", "b", Tru
 _LORA = (("a", "b", False), ("b", "a", False), ("a", "a", False))
 _EMBEDDING = (("a", "a"), ("b", "a"), ("a", "b"), ("b", "b"))
 _LAYERNORM = ("a", "b")
+# A child is one choice: its kind and, for a torch leaf, its shape template.
+# Simplest first (a shrunk child is a bias-free square Linear). "module" is a
+# drawn class deriving (perhaps via other drawn classes) from nn.Module; "lora"
+# a Linear named as an adapter. Inner kinds repeat so that about two children in
+# five have children of their own.
+_INNER = ("module", "ModuleList", "module", "Sequential", "module", "ModuleDict")
+_LEAVES = (
+    tuple(("Linear", t) for t in _LINEAR)
+    + tuple(("LayerNorm", t) for t in _LAYERNORM)
+    + tuple(("Embedding", t) for t in _EMBEDDING)
+    + tuple(("lora", t) for t in _LORA)
+)
+_LEAF_CHILDREN = _LEAVES[:1] + (("module", None),) + _LEAVES[1:] + (("module", None),)
+CHILD_OPTIONS = _LEAVES[:1] + tuple((k, None) for k in _INNER) + _LEAVES[1:] + tuple((k, None) for k in _INNER)
 # A drawn module's own parameters (name, shape) and buffers, simplest first.
 _PARAMS = (
     (),
@@ -42,6 +52,7 @@ _PARAMS = (
     (("weight", ("a", "a")), ("bias", ("a",)), ("scale", ("b",))),
 )
 _OWN = tuple((p, False) for p in _PARAMS) + tuple((p, True) for p in _PARAMS[:3])
+_TORCH_PREFIX = {"ModuleList": "layers", "Sequential": "seq", "ModuleDict": "blocks"}
 _CHILD_PREFIX = {"Linear": "proj", "lora": "lora", "Embedding": "embed", "LayerNorm": "norm"}
 
 
@@ -54,6 +65,7 @@ class _Builder:
         self.dims = {"a": a, "b": b}
         self.classes: list[ClassSpec] = []
         self.by_kind: dict[str, list[str]] = {k: [] for k in _SUFFIX}
+        self.pending: tuple = ()  # the next child's (kinds, name, index, depth)
 
     def shape(self, symbols: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.dims[s] for s in symbols)
@@ -66,9 +78,10 @@ class _Builder:
         self.by_kind[kind].append(name)
         return name
 
-    def choose_class(self, draw: Any, kind: str, *, torch_ok: bool) -> str:
-        """Reuse a drawn class of this kind, or define one (deriving from torch's
-        base or from a drawn class of the same kind), or take torch's own container."""
+    def class_options(self, kind: str, *, torch_ok: bool) -> list[tuple[str, str | None]]:
+        """(class, None) to reuse a class (or take torch's own container), ("",
+        base) to define one deriving from torch's base or from a drawn class of
+        the same kind; simplest first."""
         existing = self.by_kind[kind]
         options: list[tuple[str, str | None]] = []
         if torch_ok and kind != "Module":
@@ -76,49 +89,64 @@ class _Builder:
         options += [(c, None) for c in existing]
         options.append(("", kind))
         options += [("", c) for c in existing]
-        cls, base = pick(draw, options)
+        return options
+
+    def make_class(self, kind: str, option: tuple[str, str | None]) -> str:
+        cls, base = option
         return cls if base is None else self.new_class(kind, base)
 
 
-def _leaf(draw: Any, b: _Builder, kind: str, name: str) -> ModuleSpec:
+def _leaf(b: _Builder, kind: str, template: Any, name: str) -> ModuleSpec:
     if kind in ("Linear", "lora"):
-        out, inp, bias = pick(draw, _LORA if kind == "lora" else _LINEAR)
+        out, inp, bias = template
         params = (ParamSpec("weight", b.shape((out, inp))),)
         if bias:
             params += (ParamSpec("bias", b.shape((out,))),)
         return ModuleSpec(name, "Linear", params)
     if kind == "Embedding":
-        return ModuleSpec(name, "Embedding", (ParamSpec("weight", b.shape(pick(draw, _EMBEDDING))),))
-    d = b.shape((pick(draw, _LAYERNORM),))
+        return ModuleSpec(name, "Embedding", (ParamSpec("weight", b.shape(template)),))
+    d = b.shape((template,))
     return ModuleSpec(name, "LayerNorm", (ParamSpec("weight", d), ParamSpec("bias", d)))
 
 
-def _node(draw: Any, b: _Builder, kind: str, name: str | None, index: int, depth: int) -> ModuleSpec:
-    """One module of ``kind`` and its subtree. ``name`` None: derive it from the
-    class (prefix + index), for a parent whose children are not positional."""
+def _node(draw: Any, b: _Builder, option: tuple[str, Any], name: str | None, index: int, depth: int) -> ModuleSpec:
+    """One module of kind ``option[0]`` and its subtree. ``name`` None: derive
+    it from the class (prefix + index), for a parent whose children are not
+    positional."""
     b.remaining -= 1
+    kind = option[0]
     if kind in _CHILD_PREFIX:
-        return _leaf(draw, b, kind, f"{_CHILD_PREFIX[kind]}{index}" if name is None else name)
+        return _leaf(b, kind, option[1], f"{_CHILD_PREFIX[kind]}{index}" if name is None else name)
     ckind = "Module" if kind == "module" else kind
-    cls = b.choose_class(draw, ckind, torch_ok=depth > 0)
-    if name is None:
-        name = f"{cls.lower()}{index}"
+    options = b.class_options(ckind, torch_ok=depth > 0)
     params: tuple[ParamSpec, ...] = ()
     buffers: tuple[BufferSpec, ...] = ()
-    if ckind in ("Module", "ModuleDict") and cls in {c.name for c in b.classes}:
-        own, buffer = pick(draw, _OWN)
-        params = tuple(ParamSpec(n, b.shape(s)) for n, s in own)
-        if buffer:
-            buffers = (BufferSpec("running", b.shape(("a",))),)
+    if ckind in ("Module", "ModuleDict"):
+        # The class and the module's own parameters in one choice (a draw per
+        # module is the main cost of drawing a tree); both shrink to the first.
+        choice = draw(ints(len(options) * len(_OWN) - 1))
+        cls = b.make_class(ckind, options[choice // len(_OWN)])
+        if cls not in _SUFFIX:  # a drawn class: torch's ModuleDict holds no parameters
+            own, buffer = _OWN[choice % len(_OWN)]
+            params = tuple(ParamSpec(n, b.shape(s)) for n, s in own)
+            if buffer:
+                buffers = (BufferSpec("running", b.shape(("a",))),)
+    else:
+        cls = b.make_class(ckind, pick(draw, options))
+    if name is None:
+        name = f"{_TORCH_PREFIX.get(cls) or cls.lower()}{index}"
     children: list[ModuleSpec] = []
     if depth < b.max_depth and b.remaining > 0:
         positional = ckind in ("ModuleList", "Sequential")
-        kinds = CHILD_KINDS if depth + 1 < b.max_depth else _LEAF_CHILD_KINDS
-        count = draw(ints(min(MAX_CHILDREN, b.remaining)))
+        kinds = CHILD_OPTIONS if depth + 1 < b.max_depth else _LEAF_CHILDREN
+        cap = min(MAX_CHILDREN, b.remaining)
+        # The root has a child whenever it may: a lone root is rarely a useful case.
+        count = (1 + (draw(ints(cap - 1)) if cap > 1 else 0)) if depth == 0 else draw(ints(cap))
         for i in range(count):
             if b.remaining <= 0:
                 break
-            children.append(draw(_subtree(b, kinds, str(i) if positional else None, i, depth + 1)))
+            b.pending = (kinds, str(i) if positional else None, i, depth + 1)
+            children.append(draw(_CHILD))
         if positional and children and b.remaining > 0:
             # Repeated layers (nn.ModuleList([Block() for _ in range(n)])): copies
             # of the first child, so several modules share a class and a shape.
@@ -131,11 +159,21 @@ def _node(draw: Any, b: _Builder, kind: str, name: str | None, index: int, depth
     return ModuleSpec(name, cls, params, buffers, tuple(children))
 
 
+# The builder being drawn into, per thread. Each child is drawn through the one
+# strategy object _CHILD, so that it is a span of its own (the shrinker deletes
+# a child, or replaces it by one of its descendants, span by span) without the
+# cost of creating and validating a strategy object per child.
+_current = threading.local()
+
+
 @st.composite
-def _subtree(draw: Any, b: _Builder, kinds: tuple[str, ...], name: str | None, index: int, depth: int) -> ModuleSpec:
-    # A span of its own per child, so the shrinker can delete a child or
-    # replace it by one of its descendants.
+def _child_strategy(draw: Any) -> ModuleSpec:
+    b = _current.builder
+    kinds, name, index, depth = b.pending
     return _node(draw, b, pick(draw, kinds), name, index, depth)
+
+
+_CHILD = _child_strategy()
 
 
 def _size(m: ModuleSpec) -> int:
@@ -148,11 +186,15 @@ def _renamed(m: ModuleSpec, name: str) -> ModuleSpec:
 
 @st.composite
 def _trees(draw: Any, max_modules: int, max_depth: int) -> tuple[ModuleSpec, tuple[ClassSpec, ...]]:
-    a = 1 + draw(ints(7))
-    bdim = 1 + draw(ints(7))
-    b = _Builder(max_modules, max_depth, a, bdim)
+    dims = draw(ints(63))  # both dimensions in one choice
+    b = _Builder(max_modules, max_depth, 1 + dims // 8, 1 + dims % 8)
     root_kind = pick(draw, ROOT_KINDS)
-    tree = _node(draw, b, "module" if root_kind == "Module" else root_kind, "", 0, 0)
+    outer = getattr(_current, "builder", None)
+    _current.builder = b
+    try:
+        tree = _node(draw, b, ("module" if root_kind == "Module" else root_kind, None), "", 0, 0)
+    finally:
+        _current.builder = outer
     return tree, tuple(b.classes)
 
 

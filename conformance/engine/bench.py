@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import multiprocessing
+import os
+import tempfile
 import time
 from typing import Sequence
 
@@ -38,6 +41,49 @@ def _check(records: list[dict], engine: str) -> None:
         raise RuntimeError(f"{engine}: rank {bad[0]['rank']} raised {err['type']}: {err['message']}")
 
 
+def _spawned_rank(rank: int, world_size: int, store: str, scenario: str, spec_json: str, conn) -> None:
+    import torch.distributed as dist
+
+    from conformance.engine.scenarios import run_scenario
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+    record = run_scenario(scenario, spec_json, rank=rank)
+    dist.barrier()
+    dist.destroy_process_group()
+    conn.send(json.dumps(record))
+    conn.close()
+    os._exit(0)
+
+
+def spawn_example(scenario: str, spec: CaseSpec, world_size: int = 2, deadline: float = 120.0) -> list[dict]:
+    """One example on a fresh group of ``world_size`` spawned processes (the
+    baseline the pool replaces: multiprocessing spawn, one group per test)."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="fsdp-conformance-spawn-") as tmp:
+        pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+        procs = [
+            ctx.Process(target=_spawned_rank, args=(r, world_size, os.path.join(tmp, "store"), scenario,
+                                                    spec.to_json(), pipes[r][1]), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            records = []
+            for r, (recv, _) in enumerate(pipes):
+                if not recv.poll(deadline):
+                    raise RuntimeError(f"spawn-per-example: rank {r} gave no result in {deadline:g}s")
+                records.append(json.loads(recv.recv()))
+            for p in procs:
+                p.join(deadline)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return records
+
+
 def bench_engines(
     specs: Sequence[CaseSpec],
     world_size: int = 2,
@@ -60,8 +106,7 @@ def bench_engines(
     spawn_specs = list(specs[: max(1, spawn_examples)])
     t0 = time.perf_counter()
     for spec in spawn_specs:
-        with RankPool(world_size, "gloo", deadline) as pool:
-            _check(pool.run(scenario, spec), "spawn-per-example")
+        _check(spawn_example(scenario, spec, world_size, deadline), "spawn-per-example")
     spawn_s = time.perf_counter() - t0
 
     # (b) the pool

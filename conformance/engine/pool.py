@@ -107,10 +107,10 @@ class RankPool:
     start at once, the next run waits for them). A scenario that raises is an
     error record, not a failure of the pool.
 
-    Ranks run in their own session and die with the driver (PR_SET_PDEATHSIG,
-    backed by a parent-pid poll); the driver closes every pool at exit and on
-    SIGTERM. Create pools from a long-lived thread (the main one): the kernel
-    ties PDEATHSIG to the thread that spawned the ranks.
+    Ranks run in their own session and die with the driver: at once by
+    PR_SET_PDEATHSIG when spawned from the main thread, within half a second
+    by a parent-pid poll otherwise; the driver closes every pool at exit and
+    kills their ranks on SIGTERM.
     """
 
     def __init__(
@@ -243,6 +243,9 @@ class RankPool:
         paths = [p for p in sys.path if p and os.path.isdir(p)]
         env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         pg_timeout = max(300.0, 2 * self.deadline)
+        # PR_SET_PDEATHSIG fires when the spawning *thread* ends: ask for it
+        # only from the main thread, whose end is the driver's.
+        pdeathsig = int(threading.current_thread() is threading.main_thread())
         for r in range(self.world_size):
             cmd_r, cmd_w = os.pipe()
             res_r, res_w = os.pipe()
@@ -252,6 +255,7 @@ class RankPool:
                 "--rank", str(r), "--world-size", str(self.world_size), "--backend", self.backend,
                 "--store", store, "--cmd-fd", str(cmd_r), "--res-fd", str(res_w),
                 "--parent", str(os.getpid()), "--timeout", str(pg_timeout), "--preload", ",".join(self.preload),
+                "--pdeathsig", str(pdeathsig),
             ]
             env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.world_size),
                        LOCAL_WORLD_SIZE=str(self.world_size))
@@ -463,7 +467,9 @@ def _wait_quiet(ranks: list[_Rank], before: dict[int, int], limit: float = 2.0) 
 # ---- the driver's exit: no rank left behind --------------------------------
 
 _live_pools: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
-_handlers_installed = False
+_atexit_installed = False
+_sigterm_installed = False
+_previous_sigterm = None
 
 
 def _close_all_pools() -> None:
@@ -481,27 +487,23 @@ def _kill_all_pools() -> None:
 
 def _on_sigterm(signum, frame) -> None:
     _kill_all_pools()
-    prev = _previous_sigterm
-    if callable(prev):
-        prev(signum, frame)
+    if callable(_previous_sigterm):
+        _previous_sigterm(signum, frame)
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-_previous_sigterm = None
-
-
 def _install_exit_handlers() -> None:
     """atexit closes every pool; SIGTERM kills their ranks, then does what it
-    did before (default: terminate). Ctrl-C raises KeyboardInterrupt, which
-    kills the ranks of a pool mid-run and reaches atexit."""
-    global _handlers_installed, _previous_sigterm
-    if _handlers_installed:
-        return
-    _handlers_installed = True
-    atexit.register(_close_all_pools)
-    if threading.current_thread() is threading.main_thread():
+    did before (by default, terminate). Ctrl-C raises KeyboardInterrupt,
+    which kills the ranks of a pool mid-run and reaches atexit."""
+    global _atexit_installed, _sigterm_installed, _previous_sigterm
+    if not _atexit_installed:
+        _atexit_installed = True
+        atexit.register(_close_all_pools)
+    if not _sigterm_installed and threading.current_thread() is threading.main_thread():
+        _sigterm_installed = True
         prev = signal.getsignal(signal.SIGTERM)
         if prev not in (signal.SIG_IGN, None):
             _previous_sigterm = prev

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -23,14 +24,16 @@ import time
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent: int) -> None:
+def _die_with_parent(parent: int, pdeathsig: bool) -> None:
     # The kernel kills us when the driver dies, even by SIGKILL. PDEATHSIG
-    # follows the thread that spawned us, so a poll of the parent pid backs it.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    # follows the thread that spawned us, so the driver asks for it only from
+    # its main thread; a poll of the parent pid backs it either way.
+    if pdeathsig:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
     if os.getppid() != parent:
         os._exit(1)
 
@@ -54,9 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--preload", default="")
+    p.add_argument("--pdeathsig", type=int, default=1)
     a = p.parse_args(argv)
     started = time.perf_counter()
-    _die_with_parent(a.parent)
+    _die_with_parent(a.parent, bool(a.pdeathsig))
     # The ranks run in their own session, so a terminal Ctrl-C reaches only the
     # driver; ignore a stray SIGINT rather than die mid-collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -94,6 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     for mod in filter(None, a.preload.split(",")):
         __import__(mod)
+    # Everything imported so far lives as long as the rank: keep it out of the
+    # garbage collector's full passes, which would otherwise rescan torch's
+    # objects during examples.
+    gc.collect()
+    gc.freeze()
     send({"op": "ready", "rank": a.rank, "pid": os.getpid(), "startup_seconds": time.perf_counter() - started})
 
     lines = _lines(cmd)

@@ -42,6 +42,16 @@ def _alias_outside_unit(t, pred: FSDP1Prediction) -> bool:
     return len({unit_of(a) for a in t.aliases}) > 1
 
 
+def error_tags(obs: Observation) -> set[str]:
+    if obs.error is None:
+        return set()
+    if "uniform `requires_grad`" in obs.error.text:
+        return {"error:uniform-requires-grad"}  # FlatParamHandle's generic check
+    if "is already wrapped" in obs.error.text:
+        return {"error:already-wrapped"}  # _recursive_wrap meeting its own wrapper
+    return {"error:other"}
+
+
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
     return Violation(inv, msg, frozenset(tags | set(extra)))
 
@@ -68,7 +78,7 @@ def _managed_by_path(obs: Observation) -> dict[str, set[str]]:
 def check_wrap_units(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
     tags = case_tags(spec, pred)
     if pred.error is None and obs.error is not None and not _tie_rejection(pred, obs):
-        return [_v("WRAP-UNITS", f"wrapping raised {obs.error.category}: {obs.error.text.splitlines()[0]}", tags, "kind:raised")]
+        return [_v("WRAP-UNITS", f"wrapping raised {obs.error.category}: {obs.error.text.splitlines()[0]}", tags | error_tags(obs), "kind:raised")]
     if not _wrapped(pred, obs):
         return []
     want = Counter(u.path for u in pred.units)
@@ -210,7 +220,7 @@ def check_frozen_error(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) 
     if obs.error is None:
         return [_v("FROZEN-ERROR", f"no error although unit {where} mixes requires_grad", tags, unit_tag, "kind:no-error")]
     if obs.error.category != "ValueError":
-        return [_v("FROZEN-ERROR", f"raised {obs.error.category}, not ValueError, for unit {where}", tags, unit_tag, "kind:wrong-type")]
+        return [_v("FROZEN-ERROR", f"raised {obs.error.category}, not ValueError, for unit {where}: {obs.error.text.splitlines()[0]!r}", tags | error_tags(obs), unit_tag, "kind:wrong-type")]
     return _frozen_mismatch("FROZEN-ERROR", obs.error, pred.error, tags, numbers=False)
 
 
@@ -226,7 +236,7 @@ def check_frozen_warn(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -
         return []
     tags = case_tags(spec, pred)
     if obs.error is not None:
-        return [_v("FROZEN-WARN", f"wrapping raised {obs.error.category} instead of warning", tags, "kind:raised")]
+        return [_v("FROZEN-WARN", f"wrapping raised {obs.error.category} instead of warning: {obs.error.text.splitlines()[0]!r}", tags | error_tags(obs), "kind:raised")]
     got = {w.module: w for w in obs.warnings}
     out = []
     for want in pred.warnings:
@@ -286,7 +296,7 @@ def check_ties(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[
     if obs.error is not None:
         if _tie_rejection(pred, obs) and any(t.below_lca for t in pred.ties):
             return []
-        return [_v("TIES", f"wrapping raised {obs.error.category} without naming the tie: {obs.error.text.splitlines()[0]!r}", tags, "kind:unclear-rejection")]
+        return [_v("TIES", f"wrapping raised {obs.error.category} without naming the tie: {obs.error.text.splitlines()[0]!r}", tags | error_tags(obs), "kind:unclear-rejection")]
     counts = Counter(f for u in obs.units for f in u.managed)
     intact = dict(obs.ties_intact)
     out = []

@@ -1,0 +1,402 @@
+"""The engine's own tests: the rank pool (examples, hangs, crashes, exits),
+the fake tier, the torchrun entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from conformance.engine import (
+    CRASH,
+    HANG,
+    BackendUnavailable,
+    EngineError,
+    FakeEngine,
+    RankCrash,
+    RankHang,
+    RankPool,
+    resolve_backend,
+    scenario_names,
+)
+from conformance.examples import lora_model
+from conformance.spec import CaseSpec, ModuleSpec, ParamSpec
+
+pytestmark = pytest.mark.selfcheck
+
+DEADLINE = 4.0
+RECORD_KEYS = {"rank", "ok", "value", "seconds"}
+
+
+def small_spec(seed: int = 0) -> CaseSpec:
+    return CaseSpec(tree=ModuleSpec("", "Module", (ParamSpec("w", (2, 3)),)), seed=seed)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], within: float = 5.0) -> list[int]:
+    """The pids still alive after ``within`` seconds."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def check_echo(records: list[dict], seed: int, pids: list[int] | None = None) -> None:
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        assert set(r) == RECORD_KEYS and r["ok"], r
+        v = r["value"]
+        assert (v["rank"], v["world_size"], v["seed"], v["rank_sum"]) == (r["rank"], 2, seed, 3)
+        if pids is not None:
+            assert v["pid"] == pids[r["rank"]]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(2, "gloo", deadline=DEADLINE)
+    yield p
+    pids = p.pids
+    p.close()
+    assert wait_gone(pids) == []
+
+
+# ---- the pool ----------------------------------------------------------------
+
+
+@pytest.mark.gloo
+def test_pool_runs_many_examples_on_the_same_processes(pool):
+    pids, generation = pool.pids, pool.generation
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    for seed in range(40):
+        check_echo(pool.run("echo", small_spec(seed)), seed, pids)
+    check_echo(pool.run("echo", lora_model(num_layers=1, seed=5)), 5, pids)
+    assert pool.pids == pids and pool.generation == generation
+
+
+@pytest.mark.gloo
+def test_scenario_exception_is_an_error_record_and_the_pool_goes_on(pool):
+    pids, rebuilds = pool.pids, pool.rebuilds
+    records = pool.run("raise", small_spec(7))
+    assert [r["ok"] for r in records] == [False, False]
+    for r in records:
+        assert r["error"]["type"] == "ValueError"
+        assert r["error"]["message"] == f"scenario 'raise' raised on rank {r['rank']} (seed 7)"
+        assert "Traceback" in r["error"]["traceback"]
+    # the ranks are still in step: same processes, collectives still match
+    assert pool.rebuilds == rebuilds
+    check_echo(pool.run("echo", small_spec(8)), 8, pids)
+
+
+@pytest.mark.gloo
+def test_hang_is_reported_with_every_rank_stack_and_the_pool_rebuilds(pool):
+    pool.run("echo", small_spec())
+    old = pool.pids
+    spec = small_spec(11)
+    start = time.monotonic()
+    with pytest.raises(RankHang) as info:
+        pool.run("sleep_forever", spec, deadline=2.5)
+    assert time.monotonic() - start < 2.5 + 6  # deadline, stack dumps, teardown
+    e = info.value
+    assert e.verdict == HANG and e.spec is spec and e.scenario == "sleep_forever"
+    assert "\n" not in str(e) and str(e).startswith("HANG: scenario 'sleep_forever'")
+    assert [(r.rank, r.state) for r in e.ranks] == [(0, "running"), (1, "running")]
+    assert "in barrier" in e.ranks[0].stack and "in sleep_forever" in e.ranks[0].stack
+    assert "in sleep_forever" in e.ranks[1].stack and "time.sleep" not in e.ranks[1].stack
+    assert "spec = CaseSpec(" in e.report()
+    json.dumps(e.to_dict())
+    assert wait_gone(old) == []
+    # the next example runs on fresh ranks
+    check_echo(pool.run("echo", small_spec(12)), 12)
+    assert set(pool.pids).isdisjoint(old)
+
+
+@pytest.mark.gloo
+def test_exit_mid_collective_is_a_crash_and_the_pool_rebuilds(pool):
+    pool.run("echo", small_spec())
+    old = pool.pids
+    with pytest.raises(RankCrash) as info:
+        pool.run("exit_mid_collective", small_spec(13))
+    e = info.value
+    assert e.verdict == CRASH and "\n" not in str(e)
+    assert (e.ranks[1].state, e.ranks[1].exitcode) == ("exited", 3)
+    assert "exited with code 3" in str(e)
+    # rank 0 saw its peer vanish (a gloo error) or was still waiting
+    assert e.ranks[0].state in ("returned", "running") and e.ranks[0].stack
+    assert wait_gone(old) == []
+    check_echo(pool.run("echo", small_spec(14)), 14)
+
+
+@pytest.mark.gloo
+def test_segfault_is_a_crash_with_the_fatal_stack(pool):
+    pool.run("echo", small_spec())
+    with pytest.raises(RankCrash) as info:
+        pool.run("segfault", small_spec(15))
+    r1 = info.value.ranks[1]
+    assert (r1.state, r1.exitcode) == ("exited", -signal.SIGSEGV)
+    assert "Fatal Python error: Segmentation fault" in r1.stack and "in segfault" in r1.stack
+    assert f"killed by signal {int(signal.SIGSEGV)}" in str(info.value)
+    check_echo(pool.run("echo", small_spec(16)), 16)
+
+
+@pytest.mark.gloo
+def test_rank_killed_mid_example_or_between_examples(pool):
+    pool.run("echo", small_spec())
+    victim = pool.pids[1]
+    threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+    with pytest.raises(RankCrash) as info:
+        pool.run("sleep_forever", small_spec(17), deadline=30)
+    assert (info.value.ranks[1].state, info.value.ranks[1].exitcode) == ("exited", -signal.SIGKILL)
+    assert info.value.elapsed < 10
+    # killed while idle: the next run notices, rebuilds first, and succeeds
+    pool.run("echo", small_spec())
+    rebuilds = pool.rebuilds
+    os.kill(pool.pids[0], signal.SIGKILL)
+    pool._ranks[0].proc.wait(timeout=5)  # dead and reaped, threads and all
+    check_echo(pool.run("echo", small_spec(18)), 18)
+    assert pool.rebuilds == rebuilds + 1 and "died between examples" in pool.events[-1]
+
+
+@pytest.mark.gloo
+def test_fsdp1_scenario_runs_in_the_pool(pool):
+    records = pool.run("fsdp1", lora_model(num_layers=1, use_orig_params=True))
+    assert all(r["ok"] for r in records), records
+    assert [r["value"]["rank"] for r in records] == [0, 1]
+    assert records[0]["value"]["world_size"] == 2
+
+
+@pytest.mark.gloo
+def test_two_pools_at_once_then_close_leaves_no_process():
+    # made at the same time, from threads that end before the pools are used
+    made: dict[int, RankPool] = {}
+    threads = [threading.Thread(target=lambda i=i: made.__setitem__(i, RankPool(2, "gloo", DEADLINE)))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = made[0], made[1]
+    try:
+        for seed in range(3):
+            check_echo(a.run("echo", small_spec(seed)), seed, a.pids)
+            check_echo(b.run("echo", small_spec(seed)), seed, b.pids)
+        pids = a.pids + b.pids
+        assert len(set(pids)) == 4
+    finally:
+        a.close()
+        b.close()
+    assert wait_gone(pids) == []
+    assert not os.path.exists(a._dir)
+    with pytest.raises(EngineError, match="closed"):
+        a.run("echo", small_spec())
+    a.close()  # idempotent
+
+
+DRIVER = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    from conformance.engine import RankPool
+    from conformance.spec import CaseSpec, ModuleSpec
+    spec = CaseSpec(tree=ModuleSpec("", "Module"))
+    if sys.argv[2] == "thread":  # ranks spawned by a thread that has ended
+        import threading
+        made = []
+        t = threading.Thread(target=lambda: made.append(RankPool(2, "gloo", deadline=60)))
+        t.start(); t.join()
+        pool = made[0]
+    else:
+        pool = RankPool(2, "gloo", deadline=60)
+    pool.run("echo", spec)
+    print(json.dumps(pool.pids), flush=True)
+    if sys.argv[1] == "busy":
+        pool.run("sleep_forever", spec)
+    else:
+        time.sleep(60)
+    """
+)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "sig, state, spawner",
+    [
+        (signal.SIGTERM, "busy", "main"),
+        (signal.SIGINT, "idle", "main"),
+        (signal.SIGINT, "busy", "main"),
+        (signal.SIGKILL, "busy", "main"),
+        (signal.SIGKILL, "idle", "thread"),
+    ],
+    ids=lambda x: getattr(x, "name", x),
+)
+def test_no_rank_outlives_its_driver(sig, state, spawner):
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, state, spawner], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = driver.stdout.readline()
+        assert line, driver.stderr.read()
+        pids = json.loads(line)
+        assert all(alive(p) for p in pids)
+        time.sleep(0.5)  # busy: the driver now waits in run()
+        driver.send_signal(sig)
+        driver.wait(timeout=20)
+        assert wait_gone(pids) == [], f"ranks outlived a driver ended by {sig.name}"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+# ---- backends ----------------------------------------------------------------
+
+
+def test_nccl_without_enough_gpus_is_a_one_line_error():
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    start = time.monotonic()
+    with pytest.raises(BackendUnavailable) as info:
+        RankPool(2, "nccl", deadline=DEADLINE)
+    msg = str(info.value)
+    assert "\n" not in msg and "nccl" in msg and "gloo" in msg
+    assert time.monotonic() - start < 10
+    with pytest.raises(BackendUnavailable):
+        resolve_backend("nccl", 2)
+    assert resolve_backend("auto", 2) == "gloo"
+    assert resolve_backend("fake", 8) == "fake"
+    with pytest.raises(EngineError, match="unknown backend"):
+        resolve_backend("mpi", 2)
+
+
+def test_scenario_registry():
+    assert "fsdp1" in scenario_names()
+    assert "echo" not in scenario_names()
+    assert {"echo", "raise", "sleep_forever", "exit_mid_collective", "segfault"} <= set(
+        scenario_names(include_test_only=True)
+    )
+    with pytest.raises(EngineError, match="unknown scenario 'nope'"):
+        FakeEngine(2).run("nope", small_spec())
+
+
+# ---- the fake tier ---------------------------------------------------------------
+
+
+@pytest.mark.fake
+def test_fake_engine_runs_in_process_with_the_pool_record_shape():
+    with FakeEngine(4) as fake:
+        [r] = fake.run("echo", small_spec(3))
+        assert set(r) == RECORD_KEYS and r["ok"]
+        assert (r["value"]["rank"], r["value"]["world_size"], r["value"]["seed"]) == (0, 4, 3)
+        assert r["value"]["pid"] == os.getpid()
+        [r] = fake.run("raise", small_spec(4))
+        assert not r["ok"] and r["error"]["type"] == "ValueError"
+        for name in ("sleep_forever", "exit_mid_collective", "segfault"):
+            with pytest.raises(EngineError, match="hangs or kills"):
+                fake.run(name, small_spec())
+        [r] = fake.run("fsdp1", lora_model(num_layers=1))
+        assert r["ok"], r
+        assert r["value"]["world_size"] == 4
+    # another world size in the same process
+    with FakeEngine(2) as fake:
+        assert fake.run("echo", small_spec())[0]["value"]["world_size"] == 2
+
+
+PROFILE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from hypothesis import settings
+    settings.register_profile("suite", max_examples=7)
+    settings.register_profile("dev", max_examples=3)  # a name torch's common_utils also registers
+    settings.load_profile("suite")
+    if sys.argv[1] == "bare":
+        import torch.testing._internal.common_utils
+    else:
+        from conformance.engine.fake import FakeEngine, preserve_hypothesis_profile
+        FakeEngine(2).close()
+        assert settings.get_current_profile_name() == "suite"
+        with preserve_hypothesis_profile():
+            import torch.testing._internal.common_utils
+    print(settings.get_current_profile_name(), settings.default.max_examples, settings.get_profile("dev").max_examples)
+    """
+)
+
+
+@pytest.mark.fake
+def test_fake_tier_keeps_the_suite_hypothesis_profile():
+    procs = {
+        how: subprocess.Popen([sys.executable, "-c", PROFILE_SCRIPT, how], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        for how in ("guarded", "bare")
+    }
+    out = {}
+    for how, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr
+        out[how] = stdout.split()
+    assert out["guarded"] == ["suite", "7", "3"]
+    # what the guard prevents: torch's test utilities take over the profile
+    assert out["bare"][0] != "suite" and out["bare"][1:] != ["7", "3"]
+
+
+@pytest.mark.fake
+def test_drive_hook_runs_a_spec_source():
+    from conformance.engine.torchrun import TorchrunEngine, drive
+
+    seen = []
+    with FakeEngine(1):
+        summary = drive(
+            (small_spec(s) for s in range(3)), "echo", engine=TorchrunEngine(),
+            on_result=lambda spec, records, agreed: seen.append((spec.seed, agreed)),
+        )
+    assert seen == [(0, True), (1, True), (2, True)]
+    assert summary.ok and summary.examples == 3 and "OK" in summary.line()
+
+
+# ---- torchrun ------------------------------------------------------------------
+
+
+@pytest.mark.gloo
+def test_torchrun_entry(tmp_path):
+    specs = tmp_path / "specs.jsonl"
+    specs.write_text(lora_model(num_layers=1).to_json() + "\n" + small_spec(1).to_json() + "\n")
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "conformance.engine.torchrun", "--scenario", "echo", "--specs", str(specs),
+            "--seed", "100", "--backend", "gloo", "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "conformance torchrun OK: scenario=echo backend=gloo world_size=2 examples=2 agree=2" in proc.stdout
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [CaseSpec.from_json(x["spec"]).seed for x in lines] == [100, 101]
+    for x in lines:
+        assert x["agree"] and [r["value"]["rank"] for r in x["records"]] == [0, 1]
+        assert x["records"][0]["value"]["pid"] != x["records"][1]["value"]["pid"]
