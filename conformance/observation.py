@@ -68,7 +68,8 @@ class Observation:
     def comparable(self) -> dict:
         """What every rank must agree on (rank and timing removed)."""
         d = self.to_dict()
-        for k in ("rank", "wrap_seconds"):
+        # other_warnings: torch's unrelated warnings, informational only
+        for k in ("rank", "wrap_seconds", "other_warnings"):
             d.pop(k)
         return d
 

@@ -9,15 +9,13 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.spec import ModuleSpec, ParamSpec, TiedParam, join
 
-from strategies._common import TreeIndex, check_kinds, check_tree, pick, pick_subset
+from strategies._common import TreeIndex, check_kinds, check_tree, ints, pick, pick_subset
 
 # Simplest first. "adapters": only parameters under a module named lora* or
 # adapter* are trainable (LoRA-like); "biases": only parameters named bias;
 # "frozen_subtrees": a few whole subtrees frozen, the rest trainable;
 # "random": each parameter on its own.
 FREEZE_KINDS = ("trainable", "frozen", "biases", "adapters", "frozen_subtrees", "random")
-
-FreezeMask = dict  # FQN -> requires_grad, for every parameter of the tree
 
 
 def draw_freeze_mask(draw: Any, index: TreeIndex, kind: str) -> dict[str, bool]:
@@ -38,7 +36,7 @@ def draw_freeze_mask(draw: Any, index: TreeIndex, kind: str) -> dict[str, bool]:
     # that it stays cheap for big trees and shrinks to all trainable.
     if not fqns:
         return {}
-    bits = draw(st.integers(0, (1 << len(fqns)) - 1))
+    bits = draw(ints((1 << len(fqns)) - 1))
     return {f: not (bits >> i) & 1 for i, f in enumerate(fqns)}
 
 

@@ -100,10 +100,22 @@ def draw_shared(draw: Any, index: TreeIndex, *, min_size: int, max_size: int, ki
         if extra and _reaches(index, extra, source, parent):
             continue
         extra.setdefault(parent, []).append(source)
-        s = SharedModule(parent, f"shared{len(out)}", source)
+        s = SharedModule(parent, _fresh(index, parent, "shared", out), source)
         event(f"shared module: {shared_kind(index, s)}")
         out.append(s)
     return tuple(out)
+
+
+def _fresh(index: TreeIndex, path: str, prefix: str, added: list) -> str:
+    """The first ``prefix<i>`` that neither the module nor an earlier draw
+    (``added``, of SharedModule or TiedParam) uses there."""
+    m = index.modules[path]
+    taken = {x.name for x in m.params + m.buffers + m.children}
+    taken.update(a.name for a in added if getattr(a, "parent", getattr(a, "module", None)) == path)
+    i = 0
+    while f"{prefix}{i}" in taken:
+        i += 1
+    return f"{prefix}{i}"
 
 
 def _first_pairs(pairs_of: Any, index: TreeIndex, kind: str, kinds: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -125,8 +137,8 @@ def shared_modules(
 ) -> SearchStrategy[tuple[SharedModule, ...]]:
     """Modules of ``tree`` registered a second time, as ``shared<i>`` under a
     drawn module or a ModuleDict (never a torch leaf or a list-like container),
-    without cycles. ``kinds`` (see SHARED_KINDS) steers where; fewer than
-    ``min_size`` only when the tree allows no more."""
+    without cycles. ``kinds`` (see SHARED_KINDS) steers where. ``min_size``
+    is best effort: a tree without room for that many gives fewer."""
     check_tree(tree, classes)
     check_int(min_size, "min_size", min_value=0)
     check_int(max_size, "max_size", min_value=min_size)
@@ -208,7 +220,8 @@ def draw_ties(draw: Any, index: TreeIndex, *, min_size: int, max_size: int, kind
             if fqn not in targets and fqn not in sources:
                 slots += [(p.name, f) for f in free if f != fqn and index.params[f].shape == p.shape]
         if index.can_hold_params(target):
-            slots += [(f"tied{len(out)}", f) for f in free]
+            new = _fresh(index, target, "tied", out)
+            slots += [(new, f) for f in free]
         if not slots:
             continue
         name, fqn = pick(draw, slots)
@@ -232,8 +245,8 @@ def ties(
     module replaced by another of the same shape, or a new ``tied<i>``
     attribute of a drawn module holding an existing parameter. No chains (a
     tie's source is never replaced) and no parameter replaced twice. ``kinds``
-    (see TIE_KINDS) steers how the two modules relate; fewer than ``min_size``
-    only when the tree allows no more."""
+    (see TIE_KINDS) steers how the two modules relate. ``min_size`` is best
+    effort: a tree without room for that many gives fewer."""
     check_tree(tree, classes)
     check_int(min_size, "min_size", min_value=0)
     check_int(max_size, "max_size", min_value=min_size)

@@ -100,7 +100,6 @@ def bench_engines(
     if not specs:
         raise ValueError("bench_engines needs at least one spec")
     scenario = scenario or default_scenario()
-    preload = ("conformance.adapters.fsdp1",) if scenario == "fsdp1" else ()
 
     # (a) a fresh W-process gloo group per example, as MultiProcessTestCase does
     spawn_specs = list(specs[: max(1, spawn_examples)])
@@ -111,7 +110,7 @@ def bench_engines(
 
     # (b) the pool
     t0 = time.perf_counter()
-    with RankPool(world_size, "gloo", deadline, preload=preload) as pool:
+    with RankPool(world_size, "gloo", deadline) as pool:
         startup_s = time.perf_counter() - t0
         _check(pool.run(scenario, specs[0]), "pool")  # warm-up
         inside = 0.0

@@ -2,8 +2,9 @@
 examples until closed; a hung or dead rank is reported and the pool rebuilt.
 
 Only JSON crosses the pipes: the driver sends ``spec.to_json()`` and receives
-one result record per rank (see ``scenarios.run_scenario``). The driver never
-imports torch for gloo; ranks import it once.
+one result record per rank (see ``scenarios.run_scenario``). The driver does
+not import torch for gloo; the pool's fork server imports it once, and every
+rank, first or rebuilt, is a fork of it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +33,7 @@ from conformance.engine.errors import (
     RankHang,
     RankState,
 )
-from conformance.engine.scenarios import get_scenario
+from conformance.engine.scenarios import default_preload, get_scenario
 from conformance.spec import CaseSpec
 
 BACKENDS = ("auto", "gloo", "nccl", "fake")
@@ -71,10 +73,26 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return "nccl"
 
 
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed rank can linger as
+    one until its parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
+
+
 @dataclass
 class _Rank:
     rank: int
-    proc: subprocess.Popen
+    pid: int
     cmd_w: int  # driver -> rank
     res_r: int  # rank -> driver
     log_path: str
@@ -98,19 +116,139 @@ class _Rank:
         return data.decode("utf-8", "replace")
 
 
+class _ForkServer:
+    """The driver's end of a pool's fork server (conformance.engine.rank):
+    one process that imports torch once and forks every generation of ranks,
+    so that a rebuild costs a fork and a group init, not an interpreter."""
+
+    def __init__(self, pool: "RankPool", log_path: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        for k in _LAUNCHER_VARS:
+            env.pop(k, None)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(pool.threads)
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        # PR_SET_PDEATHSIG fires when the spawning *thread* ends: ask for it
+        # only from the main thread, whose end is the driver's.
+        pdeathsig = int(threading.current_thread() is threading.main_thread())
+        args = [
+            sys.executable, "-m", "conformance.engine.rank",
+            "--world-size", str(pool.world_size), "--backend", pool.backend,
+            "--ctl-fd", str(theirs.fileno()), "--parent", str(os.getpid()),
+            "--timeout", str(max(300.0, 2 * pool.deadline)), "--preload", ",".join(pool.preload),
+            "--pdeathsig", str(pdeathsig),
+        ]
+        self.log_path = log_path
+        try:
+            with open(log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                    pass_fds=(theirs.fileno(),), start_new_session=True,
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.started_at = time.monotonic()
+        self.ready = False
+        self.eof = False
+        self.exits: dict[int, int] = {}  # rank pid -> exit code (negative: signal)
+        self.forked: dict[int, int] = {}  # rank -> pid, latest fork
+
+    def alive(self) -> bool:
+        return not self.eof and self.proc.poll() is None
+
+    def drain(self, timeout: float = 0.0, until=None) -> None:
+        """Take the server's messages for up to ``timeout`` seconds, or until
+        ``until()`` holds."""
+        end = time.monotonic() + timeout
+        while not self.eof and not (until is not None and until()):
+            remaining = end - time.monotonic()
+            readable, _, _ = select.select([self.sock], [], [], max(0.0, remaining))
+            if not readable:
+                if remaining <= 0:
+                    return
+                continue
+            try:
+                data = self.sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                self.eof = True
+                return
+            msg = json.loads(data)
+            if msg["op"] == "exited":
+                self.exits[msg["pid"]] = msg["code"]
+            elif msg["op"] == "forked":
+                self.forked[msg["rank"]] = msg["pid"]
+            elif msg["op"] == "ready":
+                self.ready = True
+
+    def wait_ready(self, until: float) -> None:
+        self.drain(until - time.monotonic(), lambda: self.ready)
+        if not self.ready:
+            how = "exited" if not self.alive() else "not ready in time"
+            tail = _last_line(self.log_path)
+            raise PoolStartError(f"the pool's fork server did not start ({how})" + (f": {tail}" if tail else ""))
+
+    def fork(self, rank: int, store: str, log: str, cmd_r: int, res_w: int) -> int:
+        msg = json.dumps({"op": "fork", "rank": rank, "store": store, "log": log}).encode()
+        self.forked.pop(rank, None)
+        try:
+            socket.send_fds(self.sock, [msg], [cmd_r, res_w])
+        except OSError:
+            self.eof = True
+        self.drain(30.0, lambda: rank in self.forked)
+        if rank not in self.forked:
+            raise PoolStartError(f"the pool's fork server did not fork rank {rank}")
+        return self.forked[rank]
+
+    def exited(self, pid: int) -> bool:
+        return pid in self.exits or not pid_alive(pid)
+
+    def kill(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+
+    def close(self, wait: float = 5.0) -> None:
+        """Closing the socket tells the server to kill its ranks and exit."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 class RankPool:
     """``world_size`` rank processes in one process group, kept across examples.
 
     ``run(scenario, spec)`` returns one result record per rank, in rank
     order, or raises RankHang / RankCrash (ExampleFailed) when a rank gives no
     result by the deadline or dies; the pool then rebuilds itself (new ranks
-    start at once, the next run waits for them). A scenario that raises is an
-    error record, not a failure of the pool.
+    are forked at once, the next run waits for them to join). A scenario that
+    raises is an error record, not a failure of the pool.
 
-    Ranks run in their own session and die with the driver: at once by
-    PR_SET_PDEATHSIG when spawned from the main thread, within half a second
-    by a parent-pid poll otherwise; the driver closes every pool at exit and
-    kills their ranks on SIGTERM.
+    One fork server per pool imports torch once; every generation of ranks is
+    forked from it. The processes run in their own session and die with the
+    driver: the server by PR_SET_PDEATHSIG (when the pool is made on the main
+    thread) and a parent-pid poll, the ranks by PR_SET_PDEATHSIG on the
+    server; the driver also closes every pool at exit and kills their
+    processes on SIGTERM.
     """
 
     def __init__(
@@ -120,7 +258,7 @@ class RankPool:
         deadline: float = 60.0,
         *,
         startup_deadline: float = 120.0,
-        preload: tuple[str, ...] = (),
+        preload: tuple[str, ...] | None = None,
         threads: int = 1,
     ) -> None:
         self.backend = resolve_backend(backend, world_size)
@@ -131,15 +269,17 @@ class RankPool:
         self.world_size = world_size
         self.deadline = float(deadline)
         self.startup_deadline = float(startup_deadline)
-        self.preload = tuple(preload)
+        # None: what the registered scenarios need (scenarios.default_preload)
+        self.preload = default_preload() if preload is None else tuple(preload)
         self.threads = threads
         self.generation = 0  # how many times ranks were started
         self.rebuilds = 0  # restarts after a hang, crash or lost sync
         self.events: list[str] = []  # one line per rebuild, why
         self.startup_seconds: float | None = None  # the last start, spawn to ready
         self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-pool-")
+        self._server: _ForkServer | None = None
+        self._servers_started = 0
         self._ranks: list[_Rank] = []
-        self._procs: list[subprocess.Popen] = []  # every process not yet reaped
         self._spawned_at = 0.0
         self._ready = False
         self._closed = False
@@ -157,7 +297,12 @@ class RankPool:
 
     @property
     def pids(self) -> list[int]:
-        return [r.proc.pid for r in self._ranks]
+        """The ranks' process ids, in rank order."""
+        return [r.pid for r in self._ranks]
+
+    @property
+    def forkserver_pid(self) -> int | None:
+        return self._server.proc.pid if self._server is not None else None
 
     def run(self, scenario: str, spec: CaseSpec, *, deadline: float | None = None) -> list[dict]:
         """Run ``scenario`` on every rank with ``spec``; one record per rank."""
@@ -196,23 +341,21 @@ class RankPool:
         return records
 
     def close(self) -> None:
-        """Stop the ranks (barrier, destroy the group, exit); kill any that do
-        not stop within a few seconds. Idempotent."""
+        """Stop the ranks (barrier, destroy the group, exit), then the fork
+        server; kill whatever does not stop within a few seconds. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._ranks and self._ready and all(r.proc.poll() is None for r in self._ranks):
+            if self._ranks and self._ready and not any(self._rank_dead(r) for r in self._ranks):
                 dead = self._send_all(b'{"op": "stop"}\n')
                 if not dead:
                     self._collect("bye", None, time.monotonic() + 10.0, stop_on_death=False)
-                    end = time.monotonic() + 5.0
-                    for r in self._ranks:
-                        try:
-                            r.proc.wait(timeout=max(0.0, end - time.monotonic()))
-                        except subprocess.TimeoutExpired:
-                            pass
+                    pids = self.pids
+                    self._server.drain(5.0, lambda: all(p in self._server.exits for p in pids))
             self._teardown()
+            if self._server is not None:
+                self._server.close()
         finally:
             _live_pools.discard(self)
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -230,74 +373,61 @@ class RankPool:
     # ---- rank processes ----------------------------------------------------
 
     def _spawn(self) -> None:
-        """Start a fresh generation of ranks; does not wait for them."""
+        """Fork a fresh generation of ranks (starting the fork server first if
+        there is none); does not wait for them to join the group."""
         self.generation += 1
         self._ready = False
         self._spawned_at = time.monotonic()
+        if self._server is None or not self._server.alive():
+            if self._server is not None:
+                self._server.kill()
+            self._servers_started += 1
+            self._server = _ForkServer(self, os.path.join(self._dir, f"forkserver-{self._servers_started}.log"))
+            self._server.wait_ready(self._spawned_at + self.startup_deadline)
         store = os.path.join(self._dir, f"store-{self.generation}")
-        env = dict(os.environ)
-        for k in _LAUNCHER_VARS:
-            env.pop(k, None)
-        env["PYTHONUNBUFFERED"] = "1"
-        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(self.threads)
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
-        env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        pg_timeout = max(300.0, 2 * self.deadline)
-        # PR_SET_PDEATHSIG fires when the spawning *thread* ends: ask for it
-        # only from the main thread, whose end is the driver's.
-        pdeathsig = int(threading.current_thread() is threading.main_thread())
         for r in range(self.world_size):
             cmd_r, cmd_w = os.pipe()
             res_r, res_w = os.pipe()
             log_path = os.path.join(self._dir, f"gen{self.generation}-rank{r}.log")
-            args = [
-                sys.executable, "-m", "conformance.engine.rank",
-                "--rank", str(r), "--world-size", str(self.world_size), "--backend", self.backend,
-                "--store", store, "--cmd-fd", str(cmd_r), "--res-fd", str(res_w),
-                "--parent", str(os.getpid()), "--timeout", str(pg_timeout), "--preload", ",".join(self.preload),
-                "--pdeathsig", str(pdeathsig),
-            ]
-            env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.world_size),
-                       LOCAL_WORLD_SIZE=str(self.world_size))
             try:
-                with open(log_path, "ab") as log:
-                    proc = subprocess.Popen(
-                        args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                        pass_fds=(cmd_r, res_w), start_new_session=True,
-                    )
+                pid = self._server.fork(r, store, log_path, cmd_r, res_w)
             except BaseException:
-                for fd in (cmd_r, cmd_w, res_r, res_w):
-                    os.close(fd)
+                os.close(cmd_w)
+                os.close(res_r)
                 raise
-            os.close(cmd_r)
-            os.close(res_w)
-            self._procs.append(proc)
-            self._ranks.append(_Rank(r, proc, cmd_w, res_r, log_path))
+            finally:
+                os.close(cmd_r)
+                os.close(res_w)
+            self._ranks.append(_Rank(r, pid, cmd_w, res_r, log_path))
 
     def _wait_ready(self) -> None:
         got, dead = self._collect("ready", None, self._spawned_at + self.startup_deadline, stop_on_death=True)
         if dead or len(got) < self.world_size:
             missing = sorted(dead or set(range(self.world_size)) - set(got))
             r = self._ranks[missing[0]]
-            how = "exited" if r.proc.poll() is not None else f"not ready after {self.startup_deadline:g}s"
-            tail = [ln for ln in r.read_log(0).splitlines() if ln.strip()][-1:]
+            how = "exited" if self._rank_dead(r) else f"not ready after {self.startup_deadline:g}s"
+            tail = _last_line(r.log_path)
             self._teardown()
             raise PoolStartError(
                 f"{self.backend} rank {r.rank} of {self.world_size} did not start ({how})"
-                + (f": {tail[0].strip()}" if tail else "")
+                + (f": {tail}" if tail else "")
             )
         self._ready = True
         self.startup_seconds = time.monotonic() - self._spawned_at
+
+    def _rank_dead(self, r: _Rank) -> bool:
+        return r.eof or self._server is None or self._server.exited(r.pid)
 
     def _ensure_ready(self) -> None:
         if not self._ranks:
             self._spawn()
         if not self._ready:
             self._wait_ready()
-        gone = [r for r in self._ranks if r.proc.poll() is not None or r.eof]
+        self._server.drain(0.0)
+        gone = [r for r in self._ranks if self._rank_dead(r)]
         if gone:
-            self._rebuild(f"rank {gone[0].rank} (pid {gone[0].proc.pid}) died between examples "
-                          f"(exit code {gone[0].proc.returncode})")
+            code = self._server.exits.get(gone[0].pid)
+            self._rebuild(f"rank {gone[0].rank} (pid {gone[0].pid}) died between examples (exit code {code})")
             self._wait_ready()
 
     def _rebuild(self, why: str) -> None:
@@ -307,28 +437,40 @@ class RankPool:
         self._spawn()
 
     def _teardown(self) -> None:
-        """Kill this generation's ranks and reap them."""
-        for r in self._ranks:
+        """Kill this generation's ranks and wait until the server reaped them."""
+        ranks, self._ranks = self._ranks, []
+        self._ready = False
+        for r in ranks:
             for fd in (r.cmd_w, r.res_r):
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self._ranks = []
-        self._ready = False
-        self._kill_procs()
-
-    def _kill_procs(self) -> None:
-        procs, self._procs = self._procs, []
-        for p in procs:
-            if p.poll() is None:
+        server = self._server
+        if server is None:
+            return
+        server.drain(0.0)
+        for r in ranks:
+            if r.pid not in server.exits:
                 try:
-                    p.kill()
+                    os.kill(r.pid, signal.SIGKILL)
                 except OSError:
                     pass
-        for p in procs:
+        server.drain(5.0, lambda: all(r.pid in server.exits for r in ranks))
+
+    def _kill_procs(self) -> None:
+        """Kill every process of the pool at once (SIGTERM, atexit fallback)."""
+        server = self._server
+        for r in list(self._ranks):
+            if server is None or r.pid not in server.exits:
+                try:
+                    os.kill(r.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        if server is not None:
+            server.kill()
             try:
-                p.wait(timeout=5.0)
+                server.proc.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
                 pass
 
@@ -342,7 +484,7 @@ class RankPool:
                 while view:
                     n = os.write(r.cmd_w, view)
                     view = view[n:]
-            except (BrokenPipeError, OSError):
+            except OSError:
                 dead.add(r.rank)
         return dead
 
@@ -406,28 +548,26 @@ class RankPool:
 
     def _give_up(self, cls, scenario, spec, deadline, start, got, dead, offsets) -> ExampleFailed:
         elapsed = time.monotonic() - start
-        live = [r for r in self._ranks if r.rank not in dead and r.proc.poll() is None]
+        server = self._server
+        server.drain(0.0)
+        live = [r for r in self._ranks if r.rank not in dead and not self._rank_dead(r)]
         before = {r.rank: r.log_size() for r in live}
         for r in live:
             try:
-                os.kill(r.proc.pid, signal.SIGUSR1)
+                os.kill(r.pid, signal.SIGUSR1)
             except OSError:
                 pass
         _wait_quiet(live, before)
+        exited = [r for r in self._ranks if r.rank not in before]
+        server.drain(2.0, lambda: all(r.pid in server.exits for r in exited))
         states = []
         for r in self._ranks:
             if r.rank in got:
                 state = "returned"
-            elif r.rank in dead or r.proc.poll() is not None:
-                state = "exited"
-            else:
+            elif r.rank in before:
                 state = "running"
-            code = None
-            if state == "exited":
-                try:
-                    code = r.proc.wait(timeout=2.0)
-                except subprocess.TimeoutExpired:
-                    pass
+            else:
+                state = "exited"
             if r.rank in before:
                 stack = r.read_log(before[r.rank])
                 log = r.read_log(offsets[r.rank], before[r.rank])
@@ -436,13 +576,23 @@ class RankPool:
                 fatal = log.find("Fatal Python error")
                 stack = log[fatal:] if fatal >= 0 else ""
             record = _strip(got[r.rank]) if r.rank in got else None
-            states.append(RankState(r.rank, r.proc.pid, state, code, record, stack, log))
+            code = server.exits.get(r.pid) if state == "exited" else None
+            states.append(RankState(r.rank, r.pid, state, code, record, stack, log))
         failure = cls(
             scenario=scenario, spec=spec, backend=self.backend, world_size=self.world_size,
             deadline=deadline, elapsed=elapsed, ranks=tuple(states),
         )
         self._rebuild(str(failure))
         return failure
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def _strip(msg: dict) -> dict:

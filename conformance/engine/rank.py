@@ -1,11 +1,20 @@
-"""One rank process of a RankPool: joins the group once, then runs examples
-read from its command pipe until told to stop.
+"""The processes behind a RankPool: a fork server that imports torch once, and
+the ranks it forks, which join the group and run examples until told to stop.
 
-Protocol (one JSON object per line): the driver sends
-``{"op": "run", "id", "scenario", "module", "spec"}``, ``{"op": "sync", "id"}``
-or ``{"op": "stop"}``; the rank answers ``{"op": "ready", ...}`` once,
-``{"op": "result", "id", **record}`` per run, ``{"op": "synced", "id",
-"value"}`` per sync, and ``{"op": "bye"}`` before it exits.
+Fork server (``python -m conformance.engine.rank``): talks to the driver over
+a SOCK_SEQPACKET socket, one JSON message per packet. It answers
+``{"op": "ready"}`` once its imports are done; for ``{"op": "fork", "rank",
+"store", "log"}`` (with the rank's two pipe ends attached as SCM_RIGHTS) it
+forks a rank and answers ``{"op": "forked", "rank", "pid"}``; it reaps its
+ranks and reports ``{"op": "exited", "pid", "code"}`` (negative code: killed
+by that signal). It exits, killing its ranks, when the driver closes the
+socket or dies.
+
+Rank (one JSON object a line on its pipes): the driver sends ``{"op": "run",
+"id", "scenario", "module", "spec"}``, ``{"op": "sync", "id"}`` or ``{"op":
+"stop"}``; the rank answers ``{"op": "ready", ...}`` once, ``{"op":
+"result", "id", **record}`` per run, ``{"op": "synced", "id", "value"}`` per
+sync and ``{"op": "bye"}`` before it exits.
 """
 
 from __future__ import annotations
@@ -16,113 +25,202 @@ import faulthandler
 import gc
 import json
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
+import traceback
 
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent: int, pdeathsig: bool) -> None:
-    # The kernel kills us when the driver dies, even by SIGKILL. PDEATHSIG
-    # follows the thread that spawned us, so the driver asks for it only from
-    # its main thread; a poll of the parent pid backs it either way.
-    if pdeathsig:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+def _set_pdeathsig() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The fork server."""
     p = argparse.ArgumentParser()
-    p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--backend", required=True)
-    p.add_argument("--store", required=True)
-    p.add_argument("--cmd-fd", type=int, required=True)
-    p.add_argument("--res-fd", type=int, required=True)
+    p.add_argument("--ctl-fd", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--preload", default="")
     p.add_argument("--pdeathsig", type=int, default=1)
     a = p.parse_args(argv)
     started = time.perf_counter()
-    _die_with_parent(a.parent, bool(a.pdeathsig))
-    # The ranks run in their own session, so a terminal Ctrl-C reaches only the
-    # driver; ignore a stray SIGINT rather than die mid-collective.
+    # The kernel kills us when the driver dies, even by SIGKILL. PDEATHSIG
+    # follows the thread that spawned us, so the driver asks for it only from
+    # its main thread; the loop below polls the parent pid either way.
+    if a.pdeathsig:
+        _set_pdeathsig()
+    if os.getppid() != a.parent:
+        os._exit(1)
+    # We run in our own session, so a terminal Ctrl-C reaches only the driver;
+    # ignore a stray SIGINT rather than die mid-collective (ranks inherit it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    faulthandler.enable(all_threads=True)  # fatal signals: stack to stderr (the rank's log)
+    faulthandler.enable(all_threads=True)
+
+    import torch
+    import torch.distributed  # noqa: F401
+
+    import conformance.engine.scenarios  # noqa: F401
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    for mod in filter(None, a.preload.split(",")):
+        try:
+            __import__(mod)
+        except Exception:  # the scenario that needs it will report the error
+            traceback.print_exc()
+    # What is imported now lives as long as every rank: keep it out of the
+    # garbage collector's full passes, which would rescan torch's objects
+    # during examples.
+    gc.collect()
+    gc.freeze()
+
+    ctl = socket.socket(fileno=a.ctl_fd)
+
+    def tell(obj: dict) -> None:
+        try:
+            ctl.send(json.dumps(obj).encode())
+        except OSError:
+            pass
+
+    tell({"op": "ready", "pid": os.getpid(), "startup_seconds": time.perf_counter() - started})
+    children: dict[int, int] = {}  # pid -> rank
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            children.pop(pid, None)
+            tell({"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def shut_down(code: int) -> None:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for _ in list(children):
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+        os._exit(code)
+
+    while True:
+        if os.getppid() != a.parent:
+            shut_down(1)
+        readable, _, _ = select.select([ctl], [], [], 0.2)
+        reap()
+        if not readable:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 2)
+        except OSError:
+            shut_down(0)
+        if not data:
+            shut_down(0)  # the driver closed the pool (or is gone)
+        msg = json.loads(data)
+        if msg["op"] != "fork" or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ctl.close()
+                _rank_main(msg["rank"], a.world_size, a.backend, msg["store"], msg["log"], fds[0], fds[1],
+                           a.timeout)
+            finally:
+                os._exit(1)  # never back into the server's loop
+        for fd in fds:
+            os.close(fd)
+        children[pid] = msg["rank"]
+        tell({"op": "forked", "rank": msg["rank"], "pid": pid})
+
+
+def _rank_main(
+    rank: int, world_size: int, backend: str, store: str, log: str, cmd_fd: int, res_fd: int, timeout: float
+) -> None:
+    started = time.perf_counter()
+    server = os.getppid()
+    _set_pdeathsig()  # forked by the server's main thread: dies with the server
+    if os.getppid() != server:
+        os._exit(1)
+
+    def watch() -> None:  # backs PDEATHSIG
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != server:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    faulthandler.enable(all_threads=True)  # fatal signals: stack to the rank's log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks for stacks
-
-    cmd = os.fdopen(a.cmd_fd, "rb", buffering=0)
-    res = os.fdopen(a.res_fd, "wb", buffering=0)
-
-    def send(obj: dict) -> None:
-        res.write((json.dumps(obj) + "\n").encode())
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
 
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from conformance.engine.scenarios import run_scenario
+    from conformance.engine.scenarios import error_record, run_scenario
 
-    if os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    cmd = os.fdopen(cmd_fd, "rb", buffering=0)
+    res = os.fdopen(res_fd, "wb", buffering=0)
+
+    def send(obj: dict) -> None:
+        res.write((json.dumps(obj) + "\n").encode())
+
     kwargs = {}
     device = torch.device("cpu")
-    if a.backend == "nccl":
-        device = torch.device("cuda", a.rank)
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     dist.init_process_group(
-        a.backend,
-        store=dist.FileStore(a.store, a.world_size),
-        rank=a.rank,
-        world_size=a.world_size,
-        timeout=timedelta(seconds=a.timeout),
+        backend,
+        store=dist.FileStore(store, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
         **kwargs,
     )
-    for mod in filter(None, a.preload.split(",")):
-        __import__(mod)
-    # Everything imported so far lives as long as the rank: keep it out of the
-    # garbage collector's full passes, which would otherwise rescan torch's
-    # objects during examples.
-    gc.collect()
-    gc.freeze()
-    send({"op": "ready", "rank": a.rank, "pid": os.getpid(), "startup_seconds": time.perf_counter() - started})
+    send({"op": "ready", "rank": rank, "pid": os.getpid(), "startup_seconds": time.perf_counter() - started})
 
-    lines = _lines(cmd)
-    for line in lines:
+    for line in _lines(cmd):
         msg = json.loads(line)
         op = msg["op"]
         if op == "run":
             record = run_scenario(
-                msg["scenario"], msg["spec"], rank=a.rank, module=msg.get("module"), catch=(BaseException,)
+                msg["scenario"], msg["spec"], rank=rank, module=msg.get("module"), catch=(BaseException,)
             )
             try:
-                out = json.dumps({"op": "result", "id": msg["id"], **record})
+                text = json.dumps({"op": "result", "id": msg["id"], **record})
             except (TypeError, ValueError) as e:
-                from conformance.engine.scenarios import error_record
-
-                out = json.dumps(
-                    {"op": "result", "id": msg["id"], "rank": a.rank, "ok": False,
-                     "error": error_record(e), "seconds": record["seconds"]}
-                )
-            res.write((out + "\n").encode())
+                text = json.dumps({"op": "result", "id": msg["id"], "rank": rank, "ok": False,
+                                   "error": error_record(e), "seconds": record["seconds"]})
+            res.write((text + "\n").encode())
         elif op == "sync":
             t = torch.tensor([float(msg["id"])], dtype=torch.float64, device=device)
             dist.all_reduce(t)

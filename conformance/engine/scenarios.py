@@ -37,6 +37,9 @@ class Scenario:
     # What every rank must agree on, from one rank's value (rank ids, pids and
     # timings removed).
     comparable: Callable[[dict], Any] | None = None
+    # Modules the scenario imports on first use; a pool's fork server imports
+    # them once, before it forks any rank.
+    preload: tuple[str, ...] = ()
 
     def comparable_value(self, value: dict) -> Any:
         if self.comparable is not None:
@@ -53,6 +56,7 @@ def scenario(
     test_only: bool = False,
     fault: bool = False,
     comparable: Callable[[dict], Any] | None = None,
+    preload: tuple[str, ...] = (),
 ) -> Callable[[ScenarioFn], ScenarioFn]:
     """Register ``fn`` as the scenario ``name``."""
 
@@ -60,7 +64,7 @@ def scenario(
         old = _REGISTRY.get(name)
         if old is not None and (old.module, old.fn.__qualname__) != (fn.__module__, fn.__qualname__):
             raise EngineError(f"scenario {name!r} is already registered by {old.module}.{old.fn.__qualname__}")
-        _REGISTRY[name] = Scenario(name, fn, fn.__module__, test_only, fault, comparable)
+        _REGISTRY[name] = Scenario(name, fn, fn.__module__, test_only, fault, comparable, tuple(preload))
         return fn
 
     return register
@@ -78,6 +82,18 @@ def get_scenario(name: str, module: str | None = None) -> Scenario:
 
 def scenario_names(*, include_test_only: bool = False) -> list[str]:
     return sorted(n for n, s in _REGISTRY.items() if include_test_only or not s.test_only)
+
+
+def default_preload() -> tuple[str, ...]:
+    """What every registered scenario (test-only ones aside) imports: their
+    own modules and their ``preload``s."""
+    mods: list[str] = []
+    for s in _REGISTRY.values():
+        if not s.test_only:
+            for m in (s.module, *s.preload):
+                if m != "__main__" and m not in mods:
+                    mods.append(m)
+    return tuple(mods)
 
 
 def run_scenario(
@@ -146,7 +162,7 @@ def _observation_comparable(value: dict) -> Any:
     return Observation.from_dict(value).comparable()
 
 
-@scenario("fsdp1", comparable=_observation_comparable)
+@scenario("fsdp1", comparable=_observation_comparable, preload=("conformance.adapters.fsdp1",))
 def fsdp1(spec: CaseSpec) -> dict:
     """Wrap the case with FSDP1 and observe it (conformance.adapters.fsdp1)."""
     from conformance.adapters import fsdp1 as adapter

@@ -79,7 +79,7 @@ def check_echo(records: list[dict], seed: int, pids: list[int] | None = None) ->
 def pool():
     p = RankPool(2, "gloo", deadline=DEADLINE)
     yield p
-    pids = p.pids
+    pids = p.pids + [p.forkserver_pid]
     p.close()
     assert wait_gone(pids) == []
 
@@ -175,14 +175,20 @@ def test_rank_killed_mid_example_or_between_examples(pool):
     pool.run("echo", small_spec())
     rebuilds = pool.rebuilds
     os.kill(pool.pids[0], signal.SIGKILL)
-    pool._ranks[0].proc.wait(timeout=5)  # dead and reaped, threads and all
+    assert wait_gone([pool.pids[0]]) == []
     check_echo(pool.run("echo", small_spec(18)), 18)
     assert pool.rebuilds == rebuilds + 1 and "died between examples" in pool.events[-1]
+    # the fork server killed: its ranks die with it; the next run starts both anew
+    server, ranks = pool.forkserver_pid, pool.pids
+    os.kill(server, signal.SIGKILL)
+    assert wait_gone([server] + ranks) == []
+    check_echo(pool.run("echo", small_spec(19)), 19)
+    assert pool.forkserver_pid != server
 
 
 @pytest.mark.gloo
 def test_fsdp1_scenario_runs_in_the_pool(pool):
-    records = pool.run("fsdp1", lora_model(num_layers=1, use_orig_params=True))
+    records = pool.run("fsdp1", lora_model(num_layers=1, use_orig_params=True), deadline=60)
     assert all(r["ok"] for r in records), records
     assert [r["value"]["rank"] for r in records] == [0, 1]
     assert records[0]["value"]["world_size"] == 2
@@ -192,8 +198,11 @@ def test_fsdp1_scenario_runs_in_the_pool(pool):
 def test_two_pools_at_once_then_close_leaves_no_process():
     # made at the same time, from threads that end before the pools are used
     made: dict[int, RankPool] = {}
-    threads = [threading.Thread(target=lambda i=i: made.__setitem__(i, RankPool(2, "gloo", DEADLINE)))
-               for i in range(2)]
+
+    def make(i: int) -> None:
+        made[i] = RankPool(2, "gloo", DEADLINE, preload=())
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -203,8 +212,8 @@ def test_two_pools_at_once_then_close_leaves_no_process():
         for seed in range(3):
             check_echo(a.run("echo", small_spec(seed)), seed, a.pids)
             check_echo(b.run("echo", small_spec(seed)), seed, b.pids)
-        pids = a.pids + b.pids
-        assert len(set(pids)) == 4
+        pids = a.pids + b.pids + [a.forkserver_pid, b.forkserver_pid]
+        assert len(set(pids)) == 6
     finally:
         a.close()
         b.close()
@@ -225,13 +234,13 @@ DRIVER = textwrap.dedent(
     if sys.argv[2] == "thread":  # ranks spawned by a thread that has ended
         import threading
         made = []
-        t = threading.Thread(target=lambda: made.append(RankPool(2, "gloo", deadline=60)))
+        t = threading.Thread(target=lambda: made.append(RankPool(2, "gloo", deadline=60, preload=())))
         t.start(); t.join()
         pool = made[0]
     else:
-        pool = RankPool(2, "gloo", deadline=60)
+        pool = RankPool(2, "gloo", deadline=60, preload=())
     pool.run("echo", spec)
-    print(json.dumps(pool.pids), flush=True)
+    print(json.dumps(pool.pids + [pool.forkserver_pid]), flush=True)
     if sys.argv[1] == "busy":
         pool.run("sleep_forever", spec)
     else:
@@ -264,7 +273,7 @@ def test_no_rank_outlives_its_driver(sig, state, spawner):
         time.sleep(0.5)  # busy: the driver now waits in run()
         driver.send_signal(sig)
         driver.wait(timeout=20)
-        assert wait_gone(pids) == [], f"ranks outlived a driver ended by {sig.name}"
+        assert wait_gone(pids) == [], f"pool processes outlived a driver ended by {sig.name}"
     finally:
         if driver.poll() is None:
             driver.kill()

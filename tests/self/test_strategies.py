@@ -4,7 +4,6 @@ feature is generated; failures shrink to small trees; bad arguments fail early."
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 
 import pytest
@@ -234,7 +233,7 @@ def _check_structure(spec: CaseSpec, max_modules: int = 24, max_depth: int = 4) 
     assert not (spec.plan.ignored_modules and spec.plan.ignored_params)
 
 
-@_settings(400, phases=[Phase.generate])
+@_settings(400)
 @given(case_specs(apis=st.sampled_from(["fsdp1", "fsdp2"])))
 def test_drawn_specs_are_valid_and_well_formed(spec):
     _check_structure(spec)
@@ -335,6 +334,25 @@ def test_shared_modules_of_each_kind(data):
     CaseSpec(tree=tree, classes=classes, shared=drawn)  # validates
     for s in drawn:
         assert _shared_relation(s.parent, s.source) == kind
+
+
+def _hand_written_tree() -> tuple[ModuleSpec, tuple]:
+    # Attribute names the strategies would otherwise pick for what they add.
+    from conformance.spec import ClassSpec, ParamSpec
+
+    lin = ModuleSpec("shared0", "Linear", (ParamSpec("weight", (2, 2)),))
+    block = ModuleSpec("b", "M", (ParamSpec("tied0", (2, 2)),), children=(ModuleSpec("tied1", "Linear", (ParamSpec("weight", (2, 2)),)),))
+    return ModuleSpec("", "M", (ParamSpec("tied0", (2,)),), children=(lin, block)), (ClassSpec("M"),)
+
+
+@_settings(40)
+@given(st.data())
+def test_added_names_avoid_a_hand_written_trees_names(data):
+    tree, classes = _hand_written_tree()
+    shared = data.draw(shared_modules(tree, classes, min_size=1), label="shared")
+    drawn = data.draw(ties(tree, classes, min_size=1), label="ties")
+    CaseSpec(tree=tree, classes=classes, shared=shared, ties=drawn)  # validates
+    assert shared and drawn
 
 
 @_settings(80)
@@ -465,23 +483,5 @@ def test_a_strategy_that_generates_bad_values_fails_clearly(strategy, message):
     with pytest.raises(InvalidArgument, match=message):
         draw()
 
-
-# ---- speed ---------------------------------------------------------------------------------
-
-
-def test_drawing_is_cheap():
-    """A loose guard against blow-ups (the figure to watch is printed by
-    `pytest -s`): 300 specs end to end through @given."""
-    n = 300
-
-    @_settings(n, phases=[Phase.generate])
-    @given(case_specs())
-    def draw(spec):
-        pass
-
-    t0 = time.process_time()
-    draw()
-    per_spec = (time.process_time() - t0) / n
-    print(f"\ncase_specs: {per_spec * 1e3:.2f} ms per spec (CPU), {1 / per_spec:.0f} specs/s")
-    assert per_spec < 0.025
-
+# Drawing speed is measured by `fsdp-conformance bench` (draw ms per example),
+# not by a timed test: this machine is shared and noisy.

@@ -1,0 +1,79 @@
+"""Bad input gives one line on stderr and exit status 2; the CLI's happy paths."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conformance.examples import lora_model
+from conformance.spec import CaseSpec, SpecError
+
+pytestmark = pytest.mark.selfcheck
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "conformance.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def assert_one_line_error(proc, needle):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert needle in lines[0]
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "must be an object"),
+        (json.dumps({"version": 1, "case": {"type": "CaseSpec", "tree": 3}}), "CaseSpec"),
+        (json.dumps({"version": 1, "case": {"type": "Nope"}}), "unexpected type"),
+    ],
+)
+def test_malformed_spec_json_is_one_line(tmp_path, text, needle):
+    path = tmp_path / "case.json"
+    path.write_text(text)
+    assert_one_line_error(cli("check", str(path)), needle)
+    assert_one_line_error(cli("repro", str(path)), needle)
+
+
+def test_unknown_invariant_is_one_line(tmp_path):
+    path = tmp_path / "case.json"
+    path.write_text(lora_model(num_layers=1).to_json())
+    assert_one_line_error(cli("check", str(path), "--invariant", "WRAP-NOPE"), "unknown invariant ID 'WRAP-NOPE'")
+    assert_one_line_error(cli("run", "--invariant", "WRAP-NOPE"), "unknown invariant ID 'WRAP-NOPE'")
+
+
+def test_unknown_profile_is_one_line():
+    assert_one_line_error(cli("run", "--profile", "nightly-ish"), "unknown Hypothesis profile")
+
+
+def test_nccl_without_gpus_is_one_line(tmp_path):
+    path = tmp_path / "case.json"
+    path.write_text(lora_model(num_layers=1).to_json())
+    proc = cli("check", str(path), "--backend", "nccl", "--world-size", "2")
+    assert_one_line_error(proc, "nccl")
+
+
+def test_check_and_repro_on_a_good_case(tmp_path):
+    path = tmp_path / "case.json"
+    path.write_text(lora_model(num_layers=1).to_json())
+    proc = cli("check", str(path), "--invariant", "frozen")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FROZEN-ERROR: PASS" in proc.stdout
+    script = tmp_path / "repro.py"
+    assert cli("repro", str(path), "-o", str(script)).returncode == 0
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "layers.0.attn has both parameters with requires_grad=True and False" in run.stdout
+
+
+def test_spec_round_trips_and_rejects_bad_trees():
+    spec = lora_model(num_layers=2)
+    assert CaseSpec.from_json(spec.to_json()) == spec
+    ns = {}
+    exec(spec.to_python(), ns)
+    assert ns["spec"] == spec
+    with pytest.raises(SpecError, match="unknown class"):
+        CaseSpec.from_json(spec.to_json().replace('"LoraMLP"', '"Nope"', 1))
