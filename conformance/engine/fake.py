@@ -37,11 +37,17 @@ def preserve_hypothesis_profile() -> Iterator[None]:
             settings.load_profile(name)
 
 
+_fake_pg = None
+
+
 def _import_fake_pg():
-    with preserve_hypothesis_profile():
-        import torch.distributed as dist
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    return dist, FakeStore
+    global _fake_pg
+    if _fake_pg is None:
+        with preserve_hypothesis_profile():
+            import torch.distributed as dist
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+        _fake_pg = (dist, FakeStore)
+    return _fake_pg
 
 
 class FakeEngine:
@@ -50,7 +56,8 @@ class FakeEngine:
     ``run(scenario, spec)`` returns ``[record]`` (one record, this rank's),
     shaped exactly like a RankPool record, JSON round trip included. There is
     no deadline: fake collectives never wait. Scenarios marked ``fault`` (they
-    hang or kill their process) are refused.
+    hang or kill their process) are refused. The engine owns the process's
+    default group while open; ``close()`` destroys it.
     """
 
     def __init__(self, world_size: int = 4, rank: int = 0) -> None:
@@ -89,7 +96,10 @@ class FakeEngine:
         if not isinstance(spec, CaseSpec):
             raise TypeError(f"spec must be a CaseSpec, got {type(spec).__name__}")
         self._join()
-        record = run_scenario(scenario, spec.to_json(), rank=self.rank)
+        # a scenario may import torch's test utilities on first use (FSDP
+        # test helpers import common_utils): the suite's profile stays
+        with preserve_hypothesis_profile():
+            record = run_scenario(scenario, spec.to_json(), rank=self.rank)
         return [json_roundtrip(record)]
 
     def close(self) -> None:

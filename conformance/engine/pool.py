@@ -138,7 +138,7 @@ class _ForkServer:
             "--world-size", str(pool.world_size), "--backend", pool.backend,
             "--ctl-fd", str(theirs.fileno()), "--parent", str(os.getpid()),
             "--timeout", str(max(300.0, 2 * pool.deadline)), "--preload", ",".join(pool.preload),
-            "--pdeathsig", str(pdeathsig),
+            "--pdeathsig", str(pdeathsig), "--dir", pool._dir,
         ]
         self.log_path = log_path
         try:
@@ -211,15 +211,18 @@ class _ForkServer:
         return pid in self.exits or not pid_alive(pid)
 
     def kill(self) -> None:
+        # SIGKILL before closing the socket: a server that saw the socket
+        # close would clean up the pool's folder, which a new server may use.
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+                self.proc.wait(timeout=5.0)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         try:
             self.sock.close()
         except OSError:
             pass
-        if self.proc.poll() is None:
-            try:
-                self.proc.kill()
-            except OSError:
-                pass
 
     def close(self, wait: float = 5.0) -> None:
         """Closing the socket tells the server to kill its ranks and exit."""
@@ -248,7 +251,7 @@ class RankPool:
     driver: the server by PR_SET_PDEATHSIG (when the pool is made on the main
     thread) and a parent-pid poll, the ranks by PR_SET_PDEATHSIG on the
     server; the driver also closes every pool at exit and kills their
-    processes on SIGTERM.
+    processes on SIGTERM. One caller at a time: a pool is not thread-safe.
     """
 
     def __init__(
@@ -469,10 +472,6 @@ class RankPool:
                     pass
         if server is not None:
             server.kill()
-            try:
-                server.proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass
 
     # ---- messages ----------------------------------------------------------
 
@@ -633,6 +632,7 @@ def _close_all_pools() -> None:
 def _kill_all_pools() -> None:
     for pool in list(_live_pools):
         pool._kill_procs()
+        shutil.rmtree(pool._dir, ignore_errors=True)
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -36,9 +37,9 @@ import traceback
 PR_SET_PDEATHSIG = 1
 
 
-def _set_pdeathsig() -> None:
+def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -53,13 +54,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--preload", default="")
     p.add_argument("--pdeathsig", type=int, default=1)
+    p.add_argument("--dir", default="", help="the pool's scratch folder, removed if the driver dies")
     a = p.parse_args(argv)
     started = time.perf_counter()
-    # The kernel kills us when the driver dies, even by SIGKILL. PDEATHSIG
-    # follows the thread that spawned us, so the driver asks for it only from
-    # its main thread; the loop below polls the parent pid either way.
+    children: dict[int, int] = {}  # pid -> rank
+
+    def shut_down(code: int) -> None:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for _ in list(children):
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+        if a.dir:  # the driver does too, unless it died
+            shutil.rmtree(a.dir, ignore_errors=True)
+        os._exit(code)
+
+    # The kernel signals us when the driver dies, even by SIGKILL (SIGTERM,
+    # so that we take our ranks along). PDEATHSIG follows the thread that
+    # spawned us, so the driver asks for it only from its main thread; the
+    # loop below polls the parent pid either way.
+    signal.signal(signal.SIGTERM, lambda signum, frame: shut_down(1))
     if a.pdeathsig:
-        _set_pdeathsig()
+        _set_pdeathsig(signal.SIGTERM)
     if os.getppid() != a.parent:
         os._exit(1)
     # We run in our own session, so a terminal Ctrl-C reaches only the driver;
@@ -94,7 +115,6 @@ def main(argv: list[str] | None = None) -> None:
             pass
 
     tell({"op": "ready", "pid": os.getpid(), "startup_seconds": time.perf_counter() - started})
-    children: dict[int, int] = {}  # pid -> rank
 
     def reap() -> None:
         while children:
@@ -106,19 +126,6 @@ def main(argv: list[str] | None = None) -> None:
                 return
             children.pop(pid, None)
             tell({"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
-
-    def shut_down(code: int) -> None:
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        for _ in list(children):
-            try:
-                os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-        os._exit(code)
 
     while True:
         if os.getppid() != a.parent:
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         pid = os.fork()
         if pid == 0:
             try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 ctl.close()
                 _rank_main(msg["rank"], a.world_size, a.backend, msg["store"], msg["log"], fds[0], fds[1],
                            a.timeout)

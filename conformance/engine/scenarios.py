@@ -77,7 +77,8 @@ def get_scenario(name: str, module: str | None = None) -> Scenario:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise EngineError(f"unknown scenario {name!r}; known: {', '.join(scenario_names(include_test_only=True))}") from None
+        known = ", ".join(scenario_names(include_test_only=True))
+        raise EngineError(f"unknown scenario {name!r}; known: {known}") from None
 
 
 def scenario_names(*, include_test_only: bool = False) -> list[str]:

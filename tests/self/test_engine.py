@@ -240,7 +240,7 @@ DRIVER = textwrap.dedent(
     else:
         pool = RankPool(2, "gloo", deadline=60, preload=())
     pool.run("echo", spec)
-    print(json.dumps(pool.pids + [pool.forkserver_pid]), flush=True)
+    print(json.dumps([pool.pids + [pool.forkserver_pid], pool._dir]), flush=True)
     if sys.argv[1] == "busy":
         pool.run("sleep_forever", spec)
     else:
@@ -268,12 +268,13 @@ def test_no_rank_outlives_its_driver(sig, state, spawner):
     try:
         line = driver.stdout.readline()
         assert line, driver.stderr.read()
-        pids = json.loads(line)
-        assert all(alive(p) for p in pids)
+        pids, folder = json.loads(line)
+        assert all(alive(p) for p in pids) and os.path.isdir(folder)
         time.sleep(0.5)  # busy: the driver now waits in run()
         driver.send_signal(sig)
         driver.wait(timeout=20)
         assert wait_gone(pids) == [], f"pool processes outlived a driver ended by {sig.name}"
+        assert not os.path.exists(folder)
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -308,8 +309,8 @@ def test_scenario_registry():
     assert {"echo", "raise", "sleep_forever", "exit_mid_collective", "segfault"} <= set(
         scenario_names(include_test_only=True)
     )
-    with pytest.raises(EngineError, match="unknown scenario 'nope'"):
-        FakeEngine(2).run("nope", small_spec())
+    with FakeEngine(2) as fake, pytest.raises(EngineError, match="unknown scenario 'nope'"):
+        fake.run("nope", small_spec())
 
 
 # ---- the fake tier ---------------------------------------------------------------
