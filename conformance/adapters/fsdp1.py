@@ -223,6 +223,11 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         for p, m, r in units
     )
     state_dict_keys, state_dict_error = (), None
+    if not _same_structure_on_all_ranks(unit_obs):
+        # Ranks built different units: any further collective (state_dict's
+        # all-gathers) would be mismatched and abort the group.
+        with_state_dict = False
+        state_dict_error = "skipped: the ranks built different FSDP units"
     if with_state_dict:
         try:
             state_dict_keys = tuple(clean(k) for k in wrapped.state_dict().keys())
@@ -246,6 +251,15 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         ties_intact=ties,
         wrap_seconds=wrap_seconds,
     )
+
+
+def _same_structure_on_all_ranks(units) -> bool:
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return True  # one real rank: nothing to disagree with
+    mine = [(u.path, u.managed) for u in units]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return all(x == mine for x in everyone)
 
 
 def _get_attr(model: nn.Module, path: str):

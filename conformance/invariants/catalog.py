@@ -18,16 +18,17 @@ class Invariant:
     statement: str
     source: str
     check: Callable  # (spec, prediction, observation) -> list[Violation]
+    all_ranks: bool = False  # check gets every rank's observation, not rank 0's
 
 
 CATALOG: dict[str, Invariant] = {}
 
 
-def invariant(id: str, *, area: str, api: str, statement: str, source: str):
+def invariant(id: str, *, area: str, api: str, statement: str, source: str, all_ranks: bool = False):
     def register(fn: Callable) -> Callable:
         if id in CATALOG:
             raise ValueError(f"duplicate invariant {id}")
-        CATALOG[id] = Invariant(id, area, api, statement, source, fn)
+        CATALOG[id] = Invariant(id, area, api, statement, source, fn, all_ranks)
         return fn
 
     return register

@@ -171,6 +171,8 @@ def check_state_dict(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) ->
     if not _wrapped(pred, obs):
         return []
     tags = case_tags(spec, pred)
+    if obs.state_dict_error and obs.state_dict_error.startswith("skipped:"):
+        return []  # RANKS-AGREE reports the divergence
     if obs.state_dict_error:
         return [_v("WRAP-STATE-DICT", f"state_dict() raised {obs.state_dict_error.splitlines()[0]}", tags, "kind:state-dict-raised")]
     out = []
@@ -309,4 +311,27 @@ def check_ties(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[
             out.append(
                 _v("TIES", f"tied parameter {t.fqn} is managed by unit {t.unit or '<root>'} below its users' common ancestor {t.lca or '<root>'}, and FSDP accepted it silently", tags, "kind:below-lca-accepted")
             )
+    return out
+
+
+@invariant(
+    "RANKS-AGREE",
+    area="ranks",
+    api="fsdp1",
+    statement="Every rank wraps the same units with the same parameters and sees the same errors, warnings and state-dict keys.",
+    source=f"{DOC_FSDP} (SPMD: every rank must construct the same FSDP instances, or collectives mismatch)",
+    all_ranks=True,
+)
+def check_ranks_agree(spec: CaseSpec, pred: FSDP1Prediction, obs: list[Observation]) -> list[Violation]:
+    tags = case_tags(spec, pred)
+    first = obs[0].comparable()
+    out = []
+    for o in obs[1:]:
+        mine = o.comparable()
+        fields = sorted(k for k in first if first[k] != mine.get(k))
+        if not fields:
+            continue
+        kinds = {"kind:units-differ"} if "units" in fields and len(obs[0].units) != len(o.units) else set()
+        detail = "; ".join(f"{k}: rank {obs[0].rank} {first[k]!r} vs rank {o.rank} {mine.get(k)!r}" for k in fields)
+        out.append(_v("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", tags | kinds, "kind:ranks"))
     return out

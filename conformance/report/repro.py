@@ -54,13 +54,24 @@ def main():
             print(f"FSDP raised {type(e).__name__}: {e}")
     for w in caught:
         print(f"{w.category.__name__}: {w.message}")
-    if fsdp is not None and dist.get_rank() == 0:
+    if fsdp is not None:
+        units = []
         for name, unit in fsdp.named_modules():
             if isinstance(unit, FSDP):
                 name = name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
-                fqns = list(unit._handle.flat_param._fqns) if unit._handle else []
-                print(f"FSDP unit {name or '<root>'!r} manages {fqns}")
-        print("state_dict keys:", [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()])
+                units.append((name, list(unit._handle.flat_param._fqns) if unit._handle else []))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, units)
+        if dist.get_rank() == 0:
+            for rank, rank_units in enumerate(everyone):
+                for name, fqns in rank_units:
+                    print(f"[rank {rank}] FSDP unit {name or '<root>'!r} manages {fqns}")
+        if all(u == units for u in everyone):  # else state_dict's collectives would mismatch
+            keys = [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()]
+            if dist.get_rank() == 0:
+                print("state_dict keys:", keys)
+        elif dist.get_rank() == 0:
+            print("the ranks built DIFFERENT FSDP units")
     if dist.get_rank() == 0:
         print(EXPECTED)
     dist.barrier()

@@ -155,3 +155,26 @@ def test_ties_catches_a_duplicated_tied_param(fake_engine, monkeypatch):
     assert_caught("TIES", spec, fake_engine, None, before=(PASS, KNOWN))
     monkeypatch.setattr(_init_utils, "_is_fsdp_flattened", lambda t: False)
     assert_fails("TIES", spec, fake_engine, "kind:duplicated")
+
+
+def test_ranks_agree_catches_a_rank_dependent_policy(monkeypatch):
+    # Two ranks of one world, observed in-process one after the other; the
+    # fault (a policy that drops a target) is active on rank 1 only.
+    from conformance.engine.fake import FakeEngine
+    from conformance.runner import evaluate
+
+    spec = cases.two_blocks()
+    rank0 = observations(FakeEngine(world_size=2, rank=0), spec)
+    rank1 = observations(FakeEngine(world_size=2, rank=1), spec)
+    assert evaluate("RANKS-AGREE", spec, rank0 + rank1).verdict == PASS
+    orig = ModuleWrapPolicy._run_policy
+
+    def drop_last(self, *args, **kwargs):
+        targets = orig(self, *args, **kwargs)
+        targets.pop(list(targets)[-1])
+        return targets
+
+    monkeypatch.setattr(ModuleWrapPolicy, "_run_policy", drop_last)
+    rank1 = observations(FakeEngine(world_size=2, rank=1), spec)
+    res = evaluate("RANKS-AGREE", spec, rank0 + rank1)
+    assert res.verdict == FAIL and any("kind:units-differ" in v.tags for v in res.violations), res.describe()
