@@ -30,48 +30,56 @@ def draw_specs(n: int, seed: int, max_modules: int = 24) -> tuple[list, float]:
     return out, time.perf_counter() - t0
 
 
+def _measure(engine, specs, scenario: str, invariants: list, known) -> dict:
+    fsdp_s = observe_s = check_s = 0.0
+    observations(engine, specs[0], scenario)  # warm-up of imports and caches
+    t_all = time.perf_counter()
+    for spec in specs:
+        t0 = time.perf_counter()
+        obs = observations(engine, spec, scenario)
+        t1 = time.perf_counter()
+        for inv in invariants:
+            evaluate(inv.id, spec, obs, known)
+        check_s += time.perf_counter() - t1
+        observe_s += t1 - t0
+        fsdp_s += obs[0].wrap_seconds + obs[0].state_dict_seconds
+    total = time.perf_counter() - t_all
+    n = len(specs)
+    return {
+        "examples_per_s": n / total,
+        "total_s": total,
+        "fsdp_share": fsdp_s / total,
+        "observe_ms": 1000 * observe_s / n,
+        "fsdp_ms": 1000 * fsdp_s / n,
+        "check_ms": 1000 * check_s / n,
+    }
+
+
 def bench_fake(examples: int = 500, world_size: int = 4, seed: int = 0) -> dict:
+    """Both FSDP1 scenarios on the same drawn cases: structure (what 8 of the
+    9 FSDP1 invariants read) and full (with state_dict(), for WRAP-STATE-DICT).
+    Time inside FSDP = its constructor, plus state_dict() in the full one."""
     from conformance.engine.fake import FakeEngine
 
     specs, draw_s = draw_specs(examples, seed)
     engine = FakeEngine(world_size=world_size)
     known = load()
     fsdp1 = [i for i in CATALOG.values() if i.api == "fsdp1"]
-    wrap_s = observe_s = check_s = 0.0
-    for spec in specs:  # warm-up of imports and caches
-        observations(engine, spec)
-        break
-    t_all = time.perf_counter()
-    for spec in specs:
-        t0 = time.perf_counter()
-        obs = observations(engine, spec)
-        t1 = time.perf_counter()
-        for inv in fsdp1:
-            evaluate(inv.id, spec, obs, known)
-        check_s += time.perf_counter() - t1
-        observe_s += t1 - t0
-        wrap_s += obs[0].wrap_seconds
-    total = time.perf_counter() - t_all
+    structural = [i for i in fsdp1 if i.scenario == "fsdp1-structure"]
+    res = {
+        "structure": _measure(engine, specs, "fsdp1-structure", structural, known),
+        "full": _measure(engine, specs, "fsdp1", fsdp1, known),
+    }
     engine.close()
     n = len(specs)
     sizes = [sum(1 for _ in walk(s.tree)) for s in specs]
-    res = {
-        "examples": n,
-        "modules_mean": sum(sizes) / n,
-        "modules_max": max(sizes),
-        "examples_per_s": n / total,
-        "examples_per_s_with_drawing": n / (total + draw_s),
-        "fsdp_wrap_share": wrap_s / total,
-        "suite_overhead_share": 1 - wrap_s / total,
-        "draw_ms": 1000 * draw_s / n,
-        "observe_ms": 1000 * observe_s / n,
-        "wrap_ms": 1000 * wrap_s / n,
-        "check_ms": 1000 * check_s / n,
-    }
-    print(f"fake tier, FSDP1, world size {world_size}: {n} examples, trees of {res['modules_mean']:.1f} modules on average (max {res['modules_max']})")
-    print(f"  {res['examples_per_s']:.0f} examples/s checking all {len(fsdp1)} FSDP1 invariants per example "
-          f"({res['examples_per_s_with_drawing']:.0f}/s counting Hypothesis drawing)")
-    print(f"  per example: draw {res['draw_ms']:.2f} ms, observe {res['observe_ms']:.2f} ms "
-          f"(inside FSDP's constructor {res['wrap_ms']:.2f} ms), oracle+checks {res['check_ms']:.2f} ms")
-    print(f"  share inside FSDP wrapping: {100 * res['fsdp_wrap_share']:.0f}%; suite overhead {100 * res['suite_overhead_share']:.0f}%")
+    res.update(examples=n, modules_mean=sum(sizes) / n, modules_max=max(sizes), draw_ms=1000 * draw_s / n)
+    print(f"fake tier, FSDP1, world size {world_size}: {n} drawn examples, trees of {res['modules_mean']:.1f} modules on average (max {res['modules_max']})")
+    print(f"  drawing (Hypothesis): {res['draw_ms']:.2f} ms per example")
+    for name, label, count in (("structure", "structure scenario", len(structural)), ("full", "full scenario (+state_dict)", len(fsdp1))):
+        r = res[name]
+        with_draw = n / (r["total_s"] + draw_s)
+        print(f"  {label}: {r['examples_per_s']:.0f} examples/s checking {count} invariants each ({with_draw:.0f}/s counting drawing); "
+              f"per example observe {r['observe_ms']:.2f} ms (inside FSDP {r['fsdp_ms']:.2f} ms), oracle+checks {r['check_ms']:.2f} ms; "
+              f"inside FSDP {100 * r['fsdp_share']:.0f}%, suite overhead {100 * (1 - r['fsdp_share']):.0f}%")
     return res

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# The phrase torch's frozen-parameter error and warning start with.
+FROZEN_MARK = "has both parameters with requires_grad=True and False"
+
+
 @dataclass(frozen=True)
 class FrozenMessage:
     """A frozen-parameter ValueError or UserWarning, parsed. Names are
@@ -48,6 +52,7 @@ class Observation:
     # still resolves to one tensor after wrapping (use_orig_params=True)
     ties_intact: tuple[tuple[str, bool], ...] = ()
     wrap_seconds: float = 0.0  # time inside FSDP's constructor
+    state_dict_seconds: float = 0.0  # time inside FSDP's state_dict()
     extra: tuple[tuple[str, Any], ...] = ()  # API-specific facts
 
     def to_dict(self) -> dict:
@@ -69,7 +74,7 @@ class Observation:
         """What every rank must agree on (rank and timing removed)."""
         d = self.to_dict()
         # other_warnings: torch's unrelated warnings, informational only
-        for k in ("rank", "wrap_seconds", "other_warnings"):
+        for k in ("rank", "wrap_seconds", "state_dict_seconds", "other_warnings"):
             d.pop(k)
         return d
 

@@ -23,11 +23,10 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from conformance.build import Built, build
-from conformance.observation import FrozenMessage, Observation, UnitObservation
+from conformance.observation import FROZEN_MARK, FrozenMessage, Observation, UnitObservation
 from conformance.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
-FROZEN_MARK = "has both parameters with requires_grad=True and False"
 
 
 def clean(name: str) -> str:
@@ -137,21 +136,23 @@ def _unit_managed(unit: FSDP, aliases: Aliases) -> tuple[tuple[str, ...], tuple[
     return tuple(canon), tuple(fp._fqns)
 
 
-def simulate(spec: CaseSpec, unit_paths: list[str]) -> dict[str, tuple[str, ...]]:
-    """torch's own pre-wrap simulation (the helpers behind
-    _validate_frozen_params) on a fresh build, wrapping ``unit_paths``."""
+def simulate(spec: CaseSpec, model: nn.Module, policy, aliases: Aliases) -> dict[str, tuple[str, ...]] | None:
+    """torch's own pre-wrap simulation, run as _validate_frozen_params runs it
+    (same helpers, the policy's _run_policy targets), plus the root, which is
+    always a unit. Call before wrapping. None for callable policies: torch
+    does not simulate them."""
     from torch.distributed.fsdp._wrap_utils import _get_managed_param_to_fqn, _get_post_order_named_modules
+    from torch.distributed.fsdp.wrap import _Policy
 
-    fresh = build(spec)
-    model = fresh.model
-    aliases = Aliases(model)
-    by_path = dict(model.named_modules(remove_duplicate=False))
-    to_wrap = {by_path[p] for p in unit_paths}
+    if policy is not None and not isinstance(policy, _Policy):
+        return None
+    ignored_modules = {m for path in spec.plan.ignored_modules for m in model.get_submodule(path).modules()}
+    targets = set(policy._run_policy(model, ignored_modules, {}) if policy is not None else ()) | {model}
     ignored = _ignored_params(spec, model)
     visited: set[nn.Module] = set()
     out: dict[str, tuple[str, ...]] = {}
     for name, module in _get_post_order_named_modules(model):
-        if module in to_wrap:
+        if module in targets:
             managed = _get_managed_param_to_fqn(module, ignored, visited, name)
             out[aliases.canon_of_module[id(module)]] = tuple(aliases.canon_of_param.get(id(p), fqn) for p, fqn in managed.items())
     return out
@@ -170,10 +171,10 @@ def _ignored_params(spec: CaseSpec, model: nn.Module) -> set[nn.Parameter]:
     return out
 
 
-def wrap(spec: CaseSpec, built: Built) -> FSDP:
+def wrap(spec: CaseSpec, built: Built, policy=None) -> FSDP:
     model = built.model
     kwargs = dict(
-        auto_wrap_policy=make_policy(spec, built),
+        auto_wrap_policy=make_policy(spec, built) if policy is None else policy,
         device_id=torch.device("cpu"),
         use_orig_params=spec.plan.use_orig_params,
     )
@@ -188,6 +189,8 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
     """Wrap the case with FSDP1 on the current default process group."""
     built = build(spec)
     aliases = Aliases(built.model)
+    policy = make_policy(spec, built)
+    sim = simulate(spec, built.model, policy, aliases) if with_simulation else None
     base = dict(
         api="fsdp1",
         rank=dist.get_rank(),
@@ -198,7 +201,7 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         warnings.simplefilter("always")
         t0 = time.perf_counter()
         try:
-            wrapped = wrap(spec, built)
+            wrapped = wrap(spec, built, policy)
             error = None
         except Exception as e:  # an FSDP rejection is an observation, not a crash
             wrapped = None
@@ -217,22 +220,23 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         managed, raw = _unit_managed(unit, aliases)
         raw = tuple(f"{path}.{n}" if path else n for n in raw)
         units.append((path, managed, raw))
-    sim = simulate(spec, [p for p, _, _ in units]) if with_simulation else {}
     unit_obs = tuple(
-        UnitObservation(path=p, managed=m, raw_managed=r, simulated=sim.get(p) if with_simulation else None)
+        UnitObservation(path=p, managed=m, raw_managed=r, simulated=None if sim is None else sim.get(p))
         for p, m, r in units
     )
-    state_dict_keys, state_dict_error = (), None
+    state_dict_keys, state_dict_error, state_dict_seconds = (), None, 0.0
     if not _same_structure_on_all_ranks(unit_obs):
         # Ranks built different units: any further collective (state_dict's
         # all-gathers) would be mismatched and abort the group.
         with_state_dict = False
         state_dict_error = "skipped: the ranks built different FSDP units"
     if with_state_dict:
+        t0 = time.perf_counter()
         try:
             state_dict_keys = tuple(clean(k) for k in wrapped.state_dict().keys())
         except Exception as e:  # FSDP broke after wrapping: an observation
             state_dict_error = f"{type(e).__name__}: {e}"
+        state_dict_seconds = time.perf_counter() - t0
     named = ()
     ties = ()
     if spec.plan.use_orig_params:
@@ -250,6 +254,7 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         named_parameters=named,
         ties_intact=ties,
         wrap_seconds=wrap_seconds,
+        state_dict_seconds=state_dict_seconds,
     )
 
 

@@ -168,7 +168,11 @@ class _ForkServer:
         end = time.monotonic() + timeout
         while not self.eof and not (until is not None and until()):
             remaining = end - time.monotonic()
-            readable, _, _ = select.select([self.sock], [], [], max(0.0, remaining))
+            try:
+                readable, _, _ = select.select([self.sock], [], [], max(0.0, remaining))
+            except (OSError, ValueError):  # socket closed under us (interrupted teardown)
+                self.eof = True
+                return
             if not readable:
                 if remaining <= 0:
                     return

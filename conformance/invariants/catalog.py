@@ -19,16 +19,17 @@ class Invariant:
     source: str
     check: Callable  # (spec, prediction, observation) -> list[Violation]
     all_ranks: bool = False  # check gets every rank's observation, not rank 0's
+    scenario: str = "fsdp1"  # the engine scenario that observes what it checks
 
 
 CATALOG: dict[str, Invariant] = {}
 
 
-def invariant(id: str, *, area: str, api: str, statement: str, source: str, all_ranks: bool = False):
+def invariant(id: str, *, area: str, api: str, statement: str, source: str, all_ranks: bool = False, scenario: str = "fsdp1"):
     def register(fn: Callable) -> Callable:
         if id in CATALOG:
             raise ValueError(f"duplicate invariant {id}")
-        CATALOG[id] = Invariant(id, area, api, statement, source, fn, all_ranks)
+        CATALOG[id] = Invariant(id, area, api, statement, source, fn, all_ranks, scenario)
         return fn
 
     return register

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.invariants.catalog import DOC_FSDP, S000, invariant
-from conformance.observation import FrozenMessage, Observation
+from conformance.observation import FROZEN_MARK, FrozenMessage, Observation
 from conformance.oracle.fsdp1 import FSDP1Prediction, UnitPrediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
 
+STRUCTURE = "fsdp1-structure"  # no state_dict(): what most invariants need
 CALLABLE_POLICIES = {"SizeBasedWrap", "LambdaWrap", "TransformerWrap"}
 
 
@@ -49,6 +50,8 @@ def error_tags(obs: Observation) -> set[str]:
         return {"error:uniform-requires-grad"}  # FlatParamHandle's generic check
     if "is already wrapped" in obs.error.text:
         return {"error:already-wrapped"}  # _recursive_wrap meeting its own wrapper
+    if FROZEN_MARK in obs.error.text:
+        return {"error:frozen-check"}  # _validate_frozen_params
     return {"error:other"}
 
 
@@ -70,6 +73,7 @@ def _managed_by_path(obs: Observation) -> dict[str, set[str]]:
 
 @invariant(
     "WRAP-UNITS",
+    scenario=STRUCTURE,
     area="wrap",
     api="fsdp1",
     statement="The FSDP units after auto-wrapping are exactly the policy's targets plus the root, each once.",
@@ -96,6 +100,7 @@ def check_wrap_units(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) ->
 
 @invariant(
     "WRAP-FQNS",
+    scenario=STRUCTURE,
     area="wrap",
     api="fsdp1",
     statement="Per unit, torch's pre-wrap simulation, the post-wrap managed FQNs and the oracle agree.",
@@ -136,6 +141,7 @@ def _diff(got: set[str], want: set[str]) -> str:
 
 @invariant(
     "WRAP-EXACTLY-ONCE",
+    scenario=STRUCTURE,
     area="wrap",
     api="fsdp1",
     statement="Every non-ignored original parameter is managed by exactly one unit; ignored ones by none.",
@@ -208,6 +214,7 @@ def _frozen_mismatch(inv: str, msg: FrozenMessage, want: UnitPrediction, tags: s
 
 @invariant(
     "FROZEN-ERROR",
+    scenario=STRUCTURE,
     area="frozen",
     api="fsdp1",
     statement="use_orig_params=False and a unit with mixed requires_grad: ValueError at wrap time naming the first violating unit in registration post-order, with its trainable and frozen FQNs.",
@@ -228,6 +235,7 @@ def check_frozen_error(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) 
 
 @invariant(
     "FROZEN-WARN",
+    scenario=STRUCTURE,
     area="frozen",
     api="fsdp1",
     statement="use_orig_params=True: one UserWarning per unit with mixed requires_grad, in post-order, with total and trainable numel and the FQNs.",
@@ -259,6 +267,7 @@ def check_frozen_warn(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -
 
 @invariant(
     "FROZEN-CLEAN",
+    scenario=STRUCTURE,
     area="frozen",
     api="fsdp1",
     statement="No frozen-parameter error and no warning when every unit's requires_grad is uniform.",
@@ -286,6 +295,7 @@ def _tie_rejection(pred: FSDP1Prediction, obs: Observation) -> bool:
 
 @invariant(
     "TIES",
+    scenario=STRUCTURE,
     area="ties",
     api="fsdp1",
     statement="A parameter tied across modules is managed once, its aliases stay one tensor, and a unit below the users' lowest common ancestor is rejected with a clear error; silent duplication is a finding.",
@@ -323,6 +333,8 @@ def check_ties(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[
     all_ranks=True,
 )
 def check_ranks_agree(spec: CaseSpec, pred: FSDP1Prediction, obs: list[Observation]) -> list[Violation]:
+    if len(obs) < 2:
+        return []
     tags = case_tags(spec, pred)
     first = obs[0].comparable()
     out = []

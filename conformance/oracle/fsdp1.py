@@ -3,6 +3,7 @@ CaseSpec (units, managed parameters, frozen-parameter outcome, state dict)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from conformance.oracle.graph import ModelGraph
@@ -110,7 +111,9 @@ def _lca(g: ModelGraph, nids: list[str]) -> str:
     return best
 
 
+@functools.lru_cache(maxsize=256)
 def predict_fsdp1(spec: CaseSpec) -> FSDP1Prediction:
+    """Cached: every invariant of an example asks for the same prediction."""
     g = ModelGraph(spec)
     ignored_nodes, ignored_params = ignored_sets(g, spec)
     targets = wrap_targets(g, spec, ignored_nodes, ignored_params)

@@ -45,8 +45,15 @@ class ModelGraph:
         for path, nid in self._module_names:
             self.module_path.setdefault(nid, path)
         self.param_fqn: dict[str, str] = {}  # param id -> canonical FQN
+        self._aliases: dict[str, list[str]] = {}
         for fqn, pid in self.named_parameters(remove_duplicate=False):
             self.param_fqn.setdefault(pid, fqn)
+            self._aliases.setdefault(pid, []).append(fqn)
+        self._users: dict[str, list[str]] = {}
+        for nid, node in self.nodes.items():
+            for _, pid in node.params:
+                if nid not in self._users.setdefault(pid, []):
+                    self._users[pid].append(nid)
 
     # -- nn.Module's traversals ---------------------------------------------
     def _named_modules(self) -> list[tuple[str, str]]:
@@ -94,11 +101,11 @@ class ModelGraph:
         return out
 
     def aliases(self, pid: str) -> list[str]:
-        return [fqn for fqn, p in self.named_parameters(remove_duplicate=False) if p == pid]
+        return list(self._aliases.get(pid, ()))
 
     def users(self, pid: str) -> list[str]:
         """Node ids whose own parameters include ``pid``."""
-        return [nid for nid, node in self.nodes.items() if any(p == pid for _, p in node.params)]
+        return list(self._users.get(pid, ()))
 
     def subtree(self, nid: str) -> list[str]:
         """Node ids reachable from ``nid`` (itself first), pre-order, each once."""
