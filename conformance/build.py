@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from conformance.spec import CaseSpec, ModuleSpec, join, walk
+from conformance.spec import CaseSpec, MethodCall, ModuleSpec, join, walk
 
 _TORCH_BASES = {
     "Module": nn.Module,
@@ -61,6 +63,84 @@ def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
             x = call_child(c, x)
         return x
     return child(x)
+
+
+# ---- user forward methods ---------------------------------------------------
+
+# The arguments a keyword call passes: m(x, SHIFT, scale=SCALE).
+SHIFT, SCALE = 0.25, 1.5
+# Called from inside every method: probe(module, method name, attribute path,
+# tensor, step) with step -1 for each of module.named_parameters() on entry,
+# else the index of the "param" step that reads the tensor. Set by an adapter
+# that records what a method sees; None: no recording.
+_probe: Callable | None = None
+
+
+def set_probe(fn: Callable | None) -> Callable | None:
+    """Install ``fn`` as the method probe; returns the previous one."""
+    global _probe
+    old, _probe = _probe, fn
+    return old
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor (FSDP2's sharded parameter), told by its public attribute."""
+    return hasattr(t, "device_mesh")
+
+
+def read_attr(obj, path: str):
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)  # FSDP1 wrappers forward attribute access
+    return obj
+
+
+def _use_param(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 2:  # a head reusing a weight: F.linear, as HF generate()'s tied head
+        return F.linear(x[:, None].expand(x.shape[0], t.shape[1]), t).mean(-1) + x
+    return x + 0.5 * torch.tanh(t).mean()
+
+
+def _run_method(self: nn.Module, name: str, x: torch.Tensor, shift: float, scale: float) -> torch.Tensor:
+    steps = self.__dict__.get("_case_methods", {}).get(name, ())
+    probe = _probe
+    if probe is not None:
+        for rel, p in self.named_parameters():
+            probe(self, name, rel, p, -1)
+    x = x + shift
+    for i, st in enumerate(steps):
+        if st.op == "param":
+            t = read_attr(self, st.target)
+            if probe is not None:
+                probe(self, name, st.target, t, i)
+            if not is_sharded(t):  # a sharded one: nothing to compute with; the probe says so
+                x = _use_param(x, t)
+        elif st.op == "child":
+            x = call_child(read_attr(self, st.target), x)
+        elif st.op == "forward":
+            x = self.forward(x)
+        else:
+            x = self(x)
+    return x * scale
+
+
+def _make_method(name: str):
+    def method(self, x, shift=0.0, *, scale=1.0):
+        return _run_method(self, name, x, shift, scale)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def method_callable(model: nn.Module, spec: CaseSpec, index: int):
+    """The bound method spec.methods[index] of ``model`` (-1: the model itself)."""
+    if index == -1:
+        return model
+    m = spec.methods[index]
+    return getattr(read_attr(model, m.module), m.name)
+
+
+def call_args(x: torch.Tensor, call: MethodCall) -> tuple[tuple, dict]:
+    return ((x, SHIFT), {"scale": SCALE}) if call.keyword and call.method != -1 else ((x,), {})
 
 
 def make_classes(spec: CaseSpec) -> dict[str, type]:
@@ -121,4 +201,11 @@ def build(spec: CaseSpec) -> Built:
         names = getattr(mod, "_case_param_names", None)
         if names is not None and t.name not in names:
             names.append(t.name)
+    for m in spec.methods:
+        # On the class (as a user writes it), the body per instance: other
+        # instances of the class run an empty body.
+        cls = type(modules[m.module])
+        if m.name not in cls.__dict__:
+            setattr(cls, m.name, _make_method(m.name))
+        modules[m.module].__dict__.setdefault("_case_methods", {})[m.name] = m.steps
     return Built(model=modules[""], classes=classes, modules=modules)

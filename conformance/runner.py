@@ -4,6 +4,7 @@ known-failure matching. Returns a CaseResult (pure data)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -37,7 +38,55 @@ class ScenarioFailed(RuntimeError):
     failure outside wrapping; reported as a failure with the rank's traceback."""
 
 
-def observations(engine, spec: CaseSpec, scenario: str = "fsdp1") -> list[Observation]:
+@dataclass(frozen=True)
+class Handler:
+    """How the invariants of one kind are evaluated: the scenario the engine
+    runs, how a rank's value becomes an observation, and the oracle."""
+
+    scenario: str
+    parse: Callable[[dict], Any]
+    predict: Callable[[CaseSpec], Any]
+
+
+def _fsdp2_handlers() -> dict[str, Handler]:
+    from conformance.observation_fsdp2 import FSDP2Observation, TrainObservation
+    from conformance.oracle.fsdp2 import predict_fsdp2
+    from conformance.oracle.methods import predict_parity, predict_summon
+
+    return {
+        "fsdp2": Handler("fsdp2", FSDP2Observation.from_dict, lambda spec: predict_fsdp2(spec, torch.__version__)),
+        "fsdp1-methods": Handler("fsdp1-methods", FSDP2Observation.from_dict, predict_summon),
+        "train": Handler("train", TrainObservation.from_dict, predict_parity),
+    }
+
+
+_HANDLERS: dict[str, Handler] = {}
+
+
+def handler(invariant_id: str) -> Handler:
+    """By the invariant's scenario: the FSDP1 scenarios parse an Observation
+    and use predict_fsdp1; FSDP2, forward methods and PARITY their own."""
+    if not _HANDLERS:
+        _HANDLERS.update(_fsdp2_handlers())
+    scenario = get(invariant_id).scenario
+    return _HANDLERS.get(scenario) or Handler(scenario, Observation.from_dict, predict_fsdp1)
+
+
+def _ranks_agree(obs: list) -> list[Violation]:
+    """Rank agreement for the non-FSDP1 observations (FSDP1's RANKS-AGREE
+    check reads FSDP1 predictions)."""
+    first = obs[0].comparable()
+    out = []
+    for o in obs[1:]:
+        mine = o.comparable()
+        fields = sorted(k for k in first if first[k] != mine.get(k))
+        if fields:
+            detail = "; ".join(f"{k}: rank {obs[0].rank} {first[k]!r} vs rank {o.rank} {mine.get(k)!r}" for k in fields)
+            out.append(Violation("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", frozenset({"kind:ranks", f"api:{obs[0].api}"})))
+    return out
+
+
+def observations(engine, spec: CaseSpec, scenario: str = "fsdp1", parse: Callable[[dict], Any] = Observation.from_dict) -> list:
     out = []
     for rec in engine.run(scenario, spec):
         if not rec.get("ok"):
@@ -45,16 +94,20 @@ def observations(engine, spec: CaseSpec, scenario: str = "fsdp1") -> list[Observ
             raise ScenarioFailed(
                 f"rank {rec.get('rank')} raised {err.get('type')}: {err.get('message')}\n{err.get('traceback', '')}"
             )
-        out.append(Observation.from_dict(rec["value"]))
+        out.append(parse(rec["value"]))
     return out
 
 
 def evaluate(invariant_id: str, spec: CaseSpec, obs: list[Observation], known: list | None = None) -> CaseResult:
     inv = get(invariant_id)
-    pred = predict_fsdp1(spec)
+    h = handler(invariant_id)
+    pred = h.predict(spec)
     # every example also checks that the ranks agree: a rank-dependent FSDP
     # structure breaks every other invariant's premise
-    violations = get("RANKS-AGREE").check(spec, pred, obs)
+    if h.parse == Observation.from_dict:
+        violations = get("RANKS-AGREE").check(spec, pred, obs)
+    else:
+        violations = _ranks_agree(obs)
     if invariant_id != "RANKS-AGREE":
         violations += inv.check(spec, pred, obs if inv.all_ranks else obs[0])
     known = known_mod.load() if known is None else known
@@ -70,4 +123,27 @@ def evaluate(invariant_id: str, spec: CaseSpec, obs: list[Observation], known: l
 
 
 def check_case(invariant_id: str, spec: CaseSpec, engine, known: list | None = None) -> CaseResult:
-    return evaluate(invariant_id, spec, observations(engine, spec), known)
+    return evaluate(invariant_id, spec, observe_for(invariant_id, spec, engine), known)
+
+
+def observe_for(invariant_id: str, spec: CaseSpec, engine) -> list:
+    """The observations ``invariant_id`` is checked on: its scenario on every
+    rank. The last example's are kept, so that several invariants checked on
+    one example (FSDP2, forward methods) run it once."""
+    h = handler(invariant_id)
+    if h.parse == Observation.from_dict:
+        return observations(engine, spec, h.scenario, h.parse)
+    key = (id(engine), h.scenario, spec.to_json())
+    if _LAST.get("key") != key:
+        _LAST.clear()
+        _LAST["obs"] = observations(engine, spec, h.scenario, h.parse)
+        _LAST["key"] = key
+    return _LAST["obs"]
+
+
+_LAST: dict = {}
+
+
+def clear_cache() -> None:
+    """Forget the kept observations (a test that patches torch between two checks)."""
+    _LAST.clear()

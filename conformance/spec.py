@@ -131,12 +131,85 @@ CUSTOM_KWARGS = {
 
 
 @dataclass(frozen=True)
+class ShardGroup:
+    """One fully_shard call (FSDP2): ``fully_shard(modules[0])``, or the
+    multi-module form ``fully_shard([a, b, ...])`` with one parameter group
+    for all of them (the supported way to shard a parameter tied across
+    modules). None: torch's default reshard_after_forward (True for non-root
+    modules, False for the root)."""
+
+    modules: tuple[str, ...]
+    reshard_after_forward: bool | None = None
+
+
+@dataclass(frozen=True)
 class WrapPlan:
     api: str = "fsdp1"  # "fsdp1" | "fsdp2"
     policy: Policy | None = None
     use_orig_params: bool = False
     ignored_modules: tuple[str, ...] = ()
     ignored_params: tuple[str, ...] = ()  # FQNs, passed as ignored_states
+    # FSDP2: the fully_shard calls besides the root's (applied bottom-up: a
+    # group is sharded after every group below it). The root is always
+    # sharded last, by a group naming "" or else with the default.
+    groups: tuple[ShardGroup, ...] = ()
+
+
+# ---- user forward methods ----------------------------------------------------
+
+# Names a drawn forward method may take: the upstream use cases (HF
+# generate(), a ViT's forward_features) and a few more. None is an attribute
+# of nn.Module.
+METHOD_NAMES = ("generate", "forward_features", "encode", "decode", "score", "logits")
+# What one step of a method body does with the running activation x:
+# "param": read the parameter at attribute path ``target`` (relative to the
+# method's module, e.g. "weight" or "embed.weight") directly, not through its
+# module's forward: F.linear for a matrix (the HF generate() head that reuses
+# the embedding's weight), tanh-mean for others; "child": call the submodule
+# at ``target`` (FSDP-wrapped or not); "forward": self.forward(x) (no hooks);
+# "call": self(x) (the module's own forward hooks run inside the method).
+METHOD_OPS = ("param", "child", "forward", "call")
+
+
+@dataclass(frozen=True)
+class MethodStep:
+    op: str
+    target: str = ""
+
+
+@dataclass(frozen=True)
+class ForwardMethod:
+    """``def name(self, x, shift=0.0, *, scale=1.0)`` on the module at
+    ``module`` (a drawn class): x + shift through ``steps``, times scale.
+    ``register``: pass it to register_fsdp_forward_method (FSDP2) or run it
+    inside summon_full_params(recurse=False) (the FSDP1 workaround)."""
+
+    module: str
+    name: str
+    steps: tuple[MethodStep, ...] = ()
+    register: bool = True
+
+
+@dataclass(frozen=True)
+class MethodCall:
+    """Call methods[method] (-1: the root's forward, model(x)) ``times`` times
+    in a row; ``keyword``: as m(x, 0.25, scale=1.5) rather than m(x)."""
+
+    method: int
+    times: int = 1
+    keyword: bool = False
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """A few optimizer steps on loss = (model(x_step) ** 2).sum() (PARITY)."""
+
+    optimizer: str = "SGD"  # "SGD" | "Adam"
+    steps: int = 2
+    lr: float = 0.05
+
+
+OPTIMIZERS = ("SGD", "Adam")
 
 
 @dataclass(frozen=True)
@@ -147,6 +220,9 @@ class CaseSpec:
     ties: tuple[TiedParam, ...] = ()
     plan: WrapPlan = field(default_factory=WrapPlan)
     seed: int = 0
+    methods: tuple[ForwardMethod, ...] = ()
+    calls: tuple[MethodCall, ...] = ()
+    train: TrainPlan | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -202,6 +278,11 @@ def module_at(tree: ModuleSpec, path: str) -> ModuleSpec:
         else:
             raise SpecError(f"no module at path {path!r}")
     return node
+
+
+def effective_calls(spec: "CaseSpec") -> tuple["MethodCall", ...]:
+    """The calls a case makes: its own, or one root forward."""
+    return spec.calls or (MethodCall(-1),)
 
 
 def param_fqns(tree: ModuleSpec) -> list[str]:
@@ -306,6 +387,7 @@ def validate(spec: CaseSpec) -> None:
         if t.name in own and own[t.name].shape != _param_spec(spec.tree, t.source).shape:
             raise SpecError(f"tie {t!r} joins parameters of different shapes")
     _validate_plan(spec, paths, fqns)
+    _validate_methods(spec, paths)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -409,6 +491,82 @@ def _validate_plan(spec: CaseSpec, paths: set[str], fqns: set[str]) -> None:
     for f in plan.ignored_params:
         if f not in fqns:
             raise SpecError(f"ignored parameter {f!r} is not a parameter FQN")
+    if plan.groups and plan.api != "fsdp2":
+        raise SpecError("shard groups are for api='fsdp2'")
+    seen: set[str] = set()
+    for g in plan.groups:
+        if not g.modules or any(p not in paths for p in g.modules):
+            raise SpecError(f"shard group {g!r} names no module or an unknown path")
+        if seen & set(g.modules) or len(set(g.modules)) != len(g.modules):
+            raise SpecError(f"shard group {g!r}: a module is in two groups")
+        if len(g.modules) > 1 and "" in g.modules:
+            raise SpecError(f"shard group {g!r}: the root is sharded on its own")
+        if g.reshard_after_forward not in (None, True, False):
+            raise SpecError(f"shard group {g!r}: reshard_after_forward must be None, True or False")
+        seen.update(g.modules)
+
+
+def _resolve_path(spec: CaseSpec, path: str) -> tuple[ModuleSpec, str] | None:
+    """(module, its spec path) at attribute path ``path`` of the built model,
+    following shared-module registrations; None if there is none."""
+    node, where = spec.tree, ""
+    for part in path.split(".") if path else ():
+        child = next((c for c in node.children if c.name == part), None)
+        if child is not None:
+            node, where = child, join(where, part)
+            continue
+        s = next((s for s in spec.shared if s.parent == where and s.name == part), None)
+        if s is None:
+            return None
+        node, where = module_at(spec.tree, s.source), s.source
+    return node, where
+
+
+def _attr_param(spec: CaseSpec, module_path: str, rel: str) -> bool:
+    """Whether attribute path ``rel`` from the module at ``module_path`` is a
+    parameter of the built model (ties included)."""
+    owner, _, name = join(module_path, rel).rpartition(".")
+    got = _resolve_path(spec, owner)
+    if got is None:
+        return False
+    node, where = got
+    return any(p.name == name for p in node.params) or any(
+        t.module == where and t.name == name for t in spec.ties
+    )
+
+
+def _validate_methods(spec: CaseSpec, paths: set[str]) -> None:
+    names: set[tuple[str, str]] = set()
+    for m in spec.methods:
+        if m.module not in paths:
+            raise SpecError(f"method {m.name!r} on unknown module {m.module!r}")
+        node = module_at(spec.tree, m.module)
+        if node.cls in LEAF_TYPES or node.cls in CONTAINER_BASES:
+            raise SpecError(f"method {m.name!r}: {m.module or '<root>'} is a torch class; methods go on drawn classes")
+        if m.name not in METHOD_NAMES:
+            raise SpecError(f"method name {m.name!r} is not one of {METHOD_NAMES}")
+        if (m.module, m.name) in names:
+            raise SpecError(f"method {m.name!r} defined twice on {m.module or '<root>'}")
+        names.add((m.module, m.name))
+        taken = {x.name for x in node.params + node.buffers + node.children}
+        taken |= {s.name for s in spec.shared if s.parent == m.module} | {t.name for t in spec.ties if t.module == m.module}
+        if m.name in taken:
+            raise SpecError(f"method {m.name!r} collides with an attribute of {m.module or '<root>'}")
+        for st in m.steps:
+            if st.op not in METHOD_OPS:
+                raise SpecError(f"method {m.name!r}: unknown step {st.op!r}")
+            if st.op == "param" and not _attr_param(spec, m.module, st.target):
+                raise SpecError(f"method {m.name!r} reads {st.target!r}, not a parameter of {m.module or '<root>'}")
+            if st.op == "child" and (not st.target or _resolve_path(spec, join(m.module, st.target)) is None):
+                raise SpecError(f"method {m.name!r} calls {st.target!r}, not a submodule of {m.module or '<root>'}")
+            if st.op in ("forward", "call") and st.target:
+                raise SpecError(f"method {m.name!r}: step {st.op!r} takes no target")
+    for c in spec.calls:
+        if not -1 <= c.method < len(spec.methods) or c.times < 1:
+            raise SpecError(f"call {c!r} names no method or a non-positive count")
+    t = spec.train
+    if t is not None and (t.optimizer not in OPTIMIZERS or t.steps < 1 or not t.lr > 0):
+        raise SpecError(f"train plan {t!r}: optimizer one of {OPTIMIZERS}, steps >= 1, lr > 0")
 
 
 # ---- JSON (de)serialisation -------------------------------------------------
@@ -417,7 +575,7 @@ _TYPES = {
     t.__name__: t
     for t in (
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
-        WrapPlan, CaseSpec, *POLICY_TYPES,
+        WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
     )
 }
 

@@ -171,6 +171,14 @@ def fsdp1(spec: CaseSpec) -> dict:
     return adapter.observe(spec).to_dict()
 
 
+@scenario("fsdp1-structure", comparable=_observation_comparable, preload=("conformance.adapters.fsdp1",))
+def fsdp1_structure(spec: CaseSpec) -> dict:
+    """As fsdp1, without state_dict() (the invariants that do not read it)."""
+    from conformance.adapters import fsdp1 as adapter
+
+    return adapter.observe(spec, with_state_dict=False).to_dict()
+
+
 # ---- test-only scenarios: exercise the engine itself ------------------------
 
 
@@ -240,3 +248,8 @@ def segfault(spec: CaseSpec) -> dict:
     t = torch.ones(1, device=_device())
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "sum": float(t.item())}
+
+
+# FSDP2, forward methods and training parity register themselves here, so
+# that every driver (and a pool's preload) knows them.
+from conformance.engine import scenarios_fsdp2  # noqa: E402,F401

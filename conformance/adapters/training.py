@@ -1,0 +1,98 @@
+"""PARITY: a few optimizer steps under FSDP1 or FSDP2 against single-process
+training of the same model on the same data."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conformance.adapters import fsdp1 as a1
+from conformance.adapters import fsdp2 as a2
+from conformance.adapters.fsdp2 import _err, full_tensor
+from conformance.build import build, read_attr
+from conformance.observation_fsdp2 import GradObservation, TrainObservation
+from conformance.spec import CaseSpec, TrainPlan
+
+# Training accumulates rounding differences (reduce-scatter averages in
+# another order than one process sums): looser than a single forward.
+RTOL, ATOL = 1e-3, 1e-5
+
+
+def _optimizer(plan: TrainPlan, params) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if plan.optimizer == "Adam":
+        return torch.optim.Adam(params, lr=plan.lr)
+    return torch.optim.SGD(params, lr=plan.lr, momentum=0.9)
+
+
+def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan) -> list[float]:
+    trainable = any(p.requires_grad for p in model.parameters())
+    opt = _optimizer(plan, model.parameters()) if trainable else None
+    losses = []
+    for step in range(plan.steps):
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)  # before the step: the last step's grads stay to be read
+        loss = (model(x0 * (1.0 + 0.25 * step)) ** 2).sum()
+        if opt is not None:  # everything frozen: forward only
+            loss.backward()
+            opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def observe(spec: CaseSpec) -> TrainObservation:
+    plan = spec.train or TrainPlan()
+    api = spec.plan.api
+    base = dict(api=api, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                backend=str(dist.get_backend()), torch_version=torch.__version__)
+    built, ref = build(spec), build(spec)
+    aliases = a1.Aliases(built.model)
+    initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
+    frozen = {f for f, p in ref.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    t0 = time.perf_counter()
+    try:
+        if api == "fsdp1":
+            model = a1.wrap(spec, built)
+        else:
+            a2.shard(spec, built)
+            model = built.model
+    except Exception as e:
+        return TrainObservation(**base, wrap_error=_err(e), seconds=time.perf_counter() - t0)
+    x0 = built.example_input()
+    try:
+        losses = _train(model, x0, plan)
+    except Exception as e:
+        return TrainObservation(**base, step_error=_err(e), seconds=time.perf_counter() - t0)
+    ref_losses = _train(ref.model, x0, plan)
+    final, grads_none = _final(spec, model, built.model, aliases, frozen)
+    params = []
+    for fqn, value in final.items():
+        want = dict(ref.model.named_parameters(remove_duplicate=False))[fqn].detach()
+        close = bool(torch.allclose(value, want, rtol=RTOL, atol=ATOL))
+        diff = float((value - want).abs().max())
+        params.append(GradObservation(fqn, False, False, close, diff, bool(torch.equal(value, initial[fqn]))))
+    losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL))
+    return TrainObservation(
+        **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
+        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), seconds=time.perf_counter() - t0,
+    )
+
+
+def _final(spec: CaseSpec, model: nn.Module, inner: nn.Module, aliases, frozen: set[str]):
+    """{FQN: final full value} for every alias, and {frozen FQN: grad is None}."""
+    names = list(aliases.param_canon)
+    if spec.plan.api == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, writeback=False):
+            values = {f: read_attr(model, f).detach().clone() for f in names}
+        none = {}
+        if spec.plan.use_orig_params:  # with False, FSDP's parameters are flat: no per-parameter grad
+            none = {a1.clean(f): p.grad is None for f, p in model.named_parameters() if a1.clean(f) in frozen}
+        return values, none
+    values = {f: full_tensor(read_attr(inner, f).detach()) for f in names}
+    none = {f: read_attr(inner, f).grad is None for f in names if f in frozen}
+    return values, none

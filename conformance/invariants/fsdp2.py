@@ -1,0 +1,169 @@
+"""FSDP2 invariants: parameter groups, frozen parameters, parameters shared
+between groups."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from conformance.invariants.catalog import invariant
+from conformance.observation_fsdp2 import FSDP2Observation
+from conformance.oracle.fsdp2 import TIE_CHECK_SINCE, FSDP2Prediction
+from conformance.spec import CaseSpec
+from conformance.violation import Violation
+
+DOC_FULLY_SHARD = "fully_shard docstring (parameter groups: module.parameters() less those assigned by earlier calls; reshard_after_forward; the list form)"
+DOC_REGISTER = "register_fsdp_forward_method docstring"
+TIE_MARKS = ("shared", "tied", "fully_shard([")
+
+
+def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
+    """Facts about an FSDP2 case that known_failures.toml entries match on."""
+    tags = {"api:fsdp2"}
+    if pred.split_ties:
+        tags.add("tie:split")
+    elif pred.tied:
+        tags.add("tie:grouped")
+    if spec.shared:
+        tags.add("shared-module")
+    if any(g.mixed for g in pred.groups):
+        tags.add("frozen:mixed-group")
+    if any(len(g.modules) > 1 for g in pred.groups):
+        tags.add("group:multi")
+    fsdp = set(pred.fsdp_modules)
+    called = {c.method for c in spec.calls}
+    if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
+        tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside
+    return tags
+
+
+def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
+    return Violation(inv, msg, frozenset(tags | set(extra)))
+
+
+def _diff(got: set[str], want: set[str]) -> str:
+    parts = []
+    if got - want:
+        parts.append(f"extra {sorted(got - want)}")
+    if want - got:
+        parts.append(f"missing {sorted(want - got)}")
+    return ", ".join(parts) or "the same"
+
+
+def applies(pred: FSDP2Prediction) -> bool:
+    """The case is within what FSDP2 promises and not rejected for a split tie."""
+    return not pred.supported and not (pred.split_ties and pred.tie_check)
+
+
+@invariant(
+    "FSDP2-GROUPS",
+    area="fsdp2",
+    api="fsdp2",
+    scenario="fsdp2",
+    statement="fully_shard applied bottom-up makes one parameter group per call, holding the parameters of module.parameters() not assigned by an earlier call on a submodule.",
+    source=DOC_FULLY_SHARD,
+)
+def check_groups(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
+    if not applies(pred):
+        return []
+    tags = case_tags(spec, pred)
+    if obs.wrap_error:
+        return [_v("FSDP2-GROUPS", f"fully_shard raised {obs.wrap_error}", tags, "kind:raised")]
+    got = {frozenset(g.modules): g for g in obs.groups}
+    out = []
+    for g in pred.groups:
+        key = frozenset(g.modules)
+        where = ", ".join(m or "<root>" for m in g.modules)
+        if key not in got:
+            out.append(_v("FSDP2-GROUPS", f"no FSDP state holds exactly the modules [{where}]", tags, "kind:missing-group"))
+            continue
+        managed = got.pop(key).managed
+        if Counter(managed) != Counter(set(managed)):
+            out.append(_v("FSDP2-GROUPS", f"group [{where}] manages a parameter twice: {sorted(f for f, n in Counter(managed).items() if n > 1)}", tags, "kind:duplicated"))
+        if set(managed) != set(g.managed):
+            out.append(_v("FSDP2-GROUPS", f"group [{where}]: {_diff(set(managed), set(g.managed))}", tags, "kind:managed"))
+    for key in got:
+        out.append(_v("FSDP2-GROUPS", f"unexpected FSDP state for modules {sorted(key)}", tags, "kind:extra-group"))
+    return out
+
+
+@invariant(
+    "FSDP2-FROZEN",
+    area="fsdp2",
+    api="fsdp2",
+    scenario="fsdp2",
+    statement="Mixed requires_grad in one group is accepted silently; frozen parameters end with grad None and unchanged values; trainable gradients equal the unsharded reference's.",
+    source=f"{DOC_FULLY_SHARD}; DESIGN.md FSDP2-FROZEN (FSDP2 shards per parameter: no flat-parameter restriction)",
+)
+def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
+    if not applies(pred) or not pred.frozen:
+        return []
+    tags = case_tags(spec, pred)
+    if obs.wrap_error:
+        return [_v("FSDP2-FROZEN", f"fully_shard raised {obs.wrap_error}", tags, "kind:raised")]
+    out = [_v("FSDP2-FROZEN", f"warned: {w!r}", tags, "kind:warned") for w in obs.warnings if "requires_grad" in w]
+    if obs.backward_error:
+        out.append(_v("FSDP2-FROZEN", f"backward raised {obs.backward_error}", tags, "kind:backward-raised"))
+    frozen = set(pred.frozen)
+    for gr in obs.grads:
+        if gr.fqn in frozen:
+            if not gr.grad_none:
+                out.append(_v("FSDP2-FROZEN", f"frozen parameter {gr.fqn} has a gradient", tags, "kind:frozen-grad"))
+            if obs.values_meaningful and not gr.unchanged:
+                out.append(_v("FSDP2-FROZEN", f"frozen parameter {gr.fqn} changed", tags, "kind:frozen-changed"))
+        elif obs.values_meaningful and obs.backward_ran and gr.close is False:
+            out.append(_v("FSDP2-FROZEN", f"gradient of {gr.fqn} differs from the reference's by {gr.max_diff:.3g}", tags, "kind:grad"))
+        elif obs.backward_ran and gr.grad_none != gr.ref_grad_none:
+            out.append(_v("FSDP2-FROZEN", f"{gr.fqn}: grad None is {gr.grad_none}, the reference's {gr.ref_grad_none}", tags, "kind:grad-none"))
+    return out
+
+
+@invariant(
+    "FSDP2-TIES",
+    area="fsdp2",
+    api="fsdp2",
+    scenario="fsdp2",
+    statement=(
+        "A parameter that two groups see is rejected with an error naming it (torch >= "
+        f"{TIE_CHECK_SINCE[0]}.{TIE_CHECK_SINCE[1]}) or managed once (earlier releases); "
+        "grouped with fully_shard([a, b]) it is managed once and its aliases stay one tensor. Silent duplication is a finding."
+    ),
+    source=f"{DOC_FULLY_SHARD}; torch {TIE_CHECK_SINCE[0]}.{TIE_CHECK_SINCE[1]} lazy-init check (pytorch#176225, huggingface/accelerate#4171)",
+)
+def check_ties(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
+    if not pred.tied or pred.supported:
+        return []
+    tags = case_tags(spec, pred)
+    counts = Counter(f for g in obs.groups for f in g.managed)
+    intact = dict(obs.ties_intact)
+    # the split-tie check runs at lazy init: fully_shard or the first call
+    error = obs.wrap_error or (obs.calls[0].error if obs.calls and pred.split_ties else None)
+    if pred.split_ties:
+        names = [t.fqn for t in pred.split_ties]
+        if error:
+            outcome = "error" if any(m in error for m in TIE_MARKS) else "unclear-error"
+        elif any(counts.get(f, 0) > 1 for f in names):
+            outcome = "duplicated"
+        elif all(intact.get(f, True) for f in names):
+            outcome = "once"
+        else:
+            outcome = "broken"
+        if outcome in pred.tie_outcomes:
+            return []
+        want = " or ".join(pred.tie_outcomes)
+        detail = {
+            "duplicated": "is silently managed by several groups",
+            "broken": "is split into separate tensors",
+            "once": "is accepted and managed once",
+            "unclear-error": f"is rejected without naming the tie: {error}",
+            "error": f"is rejected: {error}",
+        }[outcome]
+        return [_v("FSDP2-TIES", f"tied parameter(s) {names} seen by two groups {detail}; expected {want}", tags, f"kind:{outcome}")]
+    out = []
+    if error:
+        return [_v("FSDP2-TIES", f"grouped tie rejected: {error}", tags, "kind:raised")]
+    for fqn, aliases in pred.tied:
+        if counts.get(fqn, 0) > 1:
+            out.append(_v("FSDP2-TIES", f"tied parameter {fqn} is managed by {counts[fqn]} groups", tags, "kind:duplicated"))
+        if intact.get(fqn) is False:
+            out.append(_v("FSDP2-TIES", f"aliases {list(aliases)} no longer share one tensor", tags, "kind:broken"))
+    return out

@@ -1,0 +1,375 @@
+"""The FSDP2 oracle: fully_shard's parameter groups, what
+register_fsdp_forward_method promises during user methods, and what happens
+to a parameter shared between groups (by torch release)."""
+
+from __future__ import annotations
+
+import functools
+
+from dataclasses import dataclass
+
+from conformance.oracle.graph import ModelGraph
+from conformance.spec import CaseSpec, ShardGroup, effective_calls, join
+
+# The torch release from which fully_shard rejects a parameter that two
+# groups see (ValueError at the first forward that names it and prescribes
+# fully_shard([a, b])); before it nothing checks, and the fully_shard
+# docstring's "except those already assigned to a group from an earlier call"
+# is the only promise: the parameter is managed once.
+TIE_CHECK_SINCE = (2, 13)
+TORCH_CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
+# fully_shard([a, b]) (one group for several modules) is public from 2.6.
+LIST_FORM_SINCE = (2, 6)
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string ("2.13.0+cpu" -> (2, 13))."""
+    parts = version.split("+")[0].split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+@dataclass(frozen=True)
+class GroupPrediction:
+    modules: tuple[str, ...]  # canonical paths of the modules fully_shard is given
+    managed: tuple[str, ...]  # canonical FQNs
+    trainable: tuple[str, ...]
+    frozen: tuple[str, ...]
+    reshard: bool  # reshard_after_forward in effect (None: True, for the root False)
+    root: bool
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.trainable) and bool(self.frozen)
+
+
+@dataclass(frozen=True)
+class SplitTie:
+    """A parameter that modules managed by two or more groups hold."""
+
+    fqn: str  # canonical
+    aliases: tuple[str, ...]
+    groups: tuple[int, ...]  # indices into FSDP2Prediction.groups
+
+
+@dataclass(frozen=True)
+class ReadPrediction:
+    step: int  # -1: on entry to the method, else the "param" step that reads it
+    fqn: str  # canonical
+    group: int | None  # the managing group (None: ignored, never sharded)
+    full: bool  # unsharded at that moment
+
+
+@dataclass(frozen=True)
+class CallPrediction:
+    index: int  # position in the flattened call sequence
+    method: int  # index into spec.methods; -1: the root's forward
+    module: str  # canonical path of the method's module
+    fsdp_module: bool  # the module is one fully_shard was given
+    patched: bool  # registration makes FSDP's pre/post-forward run around it
+    unshards: int  # groups unsharded during the call (one all-gather each when W > 1)
+    exact: bool  # unshards is exact (no multi-module group takes part)
+    nested: bool  # calls FSDP submodules, self.forward or self(...) inside
+    reads: tuple[ReadPrediction, ...]
+    in_promise: bool  # everything it computes with is unsharded: output must equal the reference's
+    sharded_after: tuple[bool | None, ...]  # per group (None: not promised)
+
+
+@dataclass(frozen=True)
+class FSDP2Prediction:
+    groups: tuple[GroupPrediction, ...]  # in the order fully_shard is applied (root last)
+    split_ties: tuple[SplitTie, ...]
+    tie_outcomes: tuple[str, ...]  # for split ties: "error" (rejected, naming it), "once" (managed once)
+    tie_check: bool  # the installed torch has the split-tie check
+    supported: str  # "" or why the case is outside what FSDP2 promises
+    calls: tuple[CallPrediction, ...]
+    params: tuple[str, ...]  # canonical FQNs (named_parameters)
+    frozen: tuple[str, ...]
+    tied: tuple[tuple[str, tuple[str, ...]], ...]  # canonical FQN -> its aliases (2+)
+    fsdp_modules: tuple[str, ...]  # canonical paths of every module fully_shard was given
+
+    def group_index(self, module: str) -> int | None:
+        return next((i for i, g in enumerate(self.groups) if module in g.modules), None)
+
+
+def shard_order(spec: CaseSpec, g: ModelGraph) -> list[ShardGroup]:
+    """The plan's groups plus the root's, bottom-up: each after every group
+    below it (by the last of its modules in registration post-order)."""
+    groups = list(spec.plan.groups)
+    if not any("" in grp.modules for grp in groups):
+        groups.append(ShardGroup(("",)))
+    pos = {nid: i for i, nid in enumerate(g.post_order())}
+    return sorted(groups, key=lambda grp: max(pos[m] for m in grp.modules))
+
+
+def _unsupported(spec: CaseSpec, g: ModelGraph, order: list[ShardGroup]) -> str:
+    for grp in order:
+        for a in grp.modules:
+            for b in grp.modules:
+                if a != b and b in g.subtree(a):
+                    return f"fully_shard([...]) with {b} inside {a or '<root>'}: the list form is for disjoint modules"
+        for m in grp.modules:
+            cls = g.nodes[m].cls
+            if cls in TORCH_CONTAINERS:
+                return f"fully_shard on torch's own {cls} at {m or '<root>'}: its forward is not how the case calls it"
+    first = effective_calls(spec)[0]
+    if True:
+        if first.method != -1:
+            m = spec.methods[first.method]
+            if m.module != "" or not m.register:
+                return "the first call does not run the root's forward hooks (lazy init picks the root by the first forward)"
+    return ""
+
+
+@functools.lru_cache(maxsize=256)
+def predict_fsdp2(spec: CaseSpec, torch_version: str) -> FSDP2Prediction:
+    g = ModelGraph(spec)
+    order = shard_order(spec, g)
+    ignored = {g.resolve_param(f) for f in spec.plan.ignored_params}
+    assigned = set(ignored)
+    stateful: set[str] = set()
+    owner: dict[str, int] = {}
+    reach: list[list[str]] = []
+    groups: list[GroupPrediction] = []
+    for gi, grp in enumerate(order):
+        roots = set(grp.modules)
+        visited: set[str] = set()
+        mods: list[str] = []
+
+        def dfs(nid: str) -> None:
+            if nid not in roots and nid in stateful:
+                return  # a nested fully_shard module
+            visited.add(nid)
+            for _, child in g.nodes[nid].children:
+                if child not in visited:
+                    dfs(child)
+            mods.append(nid)
+
+        for r in grp.modules:
+            if r not in visited:
+                dfs(r)
+        mine: list[str] = []
+        for nid in mods:
+            for _, pid in g.nodes[nid].params:
+                if pid not in assigned and pid not in mine:
+                    mine.append(pid)
+        for pid in mine:
+            owner[pid] = gi
+        assigned.update(mine)
+        stateful.update(roots)
+        reach.append(mods)
+        is_root = "" in grp.modules
+        reshard = grp.reshard_after_forward if grp.reshard_after_forward is not None else not is_root
+        groups.append(
+            GroupPrediction(
+                modules=tuple(g.module_path[m] for m in grp.modules),
+                managed=tuple(g.param_fqn[p] for p in mine),
+                trainable=tuple(g.param_fqn[p] for p in mine if g.requires_grad(p)),
+                frozen=tuple(g.param_fqn[p] for p in mine if not g.requires_grad(p)),
+                reshard=reshard,
+                root=is_root,
+            )
+        )
+    splits = []
+    for fqn, pid in g.named_parameters():
+        holders = {i for i, mods in enumerate(reach) for nid in mods if any(p == pid for _, p in g.nodes[nid].params)}
+        if len(holders) > 1:
+            splits.append(SplitTie(fqn, tuple(g.aliases(pid)), tuple(sorted(holders))))
+    tie_check = torch_release(torch_version) >= TIE_CHECK_SINCE
+    why = _unsupported(spec, g, order)
+    if not why and any(len(grp.modules) > 1 for grp in order) and torch_release(torch_version) < LIST_FORM_SINCE:
+        why = f"fully_shard([a, b]) needs torch >= {LIST_FORM_SINCE[0]}.{LIST_FORM_SINCE[1]}"
+    calls: tuple[CallPrediction, ...] = ()
+    if not why and not (splits and tie_check):
+        calls = _simulate(spec, g, order, groups, owner)
+    tied = []
+    for fqn, pid in g.named_parameters():
+        aliases = g.aliases(pid)
+        if len(aliases) > 1:
+            tied.append((fqn, tuple(aliases)))
+    return FSDP2Prediction(
+        groups=tuple(groups),
+        split_ties=tuple(splits),
+        tie_outcomes=("error",) if tie_check else ("error", "once"),
+        tie_check=tie_check,
+        supported=why,
+        calls=calls,
+        params=tuple(f for f, _ in g.named_parameters()),
+        frozen=tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid)),
+        tied=tuple(tied),
+        fsdp_modules=tuple(m for grp in groups for m in grp.modules),
+    )
+
+
+class _Sim:
+    """FSDP2's forward promises, step by step: a group is unsharded by the
+    pre-forward of a module fully_shard was given (one all-gather if it was
+    sharded) and stays so until that module's outermost forward ends; then it
+    reshards when reshard_after_forward says so. A multi-module group reshards
+    when all of its modules have run, or when the iteration's first forward
+    ends."""
+
+    def __init__(self, g: ModelGraph, order: list[ShardGroup], groups: list[GroupPrediction], owner: dict[str, int]):
+        self.g = g
+        self.groups = groups
+        self.owner = owner
+        self.member = {m: i for i, grp in enumerate(order) for m in grp.modules}
+        self.multi = {i for i, grp in enumerate(order) if len(grp.modules) > 1}
+        self.empty = {i for i, grp in enumerate(groups) if not grp.managed}  # no parameters: nothing to gather
+        self.sharded = [True] * len(groups)
+        self.active = [0] * len(groups)
+        self.pending: list[set[str]] = [set() for _ in groups]
+        self.iter_root: int | None = None
+        self.reset_call()
+
+    def reset_call(self) -> None:
+        self.unshards = 0
+        self.exact = True
+        self.ok = True  # nothing computed with a sharded parameter
+        self.raises = False  # a forward met a sharded parameter (FSDP's DTensor): it raises
+        self.nested = False
+
+    def full(self, pid: str) -> bool:
+        gi = self.owner.get(pid)
+        return gi is None or not self.sharded[gi]
+
+    def pre(self, gi: int, nid: str) -> None:
+        if self.iter_root is None:
+            self.iter_root = gi
+        if gi in self.multi:
+            self.exact = False
+            if not self.pending[gi]:
+                self.pending[gi] = set(self.groups_modules(gi))
+        if self.sharded[gi] and gi not in self.empty:
+            self.unshards += 1
+            self.sharded[gi] = False
+        self.active[gi] += 1
+
+    def groups_modules(self, gi: int) -> list[str]:
+        return [m for m, i in self.member.items() if i == gi]
+
+    def post(self, gi: int, nid: str) -> None:
+        self.active[gi] -= 1
+        if gi in self.multi:
+            self.pending[gi].discard(nid)
+            if not self.pending[gi] and self.active[gi] == 0 and self.groups[gi].reshard:
+                self.sharded[gi] = True
+        elif self.active[gi] == 0 and self.groups[gi].reshard:
+            self.sharded[gi] = True
+        if self.iter_root == gi and self.active[gi] == 0:
+            for mi in self.multi:
+                if self.pending[mi] and self.active[mi] == 0:
+                    self.pending[mi] = set()
+                    if self.groups[mi].reshard:
+                        self.sharded[mi] = True
+            self.iter_root = None
+
+    def run_module(self, nid: str, hooks: bool) -> None:
+        gi = self.member.get(nid) if hooks else None
+        if gi is not None:
+            self.pre(gi, nid)
+        for _, pid in self.g.nodes[nid].params:
+            if not self.full(pid):
+                self.ok = False
+                self.raises = True
+        for _, child in self.g.nodes[nid].children:
+            self.call_child(child)
+        if gi is not None:
+            self.post(gi, nid)
+
+    def call_child(self, nid: str) -> None:
+        if nid in self.member:
+            self.nested = True
+        if self.g.nodes[nid].cls in TORCH_CONTAINERS:
+            for _, c in self.g.nodes[nid].children:  # build.call_child runs their children
+                self.call_child(c)
+        else:
+            self.run_module(nid, hooks=True)
+
+
+def _resolve_from(g: ModelGraph, nid: str, rel: str) -> tuple[str, str]:
+    """(node id, last name) of attribute path ``rel`` from node ``nid``."""
+    parts = rel.split(".")
+    for part in parts[:-1]:
+        nid = dict(g.nodes[nid].children)[part]
+    return nid, parts[-1]
+
+
+def subtree_named_parameters(g: ModelGraph, nid: str) -> list[tuple[str, str]]:
+    """module.named_parameters() of node ``nid``: (relative FQN, param id)."""
+    seen_mods: set[str] = set()
+    seen: set[str] = set()
+    out = []
+
+    def visit(n: str, prefix: str) -> None:
+        if n in seen_mods:
+            return
+        seen_mods.add(n)
+        for name, pid in g.nodes[n].params:
+            if pid not in seen:
+                seen.add(pid)
+                out.append((join(prefix, name), pid))
+        for name, c in g.nodes[n].children:
+            visit(c, join(prefix, name))
+
+    visit(nid, "")
+    return out
+
+
+def _simulate(spec: CaseSpec, g: ModelGraph, order, groups, owner) -> tuple[CallPrediction, ...]:
+    sim = _Sim(g, order, groups, owner)
+    out: list[CallPrediction] = []
+    index = 0
+    for call in effective_calls(spec):
+        for _ in range(call.times):
+            sim.reset_call()
+            reads: list[ReadPrediction] = []
+            if call.method == -1:
+                nid, fsdp_module, patched = "", True, True
+                sim.run_module("", hooks=True)
+            else:
+                m = spec.methods[call.method]
+                nid = m.module
+                gi = sim.member.get(nid)
+                fsdp_module = gi is not None
+                patched = fsdp_module and m.register
+                if patched:
+                    sim.pre(gi, nid)
+                for rel, pid in subtree_named_parameters(g, nid):
+                    reads.append(ReadPrediction(-1, g.param_fqn[pid], owner.get(pid), sim.full(pid)))
+                for i, st in enumerate(m.steps):
+                    if st.op == "param":
+                        pnid, name = _resolve_from(g, nid, st.target)
+                        pid = dict(g.nodes[pnid].params)[name]
+                        full = sim.full(pid)
+                        sim.ok &= full
+                        reads.append(ReadPrediction(i, g.param_fqn[pid], owner.get(pid), full))
+                    elif st.op == "child":
+                        cnid, name = _resolve_from(g, nid, st.target + ".x")
+                        sim.call_child(cnid)
+                    elif st.op == "forward":
+                        sim.nested = True
+                        sim.run_module(nid, hooks=False)
+                    else:
+                        sim.nested = True
+                        sim.run_module(nid, hooks=True)
+                if patched:
+                    sim.post(gi, nid)
+            out.append(
+                CallPrediction(
+                    index=index,
+                    method=call.method,
+                    module=g.module_path[nid],
+                    fsdp_module=fsdp_module,
+                    patched=patched,
+                    unshards=sim.unshards,
+                    exact=sim.exact,
+                    nested=sim.nested,
+                    reads=tuple(reads),
+                    in_promise=sim.ok,
+                    sharded_after=tuple(None if i in sim.multi or i in sim.empty else sim.sharded[i] for i in range(len(groups))),
+                )
+            )
+            index += 1
+            if sim.raises:
+                return tuple(out)  # the adapter stops at a call that raises
+    return tuple(out)

@@ -1,0 +1,79 @@
+"""The FSDP2 / forward-method strategies and oracle on their own: drawn cases
+are valid, round-trip and respect their promises; the oracle's predictions
+for a hand-written case."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+
+from conformance.oracle.fsdp2 import predict_fsdp2
+from conformance.oracle.methods import predict_summon
+from conformance.spec import CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup
+from strategies.methods import fsdp2_case_specs, summon_specs, training_specs
+from tests.self.test_faults_fsdp2 import lm
+
+pytestmark = pytest.mark.selfcheck
+
+
+@settings(max_examples=40)
+@given(spec=fsdp2_case_specs())
+def test_fsdp2_cases_are_valid_and_promised(spec):
+    assert CaseSpec.from_json(spec.to_json()) == spec
+    assert eval(repr(spec), {**vars(__import__("conformance.spec", fromlist=["*"]))}) == spec
+    pred = predict_fsdp2(spec, "2.13.0")
+    assert not pred.split_ties  # split_ties=False
+    assert not pred.supported, pred.supported  # the first call runs the root's hooks
+    assert {c.method for c in spec.calls} >= set(range(len(spec.methods)))
+
+
+@settings(max_examples=20)
+@given(spec=training_specs(api="fsdp1"))
+def test_training_cases_have_a_plan(spec):
+    assert spec.train is not None and spec.plan.api == "fsdp1" and not spec.methods
+
+
+@settings(max_examples=20)
+@given(spec=summon_specs())
+def test_summon_cases_put_the_method_on_the_root(spec):
+    assert [m.module for m in spec.methods] == [""]
+
+
+def test_oracle_on_the_lm_case():
+    spec = lm()
+    pred = predict_fsdp2(spec, "2.13.0")
+    assert [g.modules for g in pred.groups] == [("block",), ("",)]
+    assert set(pred.groups[0].managed) == {"block.w", "block.proj0.weight", "block.proj0.bias"}
+    assert pred.groups[0].frozen == ("block.proj0.bias",) and pred.groups[1].reshard is False
+    forward, gen1, gen2, feats, score = pred.calls
+    assert (forward.unshards, forward.sharded_after) == (2, (True, False))  # root and block gathered; block resharded
+    assert (gen1.unshards, gen2.unshards) == (1, 1)  # the root stays unsharded; block is gathered per call
+    assert feats.unshards == 1 and all(r.full for r in feats.reads)
+    assert not score.fsdp_module and not score.patched and score.in_promise  # note is in the unsharded root group
+
+
+def test_oracle_keeps_a_method_unsharded_across_self_calls():
+    # the promise behind finding fsdp2-forward-method-calls-self
+    m = ForwardMethod("block", "forward_features", (MethodStep("call"), MethodStep("param", "w")))
+    pred = predict_fsdp2(lm(methods=(m,), calls=(MethodCall(-1), MethodCall(0))), "2.13.0")
+    call = pred.calls[1]
+    assert call.unshards == 1 and [r.full for r in call.reads if r.step == 1] == [True]
+
+
+def test_split_tie_prediction_depends_on_the_release():
+    spec = lm(groups=(ShardGroup(("embed",)),))
+    assert predict_fsdp2(spec, "2.13.0").tie_outcomes == ("error",)
+    assert predict_fsdp2(spec, "2.12.1").tie_outcomes == ("error", "once")
+    assert predict_fsdp2(spec, "2.5.1+cu121").tie_outcomes == ("error", "once")
+
+
+def test_summon_promise_is_the_root_unit():
+    from conformance.spec import CustomWrap
+
+    reads = lambda *t: ForwardMethod("", "generate", tuple(MethodStep("param", x) for x in t))
+    base = lm(api="fsdp1", policy=CustomWrap(("block",)), uop=True, calls=(MethodCall(0),), methods=(reads("embed.weight"),))
+    assert predict_summon(base).calls[0].in_promise
+    nested = dataclasses.replace(base, methods=(reads("block.w"),))
+    assert not predict_summon(nested).calls[0].in_promise
