@@ -1,41 +1,216 @@
-"""fsdp-conformance: run | check | repro | bench | selfcheck."""
+"""fsdp-conformance: run | compare | check | repro | bench | selfcheck.
+
+Exit status: 0 when every invariant holds (KNOWN and FIXED included), 1 on a
+violation (or a regression, for compare), 2 on bad input or an environment
+that cannot run what was asked; 130 / 143 when a run is interrupted by
+SIGINT / SIGTERM (its report is written, marked incomplete)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("fake", "gloo", "nccl", "auto")
 
 
 class UsageError(Exception):
     """Bad input: printed as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _pytest(args: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=ROOT)
 
 
+def _need_distributed() -> None:
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("torch is not installed in this Python") from None
+    try:
+        import torch.distributed as dist
+
+        ok = dist.is_available()
+    except ImportError:
+        ok = False
+    if not ok:
+        raise UsageError(f"this torch build ({torch.__version__}) has no torch.distributed; FSDP needs it")
+
+
+def _tiers(ns) -> list[str]:
+    """--backend picks one tier (auto: nccl with a GPU per rank, else gloo);
+    --tiers lists them; neither: fake,gloo."""
+    from conformance.engine.errors import EngineError
+    from conformance.engine.pool import resolve_backend
+
+    if ns.backend and ns.tiers:
+        raise UsageError("give --backend or --tiers, not both")
+    tiers = [t for t in (ns.tiers or ns.backend or "fake,gloo").split(",") if t]
+    bad = [t for t in tiers if t not in BACKENDS]
+    if bad:
+        raise UsageError(f"unknown backend {bad[0]!r}; choose from {', '.join(BACKENDS)}")
+    out = []
+    for t in tiers:
+        try:
+            t = resolve_backend(t, ns.world_size) if t != "fake" else t
+        except EngineError as e:
+            raise UsageError(str(e)) from None
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def _child_setup() -> None:  # pragma: no cover - runs in the child
+    # the CLI forwards SIGINT: let it reach pytest even when the CLI was
+    # started with SIGINT ignored (a background job of a shell)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # die with the CLI: a pytest run left alone would hold rank processes
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def cmd_run(ns) -> int:
     from conformance import invariants, profiles
+    from conformance.report import data
 
     try:
-        profiles.selected(ns.profile)
+        profile = profiles.selected(ns.profile)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if ns.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
+    if ns.fake_world_size < 1:
+        raise UsageError(f"--fake-world-size must be >= 1, got {ns.fake_world_size}")
+    if ns.examples is not None and ns.examples < 1:
+        raise UsageError(f"--examples must be >= 1, got {ns.examples}")
+    if ns.workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {ns.workers}")
     try:
-        selected = invariants.select(ns.invariant)
+        invariants.select(ns.invariant)
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
-    args = ["tests/conformance", f"--conformance-profile={ns.profile}", f"--tiers={ns.tiers}", f"--world-size={ns.world_size}", f"--report-dir={ns.report_dir}", "-q", "-rfE"]
-    if ns.invariant:
-        args += ["-k", " or ".join(i.id for i in selected)]
+    _need_distributed()
+    tiers = _tiers(ns)
+    for b in ns.baseline or []:
+        if b not in ("auto", "none"):
+            try:
+                data.load(b, "baseline")
+            except data.ReportError as e:
+                raise UsageError(str(e)) from None
+    tests = ROOT / "tests" / "conformance"
+    if not tests.is_dir():
+        raise UsageError(f"{tests} not found: `run` needs a checkout of fsdp-conformance (pip install -e .)")
+    report_dir = Path(ns.report_dir).resolve()
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create report directory {report_dir}: {e.strerror}") from None
+
+    args = [
+        str(tests), f"--conformance-profile={profile}", f"--tiers={','.join(tiers)}", f"--world-size={ns.world_size}",
+        f"--fake-world-size={ns.fake_world_size}", f"--report-dir={report_dir}", "--report=always", "-q", "-rfE",
+        "--disable-warnings",
+        f"--example-deadline={ns.deadline}",
+    ]
+    args += [f"--invariant={i}" for i in ns.invariant or []]
+    args += [f"--baseline={b}" for b in ns.baseline or []]
+    if ns.examples is not None:
+        args.append(f"--max-examples={ns.examples}")
+    if ns.seed is not None:
+        args.append(f"--hypothesis-seed={ns.seed}")
     if ns.workers:
         args += ["-n", str(ns.workers)]
-    return _pytest(args)
+    else:
+        args += ["-p", "no:xdist"]
+    args += ns.pytest_args or []
+    live = ns.progress == "live" or (ns.progress == "auto" and sys.stdout.isatty() and not os.environ.get("CI"))
+    return _run_pytest(args, report_dir, live)
+
+
+def _run_pytest(args: list[str], report_dir: Path, live: bool) -> int:
+    from conformance.report import data
+
+    cmd = [sys.executable, "-m", "pytest", *args]
+    log = None
+    if live:
+        log = open(report_dir / "pytest.log", "w")
+    got: list[int] = []
+
+    def forward(signum, frame):
+        got.append(signum)
+        try:
+            os.killpg(proc.pid, signum)  # pytest and its xdist workers
+        except OSError:
+            pass
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT if log else None,
+                            start_new_session=True, preexec_fn=_child_setup)
+    for s in old:
+        signal.signal(s, forward)
+    try:
+        if live:
+            from rich.console import Console
+
+            from conformance.report import progress
+
+            console = Console()
+            try:
+                progress.follow(report_dir, proc, console)
+            except KeyboardInterrupt:
+                forward(signal.SIGINT, None)
+            rc = proc.wait()
+        else:
+            rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if log:
+            log.close()
+    report = None
+    try:
+        report = data.load(report_dir / "report.json")
+    except data.ReportError:
+        pass
+    if live and report is not None:
+        from rich.console import Console
+
+        from conformance.report import progress
+
+        progress.final_table(report, Console())
+        print(f"report: {report_dir / 'report.json'} (+ summary.md, junit.xml, report.html); pytest output: {report_dir / 'pytest.log'}")
+    if got:
+        print(f"fsdp-conformance: interrupted ({signal.Signals(got[0]).name}); report marked incomplete", file=sys.stderr)
+        return 128 + got[0]
+    if rc in (0, 1):
+        if report is None:
+            print(f"fsdp-conformance: error: the run wrote no report in {report_dir}", file=sys.stderr)
+            return 2
+        hint = report.get("snapshots", {}).get("hint")
+        if hint and live:
+            print(hint, file=sys.stderr)
+        return 1 if report["summary"]["failed"] or rc == 1 else 0
+    if rc < 0:
+        print(f"fsdp-conformance: error: pytest was killed by signal {-rc}", file=sys.stderr)
+        return 2
+    what = {2: "interrupted", 3: "internal error", 4: "usage error", 5: "no tests collected"}.get(rc, f"exit status {rc}")
+    print(f"fsdp-conformance: error: pytest ended with {what}" + (f" (see {report_dir / 'pytest.log'})" if live else ""), file=sys.stderr)
+    return 2
 
 
 def _load_spec(path: str):
@@ -51,23 +226,75 @@ def _load_spec(path: str):
         raise UsageError(f"{path}: {e}") from None
 
 
+def _load_case(path: str, finding_id: str | None):
+    """(spec, invariant or None, finding or None) from a CaseSpec JSON, a
+    report JSON (with --finding, or its only failing finding), or one finding
+    object copied out of a report."""
+    from conformance.report import data
+    from conformance.spec import CaseSpec, SpecError
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    finding = None
+    if isinstance(obj, dict) and "schema" in obj:
+        try:
+            report = data.validate(obj, f"report {path}")
+            if finding_id:
+                finding = data.finding_by_id(report, finding_id)
+            else:
+                failing = [f for f in report.get("findings", []) if f.get("kind") != "KNOWN"]
+                if len(failing) != 1:
+                    ids = ", ".join(f["id"] for f in report.get("findings", [])) or "none"
+                    raise UsageError(f"{path} has {len(failing)} failing findings: pick one with --finding ID (findings: {ids})")
+                finding = failing[0]
+        except data.ReportError as e:
+            raise UsageError(str(e)) from None
+    elif isinstance(obj, dict) and "spec" in obj and "invariant" in obj:
+        finding = obj
+    if finding is not None:
+        try:
+            spec = CaseSpec.from_json(json.dumps(finding["spec"]))
+        except (SpecError, KeyError, TypeError) as e:
+            raise UsageError(f"{path}: the finding's case is not a valid CaseSpec ({e})") from None
+        return spec, finding.get("invariant"), finding
+    if finding_id:
+        raise UsageError(f"{path} is not a report: --finding needs a report JSON")
+    return _load_spec(path), None, None
+
+
 def cmd_check(ns) -> int:
     """Check one CaseSpec JSON against invariants on the fake tier or the pool."""
     from conformance import invariants
-    from conformance.runner import FAIL, check_case
 
     spec = _load_spec(ns.spec)
     try:
         selected = invariants.select(ns.invariant)
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
-    engine = _engine(ns.backend, ns.world_size)
+    _need_distributed()
+    return _check(spec, [i for i in selected if spec.plan.api in i.api.split("|")], ns.backend, ns.world_size)
+
+
+def _check(spec, selected, backend: str, world_size: int) -> int:
+    from conformance.runner import FAIL, check_case
+    from conformance.engine.errors import ExampleFailed
+
+    engine = _engine(backend, world_size)
     try:
         worst = 0
         for inv in selected:
-            if inv.api != spec.plan.api:
+            try:
+                res = check_case(inv.id, spec, engine)
+            except ExampleFailed as e:
+                print(f"{inv.id}: {e.verdict}\n  {e}")
+                worst = 1
                 continue
-            res = check_case(inv.id, spec, engine)
             print(res.describe())
             worst = max(worst, 1 if res.verdict == FAIL else 0)
         return worst
@@ -91,17 +318,78 @@ def _engine(backend: str, world_size: int):
 
 
 def cmd_repro(ns) -> int:
-    """Write the standalone torch-only repro script for a CaseSpec JSON."""
+    """Re-run one finding (or every invariant of a case) on the pool and
+    write its standalone torch-only repro script."""
+    from conformance import invariants
     from conformance.report.repro import repro_script
 
-    spec = _load_spec(ns.spec)
-    text = repro_script(spec, title=Path(ns.spec).stem)
+    spec, inv_id, finding = _load_case(ns.spec, ns.finding)
+    if ns.invariant:
+        try:
+            selected = invariants.select(ns.invariant)
+        except invariants.UnknownInvariant as e:
+            raise UsageError(str(e)) from None
+    elif inv_id:
+        try:
+            selected = [invariants.get(inv_id)]
+        except invariants.UnknownInvariant as e:
+            raise UsageError(str(e)) from None
+    else:
+        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")]
+    lines = [v["message"] if isinstance(v, dict) else str(v) for v in (finding or {}).get("violations", [])]
+    title = inv_id or Path(ns.spec).stem
+    text = repro_script(spec, lines, title=title)
     if ns.output == "-":
         sys.stdout.write(text)
+        out = sys.stderr
     else:
         Path(ns.output).write_text(text)
-        print(ns.output)
-    return 0
+        out = sys.stdout
+        print(f"torch-only repro script: {ns.output}", file=out)
+    if ns.no_run:
+        return 0
+    _need_distributed()
+    if finding is not None:
+        print(f"re-running {finding.get('id', inv_id)} (was {finding.get('kind')}) on {ns.backend}, world size {ns.world_size}", file=out)
+    stdout = sys.stdout
+    sys.stdout = out
+    try:
+        return _check(spec, selected, ns.backend, ns.world_size)
+    finally:
+        sys.stdout = stdout
+
+
+def cmd_compare(ns) -> int:
+    from conformance.report import compare, data
+
+    *bases, new_path = ns.reports
+    auto = False
+    try:
+        new = data.load(new_path, "report")
+        if not bases:
+            bases = compare.default_baselines(new, ROOT / "reports" / "baselines")
+            if not bases:
+                tiers = ", ".join(f"{t.get('backend')} W={t.get('world_size')}" for t in new.get("run", {}).get("tiers", []))
+                raise UsageError(f"no committed baseline in reports/baselines for torch <= {new.get('torch', {}).get('version')} and {tiers or 'its tiers'}; name BASE.json")
+            auto = True
+        base = compare.merged([data.load(b, "baseline") for b in bases])
+    except data.ReportError as e:
+        raise UsageError(str(e)) from None
+    if auto:
+        print("baseline: " + ", ".join(_rel(b) for b in bases), file=sys.stderr)
+    c = compare.compare(base, new)
+    text = json.dumps(c.to_dict(), indent=1) + "\n" if ns.format == "json" else compare.render(c, ns.format)
+    if ns.output and ns.output != "-":
+        data.write_text(Path(ns.output), text)
+        print(compare.render(c, "text").rstrip().splitlines()[-1])
+    else:
+        sys.stdout.write(text)
+    return c.exit_status
+
+
+def _rel(p) -> str:
+    p = Path(p).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
 def cmd_bench(ns) -> int:
@@ -120,25 +408,44 @@ def cmd_selfcheck(ns) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fsdp-conformance", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run the conformance tests (Hypothesis) and report")
-    r.add_argument("--profile", default=os.environ.get("FSDP_CONFORMANCE_PROFILE", "dev"), help="dev | ci | thorough")
-    r.add_argument("--tiers", default="fake,gloo", help="engines: fake,gloo")
-    r.add_argument("--world-size", type=int, default=2)
+    p = _Parser(prog="fsdp-conformance", formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__.splitlines()[0], epilog=__doc__.split("\n", 1)[1].strip())
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    r = sub.add_parser("run", help="run the conformance tests (Hypothesis) and write the report")
+    r.add_argument("--profile", default=None, help="dev | ci | thorough (default: $FSDP_CONFORMANCE_PROFILE or dev)")
+    r.add_argument("--backend", default=None, help="fake | gloo | nccl | auto (auto: nccl with one GPU per rank, else gloo); default: fake and gloo")
+    r.add_argument("--tiers", default=None, help="several backends, comma-separated (e.g. fake,gloo)")
+    r.add_argument("--world-size", type=int, default=2, help="ranks of the gloo / NCCL pool (default 2)")
+    r.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
     r.add_argument("--invariant", action="append", help="invariant ID or area (repeatable); default all")
-    r.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers")
-    r.add_argument("--report-dir", default=str(ROOT / "reports" / "latest"))
+    r.add_argument("--examples", type=int, default=None, help="Hypothesis examples per test (default: the profile's)")
+    r.add_argument("--seed", type=int, default=None, help="Hypothesis seed (the ci profile is derandomized)")
+    r.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers (default 0: one process)")
+    r.add_argument("--report-dir", default=str(ROOT / "reports" / "latest"), help="where the report goes (default reports/latest)")
+    r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: reports/baselines/ for this torch; 'none')")
+    r.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
+    r.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto", help="live progress (a terminal) or pytest's quiet log (CI, pipes)")
+    r.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     r.set_defaults(fn=cmd_run)
-    c = sub.add_parser("check", help="check one CaseSpec JSON file")
+    cp = sub.add_parser("compare", help="compare a report with a baseline: regressions, fixes, new / removed invariants")
+    cp.add_argument("reports", nargs="+", metavar="BASE.json ... NEW.json",
+                    help="baseline(s), then the new report; NEW alone: the committed baselines for its torch and tiers")
+    cp.add_argument("--format", choices=("text", "md", "json"), default="text")
+    cp.add_argument("-o", "--output", default="-")
+    cp.set_defaults(fn=cmd_compare)
+    c = sub.add_parser("check", help="check one CaseSpec JSON file against invariants")
     c.add_argument("spec")
     c.add_argument("--invariant", action="append")
-    c.add_argument("--backend", default="fake", help="fake | gloo | nccl | auto")
+    c.add_argument("--backend", default="fake", choices=BACKENDS)
     c.add_argument("--world-size", type=int, default=4)
     c.set_defaults(fn=cmd_check)
-    rp = sub.add_parser("repro", help="write a standalone torch-only repro for a CaseSpec JSON")
-    rp.add_argument("spec")
-    rp.add_argument("-o", "--output", default="-")
+    rp = sub.add_parser("repro", help="re-run a finding (report JSON, finding JSON or CaseSpec JSON) on the pool and write its torch-only repro")
+    rp.add_argument("spec", metavar="PATH")
+    rp.add_argument("--finding", default=None, help="finding ID, when PATH is a report with several")
+    rp.add_argument("--invariant", action="append", help="check these invariants instead of the finding's")
+    rp.add_argument("--backend", default="auto", choices=BACKENDS, help="default auto: nccl with a GPU per rank, else gloo")
+    rp.add_argument("--world-size", type=int, default=2)
+    rp.add_argument("-o", "--output", default="-", help="where the script goes (default: stdout)")
+    rp.add_argument("--no-run", action="store_true", help="only write the script")
     rp.set_defaults(fn=cmd_repro)
     b = sub.add_parser("bench", help="examples/s of the fake-tier FSDP1 checks; --engines adds the pool")
     b.add_argument("--examples", type=int, default=500)

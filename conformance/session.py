@@ -1,5 +1,5 @@
-"""One conformance session: runs cases, records verdicts per invariant and
-tier, writes repro scripts for failures and known findings."""
+"""One conformance session: runs cases, records verdicts per invariant, API
+and tier, keeps the smallest case of every finding, writes repro scripts."""
 
 from __future__ import annotations
 
@@ -7,92 +7,239 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from conformance import known as known_mod
 from conformance.report.repro import repro_script
-from conformance.runner import FAIL, KNOWN, PASS, CaseResult, check_case
+from conformance.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, check_case
 from conformance.spec import CaseSpec, walk
 
 EXPECTTEST_HINT = "expected-output snapshots: rerun with EXPECTTEST_ACCEPT=1 to accept new texts"
+
+# Finding kinds. FAIL, HANG, CRASH and ERROR make the invariant's verdict FAIL.
+HANG, CRASH, ERROR = "HANG", "CRASH", "ERROR"
+FAILING_KINDS = (FAIL, HANG, CRASH, ERROR)
+
+
+def size(spec: CaseSpec) -> tuple[int, int]:
+    """How big a case is: modules first, then the length of its JSON."""
+    return sum(1 for _ in walk(spec.tree)), len(spec.to_json())
+
+
+def api_of(invariant: str, spec: CaseSpec | None = None) -> str:
+    """The FSDP API an example exercised: the spec's plan says, else the catalog."""
+    api = getattr(getattr(spec, "plan", None), "api", None)
+    if api:
+        return api
+    from conformance.invariants import CATALOG
+
+    inv = CATALOG.get(invariant)
+    return inv.api if inv is not None else "?"
+
+
+@dataclass
+class Finding:
+    """One distinct deviation seen for one invariant on one tier: the smallest
+    case that showed it, and how often it showed."""
+
+    kind: str  # FAIL | KNOWN | HANG | CRASH | ERROR
+    key: str  # unique within its tally: "known:<id>", "FAIL:<kind tags>", "HANG", ...
+    spec: CaseSpec
+    message: str
+    violations: list[dict] = field(default_factory=list)  # {invariant, message, tags}
+    known_failure: str | None = None
+    count: int = 0
+    engine: dict | None = None  # ExampleFailed.to_dict() for HANG / CRASH
+    repro: str | None = None  # path of the repro script, once written
+
+    def to_dict(self) -> dict:
+        import json
+
+        return {
+            "kind": self.kind,
+            "key": self.key,
+            "message": self.message,
+            "violations": self.violations,
+            "known_failure": self.known_failure,
+            "count": self.count,
+            "spec": json.loads(self.spec.to_json()),
+            "spec_python": self.spec.to_python(),
+            "engine": self.engine,
+            "repro": self.repro,
+        }
 
 
 @dataclass
 class Tally:
     invariant: str
     tier: str
+    api: str = "fsdp1"
     examples: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    # finding id (or "FAIL") -> (smallest spec seen, violation text)
-    findings: dict[str, tuple[CaseSpec, str]] = field(default_factory=dict)
+    findings: dict[str, Finding] = field(default_factory=dict)
 
     @property
     def verdict(self) -> str:
-        for v in (FAIL, "HANG", "CRASH", KNOWN):
+        for v in FAILING_KINDS:
             if self.verdicts.get(v):
-                return v
-        return PASS
+                return FAIL
+        return KNOWN if self.verdicts.get(KNOWN) else PASS
+
+    def add(self, finding: Finding) -> None:
+        old = self.findings.get(finding.key)
+        if old is None:
+            finding.count = finding.count or 1
+            self.findings[finding.key] = finding
+            return
+        old.count += 1
+        if size(finding.spec) < size(old.spec):
+            old.spec, old.message, old.violations, old.engine = finding.spec, finding.message, finding.violations, finding.engine
+            old.repro = None
+
+    def to_dict(self) -> dict:
+        return {
+            "invariant": self.invariant,
+            "api": self.api,
+            "tier": self.tier,
+            "examples": self.examples,
+            "outcomes": dict(self.verdicts),
+            "seconds": round(self.seconds, 3),
+            "findings": [f.to_dict() for f in self.findings.values()],
+        }
 
 
-def size(spec: CaseSpec) -> int:
-    return sum(1 for _ in walk(spec.tree))
+def _violation_dict(v) -> dict:
+    return {"invariant": v.invariant, "message": v.message, "tags": sorted(v.tags)}
+
+
+def _fail_key(violations) -> str:
+    kinds = sorted({t for v in violations for t in v.tags if t.startswith("kind:")})
+    return "FAIL:" + (",".join(kinds) or violations[0].invariant)
+
+
+def _in_final_replay() -> bool:
+    """True outside Hypothesis, or in the replay of the shrunk example that
+    Hypothesis reports; False while it is still searching or shrinking."""
+    try:
+        from hypothesis.control import _current_build_context
+
+        ctx = _current_build_context.value
+    except Exception:  # pragma: no cover - older Hypothesis
+        return True
+    return ctx is None or bool(getattr(ctx, "is_final", True))
 
 
 class Session:
     def __init__(self, repro_dir: Path | None = None, known_path: Path = known_mod.DEFAULT_PATH):
         self.known = known_mod.load(known_path)
-        self.tallies: dict[tuple[str, str], Tally] = {}
+        self.tallies: dict[tuple[str, str, str], Tally] = {}
         self.repro_dir = repro_dir
+        self.on_change: Callable[[], None] | None = None  # called after every example (reports throttle it)
 
-    def tally(self, invariant: str, tier: str) -> Tally:
-        return self.tallies.setdefault((invariant, tier), Tally(invariant, tier))
+    def tally(self, invariant: str, tier: str, api: str | None = None) -> Tally:
+        api = api or api_of(invariant)
+        return self.tallies.setdefault((invariant, tier, api), Tally(invariant, tier, api))
 
     def record(self, res: CaseResult, tier: str, seconds: float) -> None:
-        t = self.tally(res.invariant, tier)
+        t = self.tally(res.invariant, tier, api_of(res.invariant, res.spec))
         t.examples += 1
         t.seconds += seconds
         t.verdicts[res.verdict] = t.verdicts.get(res.verdict, 0) + 1
-        keys = [(fid, str(v)) for v, fid in res.known]
+        by_known: dict[str, list] = {}
+        for v, fid in res.known:
+            by_known.setdefault(fid, []).append(v)
+        for fid, vs in by_known.items():
+            t.add(Finding(KNOWN, f"known:{fid}", res.spec, str(vs[0]), [_violation_dict(v) for v in vs], known_failure=fid))
         if res.violations:
-            keys.append(("FAIL", str(res.violations[0])))
-        for key, text in keys:
-            old = t.findings.get(key)
-            if old is None or size(res.spec) < size(old[0]):
-                t.findings[key] = (res.spec, text)
+            t.add(Finding(FAIL, _fail_key(res.violations), res.spec, str(res.violations[0]), [_violation_dict(v) for v in res.violations]))
+        self._changed()
+
+    def record_failure(self, invariant: str, spec: CaseSpec, tier: str, seconds: float, kind: str, message: str, engine: dict | None = None) -> Finding:
+        """An example that gave no verdict: HANG / CRASH from the engine, or
+        ERROR (the scenario raised inside a rank)."""
+        t = self.tally(invariant, tier, api_of(invariant, spec))
+        t.examples += 1
+        t.seconds += seconds
+        t.verdicts[kind] = t.verdicts.get(kind, 0) + 1
+        t.add(Finding(kind, kind, spec, message, [], engine=engine))
+        self._changed()
+        return t.findings[kind]
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def check(self, invariant: str, spec: CaseSpec, engine, tier: str) -> CaseResult:
         """Run one example; raise AssertionError (with the spec as Python and
         a repro script's path as notes) when FSDP breaks the invariant."""
+        from conformance.engine.errors import ExampleFailed
+
         t0 = time.perf_counter()
-        res = check_case(invariant, spec, engine, self.known)
+        try:
+            res = check_case(invariant, spec, engine, self.known)
+        except ExampleFailed as e:
+            self.record_failure(invariant, spec, tier, time.perf_counter() - t0, e.verdict, str(e), e.to_dict())
+            err = AssertionError(f"{invariant}: {e}")
+            self._annotate(err, spec, invariant, [str(e)])
+            raise err from e
+        except ScenarioFailed as e:
+            first = str(e).splitlines()[0]
+            self.record_failure(invariant, spec, tier, time.perf_counter() - t0, ERROR, first)
+            err = AssertionError(f"{invariant}: {first}")
+            self._annotate(err, spec, invariant, [first])
+            raise err from e
         self.record(res, tier, time.perf_counter() - t0)
         if res.verdict == FAIL:
             err = AssertionError(res.describe())
-            err.add_note("Case (paste into Python):\n" + spec.to_python())
-            path = self.write_repro(spec, res)
-            if path:
-                err.add_note(f"Standalone torch-only repro: {path}")
+            self._annotate(err, spec, invariant, [str(v) for v in res.violations], res)
             raise err
         return res
 
+    def _annotate(self, err: BaseException, spec: CaseSpec, invariant: str, lines: list[str], res: CaseResult | None = None) -> None:
+        err.add_note("Case (paste into Python):\n" + spec.to_python())
+        # Hypothesis raises many times while it shrinks; only the example it
+        # finally reports gets a script.
+        if _in_final_replay():
+            path = self.write_repro(spec, res) if res is not None else self.write_repro_lines(spec, invariant, lines)
+            if path:
+                err.add_note(f"Standalone torch-only repro: {path}")
+
     def write_repro(self, spec: CaseSpec, res: CaseResult) -> Path | None:
+        return self.write_repro_lines(spec, res.invariant, [str(v) for v in res.violations] + [f"KNOWN {fid}: {v}" for v, fid in res.known])
+
+    def write_repro_lines(self, spec: CaseSpec, invariant: str, lines: list[str]) -> Path | None:
         if self.repro_dir is None:
             return None
-        self.repro_dir.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha1(spec.to_json().encode()).hexdigest()[:10]
-        path = self.repro_dir / f"{res.invariant}-{digest}.py"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(repro_script(spec, res.violations + [v for v, _ in res.known], title=res.invariant))
-        tmp.replace(path)
-        return path
+        return write_repro_file(self.repro_dir, spec, invariant, lines)
 
     def unused_known(self) -> list[known_mod.KnownFailure]:
         """Known failures for this torch whose invariant ran but never matched."""
-        ran = {inv for inv, _ in self.tallies}
-        hit = {fid for t in self.tallies.values() for fid in t.findings}
+        ran = {inv for inv, _, _ in self.tallies}
+        hit = {f.known_failure for t in self.tallies.values() for f in t.findings.values() if f.known_failure}
         return [
             k for k in self.known
             if k.invariants & ran and k.id not in hit and known_mod._in_range(torch.__version__, k.torch)
         ]
+
+    def to_dict(self) -> dict:
+        return {"tallies": [t.to_dict() for t in self.tallies.values()]}
+
+
+def repro_name(spec: CaseSpec, invariant: str) -> str:
+    digest = hashlib.sha1(spec.to_json().encode()).hexdigest()[:10]
+    return f"{invariant}-{digest}.py"
+
+
+def write_repro_file(repro_dir: Path, spec: CaseSpec, invariant: str, lines: list[str]) -> Path:
+    """Write (atomically) the torch-only repro script of ``spec``; its name is
+    the invariant and a digest of the case, so writing it twice is harmless."""
+    repro_dir = Path(repro_dir)
+    repro_dir.mkdir(parents=True, exist_ok=True)
+    path = repro_dir / repro_name(spec, invariant)
+    tmp = path.with_name(f".{path.name}.{__import__('os').getpid()}.tmp")
+    tmp.write_text(repro_script(spec, lines, title=invariant))
+    tmp.replace(path)
+    return path

@@ -9,18 +9,22 @@ import pytest
 
 from conformance import profiles
 
-TIERS = ("fake", "gloo")
+TIERS = ("fake", "gloo", "nccl")
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_addoption(parser):
     g = parser.getgroup("fsdp-conformance")
     g.addoption("--conformance-profile", default=None, help=f"Hypothesis profile: {', '.join(profiles.PROFILES)} (or ${profiles.ENV_VAR}; default dev)")
-    g.addoption("--tiers", default=os.environ.get("FSDP_CONFORMANCE_TIERS", "fake,gloo"), help="engines the conformance tests run on: fake,gloo")
+    g.addoption("--tiers", default=os.environ.get("FSDP_CONFORMANCE_TIERS", "fake,gloo"), help="engines the conformance tests run on: fake,gloo,nccl")
     g.addoption("--world-size", type=int, default=2, help="world size of the gloo rank pool (default 2)")
     g.addoption("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
     g.addoption("--example-deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
-    g.addoption("--report-dir", default=os.environ.get("FSDP_CONFORMANCE_REPORT_DIR", str(ROOT / "reports" / "latest")))
+    g.addoption("--report-dir", default=os.environ.get("FSDP_CONFORMANCE_REPORT_DIR", str(ROOT / "reports" / "latest")), help="where the report (report.json, summary.md, junit.xml, report.html) and repro scripts go")
+    g.addoption("--report", choices=("auto", "always", "never"), default="auto", help="write the report: auto (when conformance tests ran), always, never")
+    g.addoption("--baseline", action="append", default=None, help="baseline report JSON for FIXED verdicts (repeatable); 'auto' (default): reports/baselines/ for this torch and tier; 'none'")
+    g.addoption("--max-examples", type=int, default=None, help="override the profile's Hypothesis example budget")
+    g.addoption("--invariant", action="append", default=None, help="run only these invariant IDs or areas (repeatable)")
 
 
 def pytest_configure(config):
@@ -33,6 +37,11 @@ def pytest_configure(config):
     bad = [t for t in tiers if t not in TIERS]
     if bad:
         raise pytest.UsageError(f"unknown tier(s) {bad}; choose from {', '.join(TIERS)}")
+    config.addinivalue_line("markers", "nccl: runs on a persistent pool of NCCL rank processes (one GPU each)")
+    from conformance.report.pytest_plugin import PLUGIN_NAME, ReportPlugin
+
+    if not config.pluginmanager.has_plugin(PLUGIN_NAME):
+        config.pluginmanager.register(ReportPlugin(config), PLUGIN_NAME)
 
 
 def pytest_generate_tests(metafunc):
@@ -58,7 +67,7 @@ def engine(request):
         else:
             from conformance.engine.pool import RankPool
 
-            _ENGINES[tier] = RankPool(world_size=cfg.getoption("--world-size"), backend="gloo", deadline=cfg.getoption("--example-deadline"))
+            _ENGINES[tier] = RankPool(world_size=cfg.getoption("--world-size"), backend=tier, deadline=cfg.getoption("--example-deadline"))
         _ENGINES[tier].tier = tier
     return _ENGINES[tier]
 
@@ -79,33 +88,17 @@ def pytest_sessionfinish(session):
     for eng in _ENGINES.values():
         close = getattr(eng, "close", None)
         if close:
-            close()
+            try:
+                close()
+            except Exception as e:  # e.g. a pool whose ranks SIGTERM already killed
+                print(f"fsdp-conformance: closing {eng!r} failed: {type(e).__name__}: {e}")
     _ENGINES.clear()
-
-
-_SESSION = None
 
 
 @pytest.fixture(scope="session")
 def conformance(request):
-    global _SESSION
-    from conformance.session import Session
+    """This process's conformance Session (the report plugin keeps it and
+    merges it with the other xdist workers' into the run's report)."""
+    from conformance.report.pytest_plugin import PLUGIN_NAME
 
-    if _SESSION is None:
-        _SESSION = Session(repro_dir=Path(request.config.getoption("--report-dir")) / "repros")
-    return _SESSION
-
-
-def pytest_terminal_summary(terminalreporter):
-    if _SESSION is None or not _SESSION.tallies:
-        return
-    tr = terminalreporter
-    tr.section("fsdp-conformance")
-    for (inv, tier), t in sorted(_SESSION.tallies.items()):
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(t.verdicts.items()))
-        tr.write_line(f"{inv:<20} {tier:<5} {t.verdict:<6} {t.examples:>5} examples  {t.seconds:6.1f}s  ({counts})")
-        for key, (spec, text) in sorted(t.findings.items()):
-            if key != "FAIL":
-                tr.write_line(f"    KNOWN {key}: {text}")
-    for k in _SESSION.unused_known():
-        tr.write_line(f"warning: known failure {k.id} ({', '.join(sorted(k.invariants))}) matched nothing in this run", yellow=True)
+    return request.config.pluginmanager.get_plugin(PLUGIN_NAME).get_session()

@@ -182,7 +182,55 @@ def expected_text(spec: CaseSpec) -> str:
     return "\n".join(lines)
 
 
+# API -> fn(spec, violations, title) -> script: a torch-only generator for
+# cases of that API (FSDP1's is below; another API registers its own).
+GENERATORS: dict = {}
+
+
 def repro_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
+    """The standalone repro script of a case: torch-only where a generator
+    exists for its API, else one that replays the case through this suite."""
+    api = getattr(spec.plan, "api", "fsdp1")
+    gen = GENERATORS.get(api)
+    if gen is not None:
+        return gen(spec, violations, title)
+    return suite_script(spec, violations, title)
+
+
+def suite_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
+    """A script that replays the case with fsdp-conformance installed (for an
+    API that has no torch-only generator yet): checks ``title``'s invariant,
+    or every invariant of the case's API, on the fake tier or $BACKEND."""
+    import torch
+
+    head = [
+        f"# fsdp-conformance reproduction{': ' + title if title else ''} ({spec.plan.api})",
+        f"# found with torch {torch.__version__}",
+        f"# no torch-only generator for API {spec.plan.api!r} yet: this script replays the case through fsdp-conformance",
+    ]
+    head += [f"# {v}" for v in violations or ()]
+    head.append("# run: python repro.py   (BACKEND=gloo WORLD_SIZE=2 python repro.py for a rank pool)")
+    inv = title if title and title.upper() == title and " " not in title else ""
+    body = f'''
+import os
+import sys
+import tempfile
+
+from conformance.cli import main
+
+CASE = {spec.to_json()!r}
+INVARIANT = {inv!r}
+
+if __name__ == "__main__":
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(CASE)
+    args = ["check", f.name, "--backend", os.environ.get("BACKEND", "fake"), "--world-size", os.environ.get("WORLD_SIZE", "4")]
+    sys.exit(main(args + (["--invariant", INVARIANT] if INVARIANT else [])))
+'''
+    return "\n".join(head) + "\n" + body
+
+
+def fsdp1_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
     """A torch-only script that builds the case, wraps it with FSDP1 and
     prints what FSDP did next to what the spec says it must do."""
     import torch
@@ -213,3 +261,6 @@ def repro_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     )
     parts = ["\n".join(head), imports, class_code(spec), build_code(spec), f"EXPECTED = {expected_text(spec)!r}\n", _OBSERVE]
     return "\n\n".join(p for p in parts if p.strip()).rstrip() + "\n"
+
+
+GENERATORS["fsdp1"] = fsdp1_script

@@ -77,3 +77,47 @@ def test_spec_round_trips_and_rejects_bad_trees():
     assert ns["spec"] == spec
     with pytest.raises(SpecError, match="unknown class"):
         CaseSpec.from_json(spec.to_json().replace('"LoraMLP"', '"Nope"', 1))
+
+
+def cli_patched(patch: str, *args):
+    """The CLI in a Python whose torch was patched first (no GPUs to fake here)."""
+    code = f"import sys, torch, torch.distributed as dist\n{patch}\nfrom conformance.cli import main\nsys.exit(main({list(args)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_run_nccl_without_gpus_is_one_line():
+    assert_one_line_error(cli("run", "--backend", "nccl", "--world-size", "2"), "nccl")
+
+
+def test_world_size_larger_than_the_gpus_is_one_line():
+    patch = "torch.cuda.device_count = lambda: 1\ndist.is_nccl_available = lambda: True"
+    proc = cli_patched(patch, "run", "--backend", "nccl", "--world-size", "2")
+    assert_one_line_error(proc, "backend 'nccl' needs 2 GPUs (one per rank), this machine has 1")
+
+
+def test_torch_without_distributed_is_one_line():
+    proc = cli_patched("dist.is_available = lambda: False", "run", "--backend", "fake")
+    assert_one_line_error(proc, "has no torch.distributed")
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("{", "is not valid JSON"),
+        ('{"schema": "something-else"}', "is not an fsdp-conformance report"),
+        ('{"schema": "fsdp-conformance-report", "schema_version": 7, "results": []}', "schema_version 7"),
+    ],
+)
+def test_malformed_report_or_baseline_is_one_line(tmp_path, text, needle):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    assert_one_line_error(cli("compare", str(bad), str(bad)), needle)
+    assert_one_line_error(cli("run", "--backend", "fake", "--baseline", str(bad)), needle)
+    assert_one_line_error(cli("repro", str(bad)), needle)
+    assert_one_line_error(cli("compare", str(tmp_path / "missing.json"), str(tmp_path / "missing.json")), "cannot read report")
+
+
+@pytest.mark.parametrize("args", [["run", "--backend", "nope"], ["run", "--world-size", "0"], ["run", "--frobnicate"], ["compare", "a.json"]])
+def test_bad_arguments_are_one_line(args):
+    proc = cli(*args)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -1,0 +1,65 @@
+"""The self-contained HTML page of a report: a matrix of invariants by API
+and tier, then every finding with its case and repro script (jinja2)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jinja2
+
+from conformance.report import markdown
+from conformance.report.data import VERDICTS
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(Path(__file__).with_name("templates"))),
+    autoescape=jinja2.select_autoescape(["html", "j2"]),
+    undefined=jinja2.ChainableUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+MAX_REPRO = 20000
+
+
+def _anchor(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-")
+
+
+def render(report: dict, report_dir: Path | None = None) -> str:
+    """``report_dir``: where relative repro paths point (their text is embedded)."""
+    columns = []
+    for r in report["results"]:
+        col = (r["api"], r["tier"])
+        if col not in columns:
+            columns.append(col)
+    cells, areas = {}, []
+    by_area: dict[str, list] = {}
+    seen = set()
+    for r in report["results"]:
+        cells[(r["invariant"], r["api"], r["tier"])] = {**r, "anchor": _anchor(r["findings"][0]) if r["findings"] else ""}
+        if r["invariant"] not in seen:
+            seen.add(r["invariant"])
+            by_area.setdefault(r.get("area") or "other", []).append({"id": r["invariant"], "statement": r.get("statement", "")})
+    areas = list(by_area.items())
+    known = {k["id"]: k for k in report.get("known_failures", [])}
+    findings = []
+    for f in sorted(report.get("findings", []), key=lambda f: (f["kind"] == "KNOWN", f["id"])):
+        text = None
+        if f.get("repro") and report_dir is not None:
+            p = Path(f["repro"])
+            p = p if p.is_absolute() else Path(report_dir) / p
+            try:
+                text = p.read_text()[:MAX_REPRO]
+            except OSError:
+                text = None
+        findings.append({**f, "anchor": _anchor(f["id"]), "repro_text": text, "known": known.get(f.get("known_failure"))})
+    return _ENV.get_template("report.html.j2").render(
+        report=report,
+        title=markdown.headline(report),
+        headline=markdown.headline(report),
+        verdicts=VERDICTS,
+        columns=columns,
+        cells=cells,
+        areas=areas,
+        findings=findings,
+    )

@@ -1,0 +1,77 @@
+"""The Markdown summary of a report: short enough for a GitHub job summary."""
+
+from __future__ import annotations
+
+MARK = {"PASS": "PASS", "FAIL": "**FAIL**", "KNOWN": "KNOWN", "FIXED": "_FIXED_", "SKIP": "SKIP"}
+MAX_FINDINGS = 30
+MAX_CODE = 4000
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def headline(report: dict) -> str:
+    s = report["summary"]
+    v = s["verdicts"]
+    state = "FAIL" if s["failed"] else "PASS"
+    if not report.get("complete", True):
+        state += f" (incomplete: {report.get('status')}{', ' + report['interrupted_by'] if report.get('interrupted_by') else ''})"
+    parts = [f"{v.get(k, 0)} {k}" for k in ("PASS", "KNOWN", "FIXED", "FAIL", "SKIP") if v.get(k)]
+    secs = s.get("wall_seconds") if s.get("wall_seconds") is not None else s["seconds"]
+    return f"fsdp-conformance {state}: {', '.join(parts) or 'nothing ran'}; {s['examples']} examples in {secs:.0f}s"
+
+
+def render(report: dict, *, details: bool = True) -> str:
+    t = report.get("torch", {})
+    run = report.get("run", {})
+    tiers = ", ".join(f"{x['tier']} ({x.get('backend')}, W={x.get('world_size')})" for x in run.get("tiers", []))
+    suite = report.get("suite", {})
+    rev = (suite.get("git_revision") or "?")[:12] + ("+dirty" if suite.get("git_dirty") else "")
+    lines = [
+        f"## {headline(report)}",
+        "",
+        f"torch `{t.get('version')}` (git `{(t.get('git_version') or '?')[:12]}`, CUDA {t.get('cuda') or '-'}, NCCL {t.get('nccl') or '-'})"
+        f" | suite {suite.get('version')} `{rev}` | tiers {tiers or '-'}"
+        f" | profile `{run.get('profile')}`" + (f", seed {run['seed']}" if run.get("seed") is not None else ""),
+        "",
+        "| invariant | API | tier | verdict | examples | time | findings |",
+        "| --- | --- | --- | --- | ---: | ---: | --- |",
+    ]
+    for r in report["results"]:
+        fnd = ", ".join(f.rsplit("/", 1)[-1] for f in r["findings"]) or (r.get("reason") or "")
+        lines.append(
+            f"| {r['invariant']} | {r['api']} | {r['tier']} | {MARK.get(r['verdict'], r['verdict'])} | {r['examples']} "
+            f"| {r['seconds']:.1f}s | {_cell(fnd)} |"
+        )
+    failed_tests = report.get("tests", {}).get("failed", [])
+    if failed_tests:
+        lines += ["", "### Failed tests", ""]
+        lines += [f"- `{t['nodeid']}`: {_cell(t.get('message') or '')}" for t in failed_tests]
+    hint = report.get("snapshots", {}).get("hint")
+    if hint:
+        lines += ["", f"> {hint}"]
+    if report.get("warnings"):
+        lines += ["", "### Warnings", ""]
+        lines += [f"- {w}" for w in report["warnings"]]
+    findings = [f for f in report.get("findings", []) if f["kind"] != "KNOWN"] + [f for f in report.get("findings", []) if f["kind"] == "KNOWN"]
+    if details and findings:
+        lines += ["", "### Findings", ""]
+        for f in findings[:MAX_FINDINGS]:
+            label = f"known failure `{f['known_failure']}`" if f.get("known_failure") else f["kind"]
+            lines += [
+                "<details>",
+                f"<summary><b>{f['kind']}</b> {f['invariant']} ({f['api']}, {f['tier']}): {label}, {f['count']} example(s)</summary>",
+                "",
+                f"{_cell(f['message'])}",
+                "",
+            ]
+            if f.get("repro"):
+                lines += [f"Repro: `{f['repro']}`", ""]
+            code = f.get("spec_python") or ""
+            if len(code) > MAX_CODE:
+                code = code[:MAX_CODE] + "\n# ... (truncated; the full case is in the JSON report)"
+            lines += ["```python", code.rstrip(), "```", "</details>"]
+        if len(findings) > MAX_FINDINGS:
+            lines.append(f"\n... and {len(findings) - MAX_FINDINGS} more findings in the JSON report.")
+    return "\n".join(lines) + "\n"
