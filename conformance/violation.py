@@ -15,3 +15,13 @@ class Violation:
 
     def __str__(self) -> str:
         return f"[{self.invariant}] {self.message}"
+
+
+def set_diff(got: set[str], want: set[str]) -> str:
+    """'extra [...], missing [...]' for a message; 'the same' when equal."""
+    parts = []
+    if got - want:
+        parts.append(f"extra {sorted(got - want)}")
+    if want - got:
+        parts.append(f"missing {sorted(want - got)}")
+    return ", ".join(parts) or "the same"

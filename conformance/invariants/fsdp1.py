@@ -9,6 +9,7 @@ from conformance.observation import FROZEN_MARK, FrozenMessage, Observation
 from conformance.oracle.fsdp1 import FSDP1Prediction, UnitPrediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
+from conformance.violation import set_diff as _diff
 
 STRUCTURE = "fsdp1-structure"  # no state_dict(): what most invariants need
 CALLABLE_POLICIES = {"SizeBasedWrap", "LambdaWrap", "TransformerWrap"}
@@ -128,15 +129,6 @@ def check_wrap_fqns(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> 
                 _v("WRAP-FQNS", f"unit {where}: pre-wrap simulation says {_diff(sim[u.path], post[u.path])} against post-wrap", tags, "kind:sim-vs-post")
             )
     return out
-
-
-def _diff(got: set[str], want: set[str]) -> str:
-    parts = []
-    if got - want:
-        parts.append(f"extra {sorted(got - want)}")
-    if want - got:
-        parts.append(f"missing {sorted(want - got)}")
-    return ", ".join(parts) or "the same"
 
 
 @invariant(

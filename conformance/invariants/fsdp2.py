@@ -10,6 +10,7 @@ from conformance.observation_fsdp2 import FSDP2Observation
 from conformance.oracle.fsdp2 import TIE_CHECK_SINCE, FSDP2Prediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
+from conformance.violation import set_diff as _diff
 
 DOC_FULLY_SHARD = "fully_shard docstring (parameter groups: module.parameters() less those assigned by earlier calls; reshard_after_forward; the list form)"
 DOC_REGISTER = "register_fsdp_forward_method docstring"
@@ -38,15 +39,6 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
     return Violation(inv, msg, frozenset(tags | set(extra)))
-
-
-def _diff(got: set[str], want: set[str]) -> str:
-    parts = []
-    if got - want:
-        parts.append(f"extra {sorted(got - want)}")
-    if want - got:
-        parts.append(f"missing {sorted(want - got)}")
-    return ", ".join(parts) or "the same"
 
 
 def applies(pred: FSDP2Prediction) -> bool:

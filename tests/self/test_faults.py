@@ -36,17 +36,19 @@ def assert_fails(invariant, spec, engine, kind):
     assert any(kind in v.tags for v in res.violations), res.describe()
 
 
-def test_wrap_units_catches_a_dropped_target(fake_engine, monkeypatch):
-    spec = cases.two_blocks()
-    assert_caught("WRAP-UNITS", spec, fake_engine, None)
-    orig = ModuleWrapPolicy._run_policy
-
+def _dropping_last_target(orig):
     def drop_last(self, *args, **kwargs):
         targets = orig(self, *args, **kwargs)
         targets.pop(list(targets)[-1])
         return targets
 
-    monkeypatch.setattr(ModuleWrapPolicy, "_run_policy", drop_last)
+    return drop_last
+
+
+def test_wrap_units_catches_a_dropped_target(fake_engine, monkeypatch):
+    spec = cases.two_blocks()
+    assert_caught("WRAP-UNITS", spec, fake_engine, None)
+    monkeypatch.setattr(ModuleWrapPolicy, "_run_policy", _dropping_last_target(ModuleWrapPolicy._run_policy))
     assert_fails("WRAP-UNITS", spec, fake_engine, "kind:missing-unit")
 
 
@@ -167,14 +169,7 @@ def test_ranks_agree_catches_a_rank_dependent_policy(monkeypatch):
     rank0 = observations(FakeEngine(world_size=2, rank=0), spec)
     rank1 = observations(FakeEngine(world_size=2, rank=1), spec)
     assert evaluate("RANKS-AGREE", spec, rank0 + rank1).verdict == PASS
-    orig = ModuleWrapPolicy._run_policy
-
-    def drop_last(self, *args, **kwargs):
-        targets = orig(self, *args, **kwargs)
-        targets.pop(list(targets)[-1])
-        return targets
-
-    monkeypatch.setattr(ModuleWrapPolicy, "_run_policy", drop_last)
+    monkeypatch.setattr(ModuleWrapPolicy, "_run_policy", _dropping_last_target(ModuleWrapPolicy._run_policy))
     rank1 = observations(FakeEngine(world_size=2, rank=1), spec)
     res = evaluate("RANKS-AGREE", spec, rank0 + rank1)
     assert res.verdict == FAIL and any("kind:units-differ" in v.tags for v in res.violations), res.describe()
