@@ -64,7 +64,8 @@ def bench_fake(examples: int = 500, world_size: int = 4, seed: int = 0) -> dict:
     specs, draw_s = draw_specs(examples, seed)
     engine = FakeEngine(world_size=world_size)
     known = load()
-    fsdp1 = [i for i in CATALOG.values() if i.api == "fsdp1"]
+    # the auto-wrap invariants (FWD-SUMMON and PARITY observe other scenarios)
+    fsdp1 = [i for i in CATALOG.values() if i.scenario in ("fsdp1", "fsdp1-structure")]
     structural = [i for i in fsdp1 if i.scenario == "fsdp1-structure"]
     res = {
         "structure": _measure(engine, specs, "fsdp1-structure", structural, known),

@@ -99,7 +99,9 @@ class FakeEngine:
         # a scenario may import torch's test utilities on first use (FSDP
         # test helpers import common_utils): the suite's profile stays
         with preserve_hypothesis_profile():
-            record = run_scenario(scenario, spec.to_json(), rank=self.rank)
+            # the spec is immutable: no need to serialise it in-process; the
+            # record still makes the JSON round trip a pool's would
+            record = run_scenario(scenario, spec, rank=self.rank)
         return [json_roundtrip(record)]
 
     def close(self) -> None:

@@ -99,7 +99,7 @@ def default_preload() -> tuple[str, ...]:
 
 def run_scenario(
     name: str,
-    spec_json: str,
+    spec_json: str | CaseSpec,
     *,
     rank: int,
     module: str | None = None,
@@ -113,7 +113,8 @@ def run_scenario(
     start = time.perf_counter()
     try:
         sc = get_scenario(name, module)
-        spec = CaseSpec.from_json(spec_json)
+        # in-process callers may hand the (immutable) spec over as it is
+        spec = spec_json if isinstance(spec_json, CaseSpec) else CaseSpec.from_json(spec_json)
         start = time.perf_counter()
         value = sc.fn(spec)
         seconds = time.perf_counter() - start
