@@ -112,8 +112,9 @@ def _cls(name: str) -> str:
     return {"Linear": "nn.Linear", "Embedding": "nn.Embedding", "LayerNorm": "nn.LayerNorm"}.get(name, _TORCH.get(name, name))
 
 
-def build_code(spec: CaseSpec) -> str:
-    """Source of `build()` returning (model, policy, kwargs), torch-only."""
+def model_lines(spec: CaseSpec) -> tuple[list[str], dict[str, str]]:
+    """Torch-only statements that build the case's module tree (shared
+    modules and ties included), and the variable of each spec path."""
     var = {path: f"m{i}" for i, (path, _) in enumerate(walk(spec.tree))}
     lines = ["torch.manual_seed(0)"]
     for path, m in walk(spec.tree):
@@ -143,6 +144,12 @@ def build_code(spec: CaseSpec) -> str:
     for t in spec.ties:
         src_path, _, src_name = t.source.rpartition(".")
         lines.append(f"setattr({var[t.module]}, {t.name!r}, {var[src_path]}.{src_name})  # tied parameter")
+    return lines, var
+
+
+def build_code(spec: CaseSpec) -> str:
+    """Source of `build()` returning (model, policy, kwargs), torch-only."""
+    lines, var = model_lines(spec)
     lines.append(_policy_code(spec, var))
     kw = [f"use_orig_params={spec.plan.use_orig_params}"]
     if spec.plan.ignored_modules:
@@ -264,3 +271,12 @@ def fsdp1_script(spec: CaseSpec, violations: list | None = None, title: str = ""
 
 
 GENERATORS["fsdp1"] = fsdp1_script
+
+
+def _fsdp2_script(spec, violations=None, title=""):
+    from conformance.report.repro_fsdp2 import fsdp2_script
+
+    return fsdp2_script(spec, violations, title)
+
+
+GENERATORS["fsdp2"] = _fsdp2_script
