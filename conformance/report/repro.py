@@ -199,7 +199,9 @@ def repro_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     exists for its API, else one that replays the case through this suite."""
     api = getattr(spec.plan, "api", "fsdp1")
     gen = GENERATORS.get(api)
-    if gen is not None:
+    # the torch-only generators build, wrap and call; they do not train: a
+    # PARITY case replays through the suite
+    if gen is not None and getattr(spec, "train", None) is None:
         return gen(spec, violations, title)
     return suite_script(spec, violations, title)
 
