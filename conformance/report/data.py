@@ -111,7 +111,9 @@ def merge_tallies(partials: list[dict]) -> dict[tuple[str, str, str], dict]:
             key = (t["invariant"], t["api"], t["tier"])
             cur = out.get(key)
             if cur is None:
-                out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": []}
+                out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": [], "features": {}}
+            for k, v in t.get("features", {}).items():
+                cur["features"][k] = cur["features"].get(k, 0) + v
             cur["examples"] += t["examples"]
             cur["seconds"] += t["seconds"]
             for k, v in t["outcomes"].items():
@@ -259,6 +261,7 @@ def build(
                     "examples": 0,
                     "seconds": 0.0,
                     "outcomes": {},
+                    "features": {},
                     "findings": [],
                 }
                 fail_item = unexplained.get((inv_id, tier))
@@ -266,6 +269,7 @@ def build(
                     row["examples"] = t["examples"]
                     row["seconds"] = round(t["seconds"], 3)
                     row["outcomes"] = t["outcomes"]
+                    row["features"] = t.get("features", {})
                     for f in sorted(t["findings"], key=lambda f: (f["kind"] == "KNOWN", f["key"])):
                         fid = _finding_id(inv_id, key[1], tier, f["key"])
                         row["findings"].append(fid)
