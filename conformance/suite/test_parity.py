@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from strategies.methods import training_specs
-from tests.conformance.budget import examples
+from conformance.suite.budget import examples
 
 
 @pytest.mark.parametrize("invariant_id", ["PARITY"])
