@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.invariants.catalog import invariant
-from conformance.observation_fsdp2 import FSDP2Observation
+from conformance.observations import FSDP2Observation
 from conformance.oracle.fsdp2 import TIE_CHECK_SINCE, FSDP2Prediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation

@@ -15,7 +15,7 @@ SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
 VERDICTS = ("PASS", "FAIL", "KNOWN", "FIXED", "SKIP")
 FAILING_KINDS = ("FAIL", "HANG", "CRASH", "ERROR")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one (git revision)
 
 
 class ReportError(ValueError):
@@ -30,6 +30,8 @@ def now() -> str:
 
 
 def _git(*args: str) -> str | None:
+    if not (ROOT / ".git").exists():  # an installed package: no checkout of its own
+        return None
     try:
         out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

@@ -20,7 +20,7 @@ from tests.self.test_faults import _dropping_last_target
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 
-SUITE = "tests.conformance"
+SUITE = "conformance.suite"
 
 
 def test_every_known_failure_has_a_corpus_case_and_every_case_a_finding():
