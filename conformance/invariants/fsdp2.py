@@ -32,6 +32,8 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
+    if any(len(g.modules) > 1 and g.managed and not g.trainable for g in pred.groups):
+        tags.add("frozen:all-frozen-multi-group")
     fsdp = set(pred.fsdp_modules)
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
