@@ -350,13 +350,16 @@ def build(
             "examples": examples,
         })
 
+    status = {k["id"]: k["status"] for k in known_out}
     for c in corpus_runs:
+        # per record: did this invariant show the case's finding? (whether
+        # the finding is fixed is the known failure's status, over every record)
         c["outcome"] = (
             "FAIL" if any(v in FAILING_KINDS for v in c["verdicts"])
             else "reproduced" if c["finding"] and c["finding"] in c["known"]
-            else "fixed" if c["finding"]
             else "PASS"
         )
+        c["finding_status"] = status.get(c["finding"]) if c["finding"] else None
     counts = {v: 0 for v in VERDICTS}
     for r in results:
         counts[r["verdict"]] += 1
