@@ -327,6 +327,8 @@ def build(
                 if r["invariant"] in k.invariants and r["verdict"] == "PASS" and any(c["tier"] == r["tier"] for c in checked):
                     r["verdict"] = "FIXED"
                     r["reason"] = f"the corpus case of known failure {k.id} no longer deviates"
+        elif k.no_corpus:
+            st = "unchecked"  # no corpus case (its entry says why): nothing to warn about
         elif examples == 0 or k.id in corpus_findings:
             # a finding with a corpus case is judged by that case alone; this
             # run did not select it
