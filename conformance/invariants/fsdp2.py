@@ -32,13 +32,26 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
-    if any(len(g.modules) > 1 and g.managed and not g.trainable for g in pred.groups):
-        tags.add("frozen:all-frozen-multi-group")
+    if any(len(g.modules) > 1 and g.reshard and any(_frozen_embedding(spec, m) for m in g.modules) for g in pred.groups):
+        # a list group with a module whose output needs no gradient (the case
+        # looks a frozen Embedding up with constant indices)
+        tags.add("group:multi-frozen-embedding")
     fsdp = set(pred.fsdp_modules)
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
         tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside
     return tags
+
+
+def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
+    from conformance.spec import SpecError, module_at
+
+    try:
+        m = module_at(spec.tree, path)
+    except SpecError:  # a path through a shared module's second name
+        return False
+    tied = {t.module for t in spec.ties}
+    return m.cls == "Embedding" and not any(p.requires_grad for p in m.params) and path not in tied
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
