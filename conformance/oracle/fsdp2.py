@@ -89,6 +89,10 @@ class FSDP2Prediction:
     # modules given to fully_shard after an earlier call's group already took
     # them in (not bottom-up: a list group that straddles an earlier group)
     resharded: tuple[str, ...] = ()
+    # gradients through the calls are promised: no called method reads a
+    # parameter of another group directly (FSDP2 keeps a parameter alive for
+    # backward only through its own module's forward; spec source 004)
+    backward_promised: bool = True
 
     def group_index(self, module: str) -> int | None:
         return next((i for i, g in enumerate(self.groups) if module in g.modules), None)
@@ -203,6 +207,7 @@ def predict_fsdp2(spec: CaseSpec, torch_version: str) -> FSDP2Prediction:
         tied=tuple(tied),
         fsdp_modules=tuple(m for grp in groups for m in grp.modules),
         resharded=tuple(g.module_path[m] for m in resharded),
+        backward_promised=not _reads_other_groups(spec, g, order, owner),
     )
 
 
@@ -319,6 +324,23 @@ def subtree_named_parameters(g: ModelGraph, nid: str) -> list[tuple[str, str]]:
 
     visit(nid, "")
     return out
+
+
+def _reads_other_groups(spec: CaseSpec, g: ModelGraph, order: list[ShardGroup], owner: dict[str, int]) -> bool:
+    """A called method reads, by a "param" step, a parameter that a group
+    other than its own module's manages."""
+    member = {m: i for i, grp in enumerate(order) for m in grp.modules}
+    for call in effective_calls(spec):
+        if call.method == -1:
+            continue
+        m = spec.methods[call.method]
+        for st in m.steps:
+            if st.op == "param":
+                pnid, name = _resolve_from(g, m.module, st.target)
+                gi = owner.get(dict(g.nodes[pnid].params)[name])
+                if gi is not None and gi != member.get(m.module):
+                    return True
+    return False
 
 
 def _simulate(spec: CaseSpec, g: ModelGraph, order, groups, owner) -> tuple[CallPrediction, ...]:
