@@ -22,6 +22,12 @@ def _comparable(kind: str):
 @scenario("fsdp2", comparable=_comparable("fsdp2"), preload=("conformance.adapters.fsdp2",))
 def fsdp2(spec: CaseSpec) -> dict:
     """fully_shard the case, register and call its forward methods (conformance.adapters.fsdp2)."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(spec, ModelCase):
+        from conformance.adapters import targets
+
+        return targets.observe_fsdp2(spec).to_dict()
     from conformance.adapters import fsdp2 as adapter
 
     return adapter.observe(spec).to_dict()
@@ -38,6 +44,12 @@ def fsdp1_methods(spec: CaseSpec) -> dict:
 @scenario("train", comparable=_comparable("train"), preload=("conformance.adapters.training",))
 def train(spec: CaseSpec) -> dict:
     """A few optimizer steps under the case's API against single-process training."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(spec, ModelCase):
+        from conformance.adapters import targets
+
+        return targets.observe_train(spec).to_dict()
     from conformance.adapters import training as adapter
 
     return adapter.observe(spec).to_dict()

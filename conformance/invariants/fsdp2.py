@@ -24,13 +24,18 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("tie:split")
     elif pred.tied:
         tags.add("tie:grouped")
-    if spec.shared:
+    if spec.shared or pred.shared_modules:
         tags.add("shared-module")
     if any(g.mixed for g in pred.groups):
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
     fsdp = set(pred.fsdp_modules)
+    if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
+        from conformance.targets import methods_calling_forward
+
+        if "" in fsdp and any(m.register and m.name in methods_calling_forward(spec.target) for m in spec.methods):
+            tags.add("method-calls-self")
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
         tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside

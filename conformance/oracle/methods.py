@@ -12,7 +12,8 @@ import torch
 
 from conformance.oracle.fsdp1 import FSDP1Prediction, predict_fsdp1
 from conformance.oracle.fsdp2 import TORCH_CONTAINERS, FSDP2Prediction, _resolve_from, predict_fsdp2
-from conformance.oracle.graph import ModelGraph
+from conformance.oracle.graph import ModelGraph  # noqa: F401
+from conformance.targets import graph_of
 from conformance.spec import CaseSpec, effective_calls
 
 
@@ -37,7 +38,7 @@ def predict_summon(spec: CaseSpec) -> SummonPrediction:
     manages. summon_full_params' docstring: no forward may start inside the
     context, so the method must not run a nested unit's forward."""
     fsdp1 = predict_fsdp1(spec)
-    g = ModelGraph(spec)
+    g = graph_of(spec)
     root = set(fsdp1.unit("").managed) if fsdp1.error is None else set()
     units = {g.resolve_module(u.path) for u in fsdp1.units if u.path} if fsdp1.error is None else set()
 
@@ -84,8 +85,9 @@ class ParityPrediction:
 
 
 @functools.lru_cache(maxsize=256)
-def predict_parity(spec: CaseSpec) -> ParityPrediction:
-    g = ModelGraph(spec)
+def predict_parity(spec) -> ParityPrediction:
+    """For a CaseSpec or a ModelCase (whose loss is the target's)."""
+    g = graph_of(spec)
     frozen = tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid))
     trainable = tuple(f for f, pid in g.named_parameters() if g.requires_grad(pid))
     if spec.plan.api == "fsdp1":
