@@ -1,4 +1,4 @@
-"""fsdp-conformance: run | compare | check | repro | bench | selfcheck.
+"""fsdp-conformance: run | model | compare | check | repro | bench | selfcheck.
 
 Exit status: 0 when every invariant holds (KNOWN and FIXED included), 1 on a
 violation (or a regression, for compare), 2 on bad input or an environment
@@ -455,6 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("selfcheck", help="run the suite's own tests")
     s.set_defaults(fn=cmd_selfcheck)
+    # ---- model: a real nn.Module (issue 8) ----
+    from conformance import cli_model
+
+    cli_model.add_parser(sub, UsageError, BACKENDS)
+    # ---- end model ----
     ns = p.parse_args(argv)
     try:
         return ns.fn(ns)

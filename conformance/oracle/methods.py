@@ -93,6 +93,10 @@ def predict_parity(spec) -> ParityPrediction:
     if spec.plan.api == "fsdp1":
         p1 = predict_fsdp1(spec)
         why = "FSDP1 rejects mixed requires_grad with use_orig_params=False" if p1.error is not None else ""
+        if not why and any(t.below_lca for t in p1.ties):
+            # TIES: FSDP1 must reject a tie managed below its users' common
+            # ancestor; training is not promised for a case it must reject
+            why = "a tied parameter's unit is below its users' common ancestor (rejected, TIES)"
         for u in p1.units:
             cls = g.nodes[g.resolve_module(u.path)].cls
             if cls in TORCH_CONTAINERS and not why:

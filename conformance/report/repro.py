@@ -197,6 +197,12 @@ GENERATORS: dict = {}
 def repro_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
     """The standalone repro script of a case: torch-only where a generator
     exists for its API, else one that replays the case through this suite."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(spec, ModelCase):  # a real model: its own generator (training included)
+        from conformance.report.repro_model import model_script
+
+        return model_script(spec, violations, title)
     api = getattr(spec.plan, "api", "fsdp1")
     gen = GENERATORS.get(api)
     # the torch-only generators build, wrap and call; they do not train: a
