@@ -214,24 +214,41 @@ def _run_pytest(args: list[str], report_dir: Path, live: bool) -> int:
 
 
 def _load_spec(path: str):
-    from conformance.spec import CaseSpec, SpecError
+    from conformance.model_case import case_from_json
+    from conformance.spec import SpecError
 
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
     try:
-        return CaseSpec.from_json(text)
+        return _valid_case(case_from_json(text))
     except SpecError as e:
         raise UsageError(f"{path}: {e}") from None
+
+
+def _valid_case(case):
+    """A ModelCase names its target: that target must import and have every
+    name the case uses (TargetError: one line, exit 2)."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(case, ModelCase):
+        from conformance.targets import TargetError, check_case
+
+        try:
+            check_case(case)
+        except TargetError as e:
+            raise UsageError(str(e)) from None
+    return case
 
 
 def _load_case(path: str, finding_id: str | None):
     """(spec, invariant or None, finding or None) from a CaseSpec JSON, a
     report JSON (with --finding, or its only failing finding), or one finding
     object copied out of a report."""
+    from conformance.model_case import case_from_json
     from conformance.report import data
-    from conformance.spec import CaseSpec, SpecError
+    from conformance.spec import SpecError
 
     try:
         text = Path(path).read_text()
@@ -259,7 +276,7 @@ def _load_case(path: str, finding_id: str | None):
         finding = obj
     if finding is not None:
         try:
-            spec = CaseSpec.from_json(json.dumps(finding["spec"]))
+            spec = _valid_case(case_from_json(json.dumps(finding["spec"])))
         except (SpecError, KeyError, TypeError) as e:
             raise UsageError(f"{path}: the finding's case is not a valid CaseSpec ({e})") from None
         return spec, finding.get("invariant"), finding
@@ -278,6 +295,9 @@ def cmd_check(ns) -> int:
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
     _need_distributed()
+    from conformance.models import NOT_FOR_MODELS
+
+    selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
     return _check(spec, [i for i in selected if spec.plan.api in i.api.split("|")], ns.backend, ns.world_size)
 
 
@@ -335,7 +355,8 @@ def cmd_repro(ns) -> int:
         except invariants.UnknownInvariant as e:
             raise UsageError(str(e)) from None
     else:
-        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")]
+        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")
+                    and not (hasattr(spec, "target") and i.id == "FWD-SUMMON")]
     lines = [v["message"] if isinstance(v, dict) else str(v) for v in (finding or {}).get("violations", [])]
     title = inv_id or Path(ns.spec).stem
     text = repro_script(spec, lines, title=title)
