@@ -3,6 +3,7 @@ model, in this process (rank pools are closed before it exits)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -59,6 +60,10 @@ def cmd_model(ns, usage_error, backends) -> int:
     except invariants.UnknownInvariant as e:
         raise usage_error(str(e)) from None
     report_dir = Path(ns.report_dir).resolve()
+    # the target is the user's code, importable from where they run us (as
+    # `python -m` and pytest would); rank pools inherit this sys.path
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         run = check_model(
             ns.target, invariants=ns.invariant, tiers=tuple(tiers), examples=examples, seed=ns.seed,
