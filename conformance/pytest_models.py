@@ -1,5 +1,6 @@
-"""pytest plugin (entry point pytest11): run the conformance invariants on a
-project's own model from its own test suite.
+"""The fsdp_model fixture and marker of the pytest plugin (conformance.plugin,
+entry point pytest11): run the conformance invariants on a project's own
+model from its own test suite.
 
     @pytest.mark.fsdp_model("mypkg.model:target", invariants=["wrap", "FWD-PARITY"], examples=5)
     def test_fsdp(fsdp_model):
@@ -18,12 +19,10 @@ MARKER = "fsdp_model"
 _KEYS = ("target", "invariants", "tiers", "examples", "seed", "world_size", "fake_world_size", "deadline")
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        f"{MARKER}(target, invariants=None, tiers=('fake',), examples=5, seed=None): "
-        "the real model (a conformance.targets.Target, 'package.module:attr') the fsdp_model fixture checks",
-    )
+MARKER_DOC = (
+    f"{MARKER}(target, invariants=None, tiers=('fake',), examples=5, seed=None): "
+    "the real model (a conformance.targets.Target, 'package.module:attr') the fsdp_model fixture checks"
+)
 
 
 class ModelChecker:

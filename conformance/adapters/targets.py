@@ -21,7 +21,7 @@ from conformance.adapters.training import ATOL as TRAIN_ATOL
 from conformance.adapters.training import _final, _optimizer
 from conformance.build import build
 from conformance.model_case import ModelCase
-from conformance.observation_fsdp2 import CallObservation, FSDP2Observation, GradObservation, RegistrationObservation, TrainObservation
+from conformance.observations import CallObservation, FSDP2Observation, GradObservation, RegistrationObservation, TrainObservation
 from conformance.spec import TrainPlan
 from conformance.targets import default_loss, method_kwargs
 

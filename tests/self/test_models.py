@@ -147,8 +147,7 @@ def test_fsdp2_prediction_for_an_opaque_generate():
 
 
 def _verdict(invariant, case, engine, scenario="fsdp1", parse=None):
-    from conformance.observation import Observation
-    from conformance.observation_fsdp2 import FSDP2Observation, TrainObservation
+    from conformance.observations import FSDP2Observation, Observation, TrainObservation
 
     parse = parse or {"fsdp1": Observation.from_dict, "fsdp2": FSDP2Observation.from_dict, "train": TrainObservation.from_dict}.get(scenario.split(":")[-2] if scenario.startswith("model-fault") else scenario)
     return evaluate(invariant, case, observations(engine, case, scenario, parse))
@@ -293,8 +292,8 @@ def test_pytest_plugin_runs_a_user_target(user_dir):
             fsdp_model.check("tinylm:bad_class")
     '''))
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "test_user_model.py"]
-    if "fsdp_conformance_models" not in {e.name for e in importlib.metadata.entry_points(group="pytest11")}:
-        args[3:3] = ["-p", "conformance.pytest_models"]  # not installed through the entry point (yet)
+    if "fsdp_conformance" not in {e.name for e in importlib.metadata.entry_points(group="pytest11")}:
+        args[3:3] = ["-p", "conformance.plugin"]  # not installed through the entry point (yet)
     proc = subprocess.run(args, cwd=user_dir, env=_env(user_dir), capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert "1 passed" in out and "1 failed" in out, out
