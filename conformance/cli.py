@@ -460,8 +460,15 @@ def cmd_bench(ns) -> int:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     _need_distributed()
-    bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
-              fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json)
+    from conformance.targets import TargetError
+
+    if ns.target and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a user's target, as `fsdp-conformance model` finds it
+    try:
+        bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
+                  fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json, targets=ns.target or ())
+    except TargetError as e:
+        raise UsageError(str(e)) from None
     return 0
 
 
@@ -539,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the drawn cases (default 0)")
     b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake on the same cases")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    b.add_argument("--target", action="append", default=None, metavar="TARGET",
+                   help="a real model ('package.module:attr', repeatable): per API, fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("selfcheck", help="run the suite's own tests")
     s.set_defaults(fn=cmd_selfcheck)

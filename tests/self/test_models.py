@@ -92,13 +92,16 @@ def test_shrinking_ends_at_one_frozen_parameter_and_no_policy():
     """FSDP1 must reject a mixed unit (use_orig_params=False): the smallest
     case is one frozen parameter in the root unit, with no policy."""
     got = find(model_cases(TOY, apis=st.just("fsdp1")), lambda c: predict_fsdp1(c).error is not None,
-               settings=settings(database=None, max_examples=2000))
+               settings=settings(database=None, max_examples=2000, derandomize=True))
     assert got.frozen == ("embed.weight",) and got.plan.policy is None and not got.plan.use_orig_params
 
 
 def test_shrinking_ends_at_one_class_and_one_frozen_parameter():
+    """A mixed unit below the root: one frozen parameter of a block and a
+    policy naming one class. (Derandomized: the shrinker can also stop at the
+    equally small SizeBasedWrap at a block's numel.)"""
     got = find(model_cases(TOY, apis=st.just("fsdp1")), lambda c: any(u.mixed and u.path for u in predict_fsdp1(c).units),
-               settings=settings(database=None, max_examples=2000))
+               settings=settings(database=None, max_examples=2000, derandomize=True))
     assert got.frozen == ("blocks.0.ln.weight",)
     assert got.plan.policy == ModuleWrap(("Block",))
 
