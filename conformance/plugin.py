@@ -38,6 +38,8 @@ def pytest_addoption(parser):
     g.addoption("--stop-at", type=float, default=None, help="epoch seconds after which conformance tests are skipped (hunt)")
     g.addoption("--save-partials", default=None, help="write this run's per-process results to this JSON file (hunt)")
     g.addoption("--prior-partials", action="append", default=None, help="include the results saved by an earlier run (repeatable; hunt)")
+    # real models (conformance/suite/test_models.py)
+    g.addoption("--target", action="append", default=None, help="a real model, 'package.module:attr' naming a conformance.targets.Target (repeatable): the suite checks it too")
 
 
 def requested(config) -> bool:
@@ -107,6 +109,10 @@ def pytest_generate_tests(metafunc):
         if metafunc.definition.get_closest_marker("needs_ranks"):
             ts = [t for t in ts if t != "fake"]  # one in-process rank cannot disagree
         metafunc.parametrize("engine", [pytest.param(t, marks=getattr(pytest.mark, t), id=t) for t in ts], indirect=True, scope="session")
+    if "model_target" in metafunc.fixturenames:  # conformance/suite/test_models.py: one test per --target
+        targets = metafunc.config.getoption("--target") or []
+        metafunc.parametrize("model_target", targets or [pytest.param(None, marks=pytest.mark.skip(reason="no --target given"))],
+                             ids=[t.split(":")[0].rsplit(".", 1)[-1] for t in targets] or ["no-target"])
 
 
 _ENGINES: dict = {}
