@@ -32,6 +32,8 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
+    if any(len(g.modules) > 1 and g.managed and not g.trainable for g in pred.groups):
+        tags.add("frozen:all-frozen-multi-group")
     fsdp = set(pred.fsdp_modules)
     if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
         from conformance.targets import methods_calling_forward

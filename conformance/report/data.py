@@ -327,6 +327,8 @@ def build(
                 if r["invariant"] in k.invariants and r["verdict"] == "PASS" and any(c["tier"] == r["tier"] for c in checked):
                     r["verdict"] = "FIXED"
                     r["reason"] = f"the corpus case of known failure {k.id} no longer deviates"
+        elif k.no_corpus:
+            st = "unchecked"  # no corpus case (its entry says why): nothing to warn about
         elif examples == 0 or k.id in corpus_findings:
             # a finding with a corpus case is judged by that case alone; this
             # run did not select it
@@ -350,13 +352,16 @@ def build(
             "examples": examples,
         })
 
+    status = {k["id"]: k["status"] for k in known_out}
     for c in corpus_runs:
+        # per record: did this invariant show the case's finding? (whether
+        # the finding is fixed is the known failure's status, over every record)
         c["outcome"] = (
             "FAIL" if any(v in FAILING_KINDS for v in c["verdicts"])
             else "reproduced" if c["finding"] and c["finding"] in c["known"]
-            else "fixed" if c["finding"]
             else "PASS"
         )
+        c["finding_status"] = status.get(c["finding"]) if c["finding"] else None
     counts = {v: 0 for v in VERDICTS}
     for r in results:
         counts[r["verdict"]] += 1

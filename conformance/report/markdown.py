@@ -54,7 +54,7 @@ def render(report: dict, *, details: bool = True) -> str:
     corpus = report.get("corpus") or []
     if corpus:
         cases = sorted({c["case"] for c in corpus})
-        fixed = sorted({c["finding"] for c in corpus if c.get("outcome") == "fixed"})
+        fixed = sorted({c["finding"] for c in corpus if c.get("finding_status") == "fixed"})
         failed = sorted({c["case"] for c in corpus if c.get("outcome") == "FAIL"})
         lines += ["", f"Regression corpus: {len(cases)} case(s) checked first"
                   + (f"; **FAIL**: {', '.join(failed)}" if failed else "")
