@@ -66,7 +66,7 @@ class ModelCase:
 
     def size(self) -> tuple[int, int]:
         """How big a case is, for keeping the smallest: frozen parameters,
-        then what the plan names, then the length of the JSON."""
+        then the length of the JSON."""
         return len(self.frozen), len(self.to_json())
 
     # -- JSON ---------------------------------------------------------------

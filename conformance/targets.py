@@ -10,9 +10,12 @@ without touching the suite.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
+
+from conformance.build import Built
 
 Inputs = Callable[[int], Mapping[str, Any]]  # seed -> keyword arguments
 
@@ -93,9 +96,6 @@ def load_target(ref: str) -> Target:
 # (Below: what the engine, the oracle and the strategies need from a target.
 # The graph is built in the driver from one model; ranks build their own.)
 
-import functools  # noqa: E402
-
-from conformance.build import Built  # noqa: E402
 
 
 @functools.lru_cache(maxsize=32)
@@ -194,7 +194,6 @@ def graph_of(case):
     """The graph the oracle reads: a CaseSpec's own, or a ModelCase's target
     graph with the case's freeze mask applied."""
     from conformance.model_case import ModelCase
-    from conformance.oracle.graph import ModelGraph, ParamInfo
 
     if not isinstance(case, ModelCase):
         return _spec_graph(case)

@@ -58,8 +58,6 @@ class _Model:
         self.modules = [p for p, nid in g.named_modules() if p]  # canonical, root excluded
         with_params = {p for p in self.modules if g.subtree_params(g.resolve_module(p))}
         self.unit_modules = [p for p in self.modules if p in with_params and g.nodes[g.resolve_module(p)].cls not in TORCH_CONTAINERS]
-        from conformance.targets import classes_by_name, make_model  # noqa: F401
-
         root_cls = g.nodes[""].cls
         seen = [c for c in g.class_names() if c not in _NOT_UNITS and c != root_cls]
         own = [c for c in self.target.wrap_classes if c in seen]

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from conformance.oracle.graph import ModelGraph
 from conformance.spec import (
-    CaseSpec,
     CustomWrap,
     WrapPlan,
     LambdaWrap,

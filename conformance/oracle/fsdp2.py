@@ -9,7 +9,7 @@ import functools
 from dataclasses import dataclass
 
 from conformance.oracle.graph import ModelGraph
-from conformance.spec import CaseSpec, ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls, join
+from conformance.spec import ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls, join
 
 # The torch release from which fully_shard rejects a parameter that two
 # groups see (ValueError at the first forward that names it and prescribes

@@ -12,7 +12,6 @@ import torch
 
 from conformance.oracle.fsdp1 import FSDP1Prediction, predict_fsdp1
 from conformance.oracle.fsdp2 import TORCH_CONTAINERS, FSDP2Prediction, _resolve_from, predict_fsdp2
-from conformance.oracle.graph import ModelGraph  # noqa: F401
 from conformance.targets import graph_of
 from conformance.spec import CaseSpec, effective_calls
 

@@ -23,7 +23,7 @@ from conformance.oracle.fsdp2 import predict_fsdp2
 from conformance.oracle.graph import ModelGraph
 from conformance.runner import FAIL, KNOWN, PASS, evaluate, observations
 from conformance.spec import (
-    CustomWrap, ForwardMethod, ModuleWrap, ShardGroup, SizeBasedWrap, SpecError, TrainPlan, WrapPlan,
+    CustomWrap, ForwardMethod, ModuleWrap, ShardGroup, SpecError, TrainPlan, WrapPlan,
 )
 from strategies import case_specs
 from strategies.targets import model_cases
@@ -144,6 +144,14 @@ def test_fsdp2_prediction_for_an_opaque_generate():
     assert gen.in_promise and gen.unshards == 1 and not gen.exact
     unregistered = ModelCase(TOY, plan=WrapPlan("fsdp2", groups=groups), methods=(ForwardMethod("", "generate", register=False),))
     assert not predict_fsdp2(unregistered, "2.13.0").calls[1].in_promise
+
+
+def test_case_features_read_the_graph_of_a_target():
+    from conformance.features import case_features
+
+    case = ModelCase(TOY, frozen=("embed.weight",), plan=WrapPlan("fsdp2", groups=(ShardGroup(("blocks.0",)),)))
+    # W=3: dim-0 16 and 8 are not divisible; the root's group holds the frozen embedding and the norm
+    assert case_features(case, 3) == ["tie", "uneven shard", "mixed unit"]
 
 
 # ---- invariants on a target turn red under injected faults ------------------------------
