@@ -68,7 +68,7 @@ def cmd_model(ns, usage_error, backends) -> int:
         run = check_model(
             ns.target, invariants=ns.invariant, tiers=tuple(tiers), examples=examples, seed=ns.seed,
             world_size=ns.world_size, fake_world_size=ns.fake_world_size, deadline=ns.deadline,
-            repro_dir=report_dir / "repros",
+            repro_dir=report_dir / "repros", progress=lambda line: print(line, flush=True),
         )
     except TargetError as e:
         raise usage_error(str(e)) from None

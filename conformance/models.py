@@ -84,6 +84,7 @@ def check_model(
     repro_dir: str | Path | None = None,
     engines: dict | None = None,
     session=None,
+    progress=None,
 ) -> ModelRun:
     """Run every applicable invariant (or those named) on ``target``
     ("package.module:attr"), ``examples`` drawn cases each, on each tier.
@@ -92,7 +93,7 @@ def check_model(
     anything runs when the target cannot be used, UnknownInvariant for a bad
     name. ``engines`` (tier -> engine) lets a caller reuse its own; the ones
     made here are closed before returning, so no rank process outlives the
-    call."""
+    call. ``progress(line)`` hears one line per invariant and tier done."""
     from hypothesis import HealthCheck, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
@@ -129,11 +130,18 @@ def check_model(
                 if seed is not None:
                     one = hseed(seed)(one)
                 run.checked.append((inv.id, tier))
+                t_inv = time.perf_counter()
+                failed = len(run.failures)
                 try:
                     one()
                 except Exception as e:  # the shrunk failure (or Hypothesis's group of them)
                     notes = "\n".join(getattr(e, "__notes__", []))
                     run.failures.append({"invariant": inv.id, "tier": tier, "message": f"{e}\n{notes}".strip() if isinstance(e, AssertionError) else f"{type(e).__name__}: {e}\n{notes}".strip()})
+                if progress is not None:
+                    tallies = [t for (i, tr, _), t in session.tallies.items() if i == inv.id and tr == tier]
+                    verdict = "FAIL" if len(run.failures) > failed else ("KNOWN" if any(t.verdict == "KNOWN" for t in tallies) else "PASS")
+                    n = sum(t.examples for t in tallies)
+                    progress(f"{inv.id:18} {tier:5} {verdict:5} {n:3} examples {time.perf_counter() - t_inv:7.1f}s")
     finally:
         for eng in own.values():
             eng.close()
