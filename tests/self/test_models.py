@@ -222,22 +222,13 @@ def test_fsdp2_groups_on_a_target_catches_a_lost_parameter(fake_engine):
     assert res.verdict == FAIL, res.describe()
 
 
-@pytest.fixture(scope="module")
-def gloo_engine(request):
-    if "gloo" not in request.config.getoption("--tiers").split(","):
-        pytest.skip("the gloo tier is not selected (--tiers)")
-    from conformance.engine.pool import RankPool
-
-    with RankPool(world_size=2, backend="gloo") as pool:
-        yield pool
-
-
-@pytest.mark.gloo
-def test_parity_and_fwd_parity_on_a_target_catch_doubled_gradients(gloo_engine):
+@pytest.mark.needs_ranks  # the session's gloo pool (the engine fixture, gloo tier only)
+def test_parity_and_fwd_parity_on_a_target_catch_doubled_gradients(engine):
     """Values: in the ranks of a gloo pool (a test-only scenario applies the
     fault there). The target's loss, its generate and training all run."""
     import tests.self.model_faults  # noqa: F401  (registers the scenarios)
 
+    gloo_engine = engine
     case = ModelCase(TOY, seed=1, frozen=("blocks.0.ln.weight",), plan=WrapPlan("fsdp2", groups=(ShardGroup(("blocks.0",), True),)),
                      methods=(ForwardMethod("", "generate"),), train=TrainPlan("SGD", 2))
     assert _verdict("PARITY", case, gloo_engine, "train").verdict == PASS
