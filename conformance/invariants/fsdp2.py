@@ -24,7 +24,7 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("tie:split")
     elif pred.tied:
         tags.add("tie:grouped")
-    if spec.shared:
+    if spec.shared or pred.shared_modules:
         tags.add("shared-module")
     if pred.resharded:
         tags.add("group:resharded")  # fully_shard given a module an earlier group already holds
@@ -37,6 +37,11 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         # looks a frozen Embedding up with constant indices)
         tags.add("group:multi-frozen-embedding")
     fsdp = set(pred.fsdp_modules)
+    if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
+        from conformance.targets import methods_calling_forward
+
+        if "" in fsdp and any(m.register and m.name in methods_calling_forward(spec.target) for m in spec.methods):
+            tags.add("method-calls-self")
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
         tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside
@@ -44,14 +49,17 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
 
 
 def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
-    from conformance.spec import SpecError, module_at
+    """The module at ``path`` is an Embedding whose parameters are all frozen:
+    its output needs no gradient (the indices never do)."""
+    from conformance.targets import graph_of
 
+    g = graph_of(spec)
     try:
-        m = module_at(spec.tree, path)
-    except SpecError:  # a path through a shared module's second name
+        nid = g.resolve_module(path)
+    except KeyError:
         return False
-    tied = {t.module for t in spec.ties}
-    return m.cls == "Embedding" and not any(p.requires_grad for p in m.params) and path not in tied
+    node = g.nodes[nid]
+    return node.cls == "Embedding" and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
