@@ -66,7 +66,7 @@ class Worlds:
     """``engine(w)`` for w in 1..max; ``run(scenario, spec)`` runs on the
     spec's save world, a multi-phase scenario phase by phase."""
 
-    def __init__(self, base, *, deadline: float | None = 20.0) -> None:
+    def __init__(self, base, *, deadline: float | None = 20.0, phases: dict | None = None) -> None:
         self.base = base
         self.tier = getattr(base, "tier", getattr(base, "backend", "gloo"))
         self.backend = getattr(base, "backend", "gloo")
@@ -75,7 +75,8 @@ class Worlds:
         self.deadline = deadline if deadline is not None else getattr(base, "deadline", 60.0)
         self._engines = {getattr(base, "world_size", None): base}
         self._owned = []
-        self.dirs_made = 0  # temporary checkpoint directories made (and removed)
+        self.phases = {**PHASES, **(phases or {})}  # scenario -> (save, load); a test may swap in faults
+        self.dirs_made: list[str] = []  # temporary checkpoint directories (each removed after its example)
 
     def engine(self, world_size: int):
         eng = self._engines.get(world_size)
@@ -94,12 +95,12 @@ class Worlds:
         ck = getattr(spec, "ckpt", None)
         if ck is None:
             raise EngineError("Worlds runs checkpoint cases (spec.ckpt)")
-        phases = PHASES.get(scenario)
+        phases = self.phases.get(scenario)
         if phases is None:
             return self._run(ck.save_world, scenario, spec)
         save, load = phases
         d = tempfile.mkdtemp(prefix=TMP_PREFIX)
-        self.dirs_made += 1
+        self.dirs_made.append(d)
         try:
             saved = self._run(ck.save_world, save, spec, {"dir": d})
             first = saved[0]
