@@ -10,7 +10,7 @@ import torch
 
 from conformance import known as known_mod
 from conformance.invariants import get
-from conformance.observation import Observation
+from conformance.observations import Observation
 from conformance.oracle import predict_fsdp1
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
@@ -49,7 +49,7 @@ class Handler:
 
 
 def _fsdp2_handlers() -> dict[str, Handler]:
-    from conformance.observation_fsdp2 import FSDP2Observation, TrainObservation
+    from conformance.observations import FSDP2Observation, TrainObservation
     from conformance.oracle.fsdp2 import predict_fsdp2
     from conformance.oracle.methods import predict_parity, predict_summon
 
@@ -62,7 +62,7 @@ def _fsdp2_handlers() -> dict[str, Handler]:
 
 # --- lifecycle (checkpoint) handlers ---
 def _ckpt_handlers() -> dict[str, Handler]:
-    from conformance.observation_ckpt import CkptObservation
+    from conformance.observations.checkpoint import CkptObservation
     from conformance.oracle.checkpoint import predict_ckpt
 
     return {name: Handler(name, CkptObservation.from_dict, predict_ckpt) for name in ("ckpt-full", "ckpt-ties", "ckpt-roundtrip")}

@@ -18,7 +18,7 @@ from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err
 from conformance.build import build, read_attr
-from conformance.observation_ckpt import CkptObservation
+from conformance.observations.checkpoint import CkptObservation
 from conformance.oracle.checkpoint import with_frozen
 from conformance.spec import CaseSpec, join
 

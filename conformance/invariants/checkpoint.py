@@ -6,7 +6,7 @@ sizes (CKPT-RESHARD) and optimizer state through a save and load
 from __future__ import annotations
 
 from conformance.invariants.catalog import ENGINE_FAILURE_TAGS, invariant
-from conformance.observation_ckpt import CkptObservation
+from conformance.observations.checkpoint import CkptObservation
 from conformance.oracle.checkpoint import CkptPrediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation, set_diff

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from conformance.observation_ckpt import CkptObservation
+from conformance.observations.checkpoint import CkptObservation
 from conformance.runner import FAIL, PASS, clear_cache, evaluate, observations
 from conformance.spec import (
     CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan,
