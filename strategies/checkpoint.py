@@ -74,7 +74,7 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
         way = pick(draw, ("dcp-full", "fsdp1-full")) if api == "fsdp1" else "dcp-full"
         # offload under FSDP1 on a CPU device breaks ranks (a recorded
         # finding; a hung rank costs a deadline): drawn now and then
-        offload = maybe(draw, 1) if api == "fsdp2" else draw(ints(5)) == 5
+        offload = maybe(draw, 1) if api == "fsdp2" else draw(ints(11)) == 11
         ck = CheckpointPlan(
             save_world=save_world, full_sd=way, offload=offload,
             rank0_only=way == "fsdp1-full" and maybe(draw, 1),

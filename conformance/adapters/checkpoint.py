@@ -355,13 +355,14 @@ def save(spec: CaseSpec, dir: str) -> dict:
     built = build(spec)
     times = {}
     try:
-        model = wrap(spec, built)
-        opt = make_optimizer(ck.optimizer, model.parameters())
-        x0 = built.example_input()
-        for step in range(ck.steps):
-            train_step(model, opt, x0, step)
-            if step == 0 and ck.refreeze:
-                flip(built.model, ck.refreeze, spec)
+        with _timed(times, "fsdp"):  # wrapping and training steps
+            model = wrap(spec, built)
+            opt = make_optimizer(ck.optimizer, model.parameters())
+            x0 = built.example_input()
+            for step in range(ck.steps):
+                train_step(model, opt, x0, step)
+                if step == 0 and ck.refreeze:
+                    flip(built.model, ck.refreeze, spec)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="train").to_dict()
     with _timed(times, "dcp"):
@@ -418,8 +419,9 @@ def load(spec: CaseSpec, dir: str) -> dict:
     built = build(lspec)
     times = {}
     try:
-        model = wrap(lspec, built)
-        opt = make_optimizer(ck.optimizer, model.parameters())
+        with _timed(times, "fsdp"):
+            model = wrap(lspec, built)
+            opt = make_optimizer(ck.optimizer, model.parameters())
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap").to_dict()
     with _timed(times, "dcp"):
@@ -455,8 +457,9 @@ def load(spec: CaseSpec, dir: str) -> dict:
     # resume: the load mask, the steps after the save
     try:
         x0 = built.example_input()
-        for step in range(ck.steps, ck.steps + ck.steps_after):
-            train_step(model, opt, x0, step)
+        with _timed(times, "fsdp"):
+            for step in range(ck.steps, ck.steps + ck.steps_after):
+                train_step(model, opt, x0, step)
         final = full_params(lspec, model, built.model)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="resume").to_dict()
