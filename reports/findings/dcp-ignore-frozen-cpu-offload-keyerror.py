@@ -39,7 +39,8 @@ def main():
         sd = get_model_state_dict(fsdp, options=opts)
         print(f"rank {dist.get_rank()}: {sorted(sd)}", flush=True)
     except Exception as e:
-        print(f"rank {dist.get_rank()}: {type(e).__name__}: {e} (expected: {{}} on ranks but 0)", flush=True)
+        want = "(expected: {} on this rank)" if dist.get_rank() else "(rank 0: see fsdp1-full-state-dict-offload-cpu-device on CPU)"
+        print(f"rank {dist.get_rank()}: {type(e).__name__}: {str(e)[:200]} {want}", flush=True)
     dist.destroy_process_group()
 
 
