@@ -44,6 +44,13 @@ def _errors() -> tuple[type[BaseException], ...]:
 ERRORS = _errors()
 
 
+try:  # imported with the adapter, so that a pool's fork server preloads it
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+except ImportError:  # a torch without it: dcp_api() says so, cases SKIP
+    pass
+
+
 def dcp_api():
     """(torch.distributed.checkpoint, its state_dict module), or None when this
     torch has no torch.distributed.checkpoint.state_dict (before 2.2)."""

@@ -66,7 +66,7 @@ class Worlds:
     """``engine(w)`` for w in 1..max; ``run(scenario, spec)`` runs on the
     spec's save world, a multi-phase scenario phase by phase."""
 
-    def __init__(self, base, *, deadline: float | None = 10.0, phases: dict | None = None) -> None:
+    def __init__(self, base, *, deadline: float | None = None, phases: dict | None = None) -> None:
         self.base = base
         self.tier = getattr(base, "tier", getattr(base, "backend", "gloo"))
         self.backend = getattr(base, "backend", "gloo")

@@ -47,7 +47,7 @@ ROUNDTRIP = CheckpointPlan(save_world=2, load_world=2, load_plan=WrapPlan(api="f
 def pool():
     from conformance.engine.pool import RankPool
 
-    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_checkpoint",))
+    p = RankPool(2, "gloo", deadline=60.0, preload=("conformance.adapters.checkpoint", "tests.self.faults_checkpoint"))
     p.tier = "gloo"
     yield p
     p.close()
