@@ -227,6 +227,9 @@ class Session:
         try:
             res = check_case(invariant, spec, engine, self.known)
         except ExampleFailed as e:
+            res = self._known_engine_failure(invariant, spec, e, time.perf_counter() - t0, tier)
+            if res is not None:
+                return res
             self.record_failure(invariant, spec, tier, time.perf_counter() - t0, e.verdict, str(e), e.to_dict())
             err = AssertionError(f"{invariant}: {e}")
             self._annotate(err, spec, invariant, [str(e)])
@@ -242,6 +245,23 @@ class Session:
             err = AssertionError(res.describe())
             self._annotate(err, spec, invariant, [str(v) for v in res.violations], res)
             raise err
+        return res
+
+    def _known_engine_failure(self, invariant: str, spec: CaseSpec, e, seconds: float, tier: str) -> CaseResult | None:
+        """A HANG / CRASH that a known failure describes (only for invariants
+        that register their case tags for it): recorded KNOWN."""
+        from conformance.invariants.catalog import ENGINE_FAILURE_TAGS
+        from conformance.violation import Violation
+
+        tags_of = ENGINE_FAILURE_TAGS.get(invariant)
+        if tags_of is None:
+            return None
+        v = Violation(invariant, str(e).splitlines()[0], frozenset(tags_of(spec) | {f"kind:{e.verdict.lower()}"}))
+        k = known_mod.match(v, self.known, torch.__version__)
+        if k is None:
+            return None
+        res = CaseResult(invariant, spec, KNOWN, known=[(v, k.id)])
+        self.record(res, tier, seconds)
         return res
 
     def _annotate(self, err: BaseException, spec: CaseSpec, invariant: str, lines: list[str], res: CaseResult | None = None) -> None:
