@@ -254,3 +254,6 @@ def segfault(spec: CaseSpec) -> dict:
 # FSDP2, forward methods and training parity register themselves here, so
 # that every driver (and a pool's preload) knows them.
 from conformance.engine import scenarios_fsdp2  # noqa: E402,F401
+
+# --- training schedules (MP-DTYPES, ACCUM) ---
+from conformance.engine import scenarios_schedule  # noqa: E402,F401

@@ -5,3 +5,5 @@ from conformance.invariants import fsdp2, methods  # noqa: F401  (FSDP2, forward
 from conformance.invariants.catalog import CATALOG, Invariant, UnknownInvariant, get, select
 
 __all__ = ["CATALOG", "Invariant", "UnknownInvariant", "get", "select"]
+# --- training schedules (MP-DTYPES, ACCUM) ---
+from conformance.invariants import training  # noqa: E402,F401

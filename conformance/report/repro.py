@@ -198,6 +198,10 @@ def repro_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     """The standalone repro script of a case: torch-only where a generator
     exists for its API, else one that replays the case through this suite."""
     api = getattr(spec.plan, "api", "fsdp1")
+    if getattr(spec, "schedule", None) is not None:  # --- training schedules (MP-DTYPES, ACCUM) ---
+        from conformance.report.repro_schedule import schedule_script
+
+        return schedule_script(spec, violations, title)
     gen = GENERATORS.get(api)
     # the torch-only generators build, wrap and call; they do not train: a
     # PARITY case replays through the suite
