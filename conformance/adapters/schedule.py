@@ -15,13 +15,21 @@ import torch.nn as nn
 
 from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
-from conformance.adapters.fsdp2 import _err, full_tensor
+from conformance.adapters.fsdp2 import _err as _err2
+from conformance.adapters.fsdp2 import full_tensor
 from conformance.build import BATCH, Built, build, method_callable, read_attr
-from conformance.observation_schedule import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
+from conformance.observations.schedule import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
 from conformance.oracle.schedule import predict_schedule
 from conformance.spec import CaseSpec, Precision, module_at, walk
 
 REDUCE_OPS = ("reduce_scatter", "all_reduce", "allreduce")
+
+
+def _err(e: BaseException) -> str:
+    """Type and first line, object addresses removed (ranks must agree on it)."""
+    import re
+
+    return re.sub(r" at 0x[0-9a-f]+", "", _err2(e))
 
 
 def _dtype(name: str | None):
@@ -297,6 +305,10 @@ class Runner:
             obs["step_error"] = f"step {si} optimizer: {_err(e)}"
             raise _Stop from e
         self.ropt.step()
+        # FSDP1 use_orig_params=True with keep_low_precision_grads: summon_full_params
+        # with low-precision gradients present raises on the ranks that hold a
+        # gradient shard only (the others wait in its all-gather); they were read above
+        self.opt.zero_grad(set_to_none=True)
         after = self.full_values()
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
         for f in self.names:
@@ -307,7 +319,8 @@ class Runner:
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
         if self.api == "fsdp1":
             for path, g in self.flat_grads():
-                obs["flat"].append(ValueSeen(si, f"<flat parameter of {path or 'the root'}>", None if g is None else _name(g.dtype), g is None, g is None, None))
+                # (a rank whose shard of a unit unused in the last microbatch is empty has none)
+                obs["flat"].append(ValueSeen(si, f"<flat parameter of {path or 'the root'}>", None if g is None else _name(g.dtype), g is None, False, None))
         grads = self.full_grads()
         # whether a (frozen) parameter has a gradient: FSDP1's own sharded
         # views, where the unsharded gradients of summon_full_params may be zeros

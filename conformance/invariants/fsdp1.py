@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.invariants.catalog import DOC_FSDP, S000, invariant
-from conformance.observation import FROZEN_MARK, FrozenMessage, Observation
+from conformance.observations import FROZEN_MARK, FrozenMessage, Observation
 from conformance.oracle.fsdp1 import FSDP1Prediction, UnitPrediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation

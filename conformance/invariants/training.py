@@ -4,7 +4,7 @@ training schedule (steps, freeze changes, microbatches), both APIs."""
 from __future__ import annotations
 
 from conformance.invariants.catalog import invariant
-from conformance.observation_schedule import ScheduleObservation
+from conformance.observations.schedule import ScheduleObservation
 from conformance.oracle.schedule import SchedulePrediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
@@ -14,13 +14,28 @@ DOC_MP1 = "MixedPrecision docstring (param_dtype, reduce_dtype, buffer_dtype: ca
 DOC_SYNC = "FullyShardedDataParallel.no_sync docstring (gradients accumulate in module variables, synchronized in the first forward-backward out of the context); FSDPModule.set_requires_gradient_sync docstring (accumulate without communication; reduce_dtype accumulation)"
 
 
-def case_tags(spec: CaseSpec, pred: SchedulePrediction) -> set[str]:
+def _smallest_unit_numel(spec: CaseSpec) -> int | None:
+    """FSDP1: the fewest elements one unit's flat parameter holds."""
+    from conformance.oracle import predict_fsdp1
+    from conformance.oracle.graph import ModelGraph
+
+    g = ModelGraph(spec)
+    sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in predict_fsdp1(spec).units if u.managed]
+    return min(sizes) if sizes else None
+
+
+def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> set[str]:
     """Facts about a schedule case that known_failures.toml entries match on."""
     s = spec.schedule
     tags = {f"api:{pred.api}", f"optim:{s.optimizer}", f"param:{pred.compute_dtype}", f"reduce:{pred.reduce_dtype}"}
     if pred.api == "fsdp1":
         tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
         tags.add("policy:none" if spec.plan.policy is None else "policy:some")
+        smallest = _smallest_unit_numel(spec)
+        if smallest is not None and smallest < world_size:
+            tags.add("unit-smaller-than-world")  # a rank's shard of it is empty
+    if any(len(st.microbatches) > 1 and st.sync_every for st in s.steps):
+        tags.add("accumulate-synced")
     pr = s.precision
     if pr is not None and pr.keep_low_precision_grads:
         tags.add("keep-low-precision-grads")
@@ -73,7 +88,7 @@ def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violatio
 def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
     if pred.applicable:
         return []
-    tags = case_tags(spec, pred)
+    tags = case_tags(spec, pred, obs.world_size)
     out = _raised("MP-DTYPES", obs, tags)
     if obs.wrap_error:
         return out
@@ -146,7 +161,7 @@ def _dedupe(vs: list[Violation]) -> list[Violation]:
 def check_accum(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
     if pred.applicable:
         return []
-    tags = case_tags(spec, pred)
+    tags = case_tags(spec, pred, obs.world_size)
     out = _raised("ACCUM", obs, tags)
     if obs.wrap_error:
         return out

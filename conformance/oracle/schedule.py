@@ -90,7 +90,7 @@ def predict_schedule(spec: CaseSpec) -> SchedulePrediction:
         buffer = pr.buffer_dtype or F32
     else:
         grad, buffer = F32, F32  # FSDP2: the sharded parameter's dtype; buffers are not FSDP2's
-    low = lowest(e["param"], e["reduce"], grad, pr.output_dtype or F32)
+    low = lowest(e["param"], e["reduce"], grad, pr.output_dtype or F32, pr.buffer_dtype or F32)
     return SchedulePrediction(
         api=api,
         applicable=why,

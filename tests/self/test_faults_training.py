@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.observation_schedule import ScheduleObservation
+from conformance.observations.schedule import ScheduleObservation
 from conformance.runner import FAIL, PASS, evaluate, observations
 from conformance.spec import (
     BufferSpec, CaseSpec, ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Precision, Schedule, ScheduleStep,
