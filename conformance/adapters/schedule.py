@@ -242,14 +242,14 @@ class Runner:
                 mod.__dict__["_case_skip"] = {c.rpartition(".")[2] for c in skip if c.rpartition(".")[0] == path}
 
     # -- one step -------------------------------------------------------------------
-    def step(self, si: int, obs: dict) -> None:
+    def step(self, si: int, obs: dict, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One optimizer step from the full values ``start``; returns the values after it."""
         s = self.spec.schedule
         st = s.steps[si]
         frozen = set(st.frozen)
         self.recorder.step = si
         if self.api == "fsdp2" or self.uop:
             self.set_frozen(frozen)
-        start = self.full_values()
         with torch.no_grad():  # the reference restarts from FSDP's values: each step is compared on its own
             for f, v in start.items():
                 read_attr(self.ref.model, f).copy_(v.float())
@@ -314,6 +314,7 @@ class Runner:
         for f in self.names:
             obs["params"].append(ValueSeen(si, f, _name(after[f].dtype), False, False, _err_rel(after[f], ref[f], ref[f]),
                                            bool(torch.equal(after[f], start[f]))))
+        return after
 
     def _record_grads(self, si: int, obs: dict) -> None:
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
@@ -349,8 +350,9 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
         return ScheduleObservation(**base, wrap_error=_err(e), seconds=time.perf_counter() - t0)
     obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None}
     try:
+        values = run.full_values()
         for si in range(len(spec.schedule.steps)):
-            run.step(si, obs)
+            values = run.step(si, obs, values)
     except _Stop:
         pass
     buffers = tuple((run.aliases.canon_of_module.get(id(m), "?") + "." + n if run.aliases.canon_of_module.get(id(m)) else n, _name(b.dtype))

@@ -63,6 +63,7 @@ ERRORS = {
     "_saved_grad_shard": "error:saved-grad-shard",
     "attempting to assign a gradient with dtype": "error:grad-dtype-mismatch",
     "expects uniform gradient dtype": "error:mixed-grad-dtypes",
+    "_post_backward_hook_state": "error:post-backward-hook-state",
 }
 
 
