@@ -74,6 +74,27 @@ def fsdp2_unsynced_grads_dropped():
     return mock.patch.object(cls, "to_accumulated_grad_if_needed", drop)
 
 
+@fault("fsdp2-frozen-get-zero-grads")
+def fsdp2_frozen_get_zero_grads():
+    """Frozen parameters of a group that reduced get a (zero) gradient, as if
+    reduce_scatter_unused_params ignored requires_grad."""
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    cls = _fsdp_param_group.FSDPParamGroup
+    orig = cls.post_backward
+
+    def post_backward(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if self.reduce_grads:
+            for fp in self.fsdp_params:
+                if not fp.sharded_param.requires_grad and fp.sharded_param.grad is None:
+                    fp.sharded_param.grad = torch.zeros_like(fp.sharded_param)
+        return out
+
+    return mock.patch.object(cls, "post_backward", post_backward)
+
+
 @fault("fsdp1-buffers-not-cast")
 def fsdp1_buffers_not_cast():
     """FSDP1 ignores buffer_dtype."""
@@ -128,7 +149,7 @@ for _name in FAULTS:
 def _borrowed():
     from tests.self.faults_fsdp2 import FAULTS as FSDP2_FAULTS
 
-    for name in ("gradients-doubled", "frozen-made-trainable"):
+    for name in ("gradients-doubled",):
         FAULTS[name] = FSDP2_FAULTS[name]
         scenario(f"fault:schedule:{name}", test_only=True)(_faulty(name))
 

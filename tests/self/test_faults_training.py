@@ -18,6 +18,8 @@ from conformance.spec import (
     ShardGroup, WrapPlan,
 )
 
+from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenarios in the driver)
+
 pytestmark = pytest.mark.selfcheck
 
 BF16_FP32 = Precision("bfloat16", "float32")
@@ -60,7 +62,7 @@ FAULTS = [
     ("MP-DTYPES", "fsdp1-mp", "fsdp1-grads-not-upcast", "kind:grad-dtype"),
     ("ACCUM", "fsdp2-accum", "fsdp2-sync-ignored", "kind:reduced-unsynced"),
     ("ACCUM", "fsdp2-accum", "fsdp2-unsynced-grads-dropped", "kind:grad"),
-    ("ACCUM", "fsdp2-accum", "frozen-made-trainable", "kind:frozen-grad"),
+    ("ACCUM", "fsdp2-accum", "fsdp2-frozen-get-zero-grads", "kind:frozen-grad"),
     ("ACCUM", "fsdp1-accum", "fsdp1-no-sync-ignored", "kind:reduced-unsynced"),
 ]
 
