@@ -52,6 +52,32 @@ def precision_api() -> tuple[type, type]:
     return MixedPrecision, MixedPrecisionPolicy
 
 
+def missing_api() -> str | None:
+    """Why the installed torch cannot run training schedules, or None: the
+    mixed-precision classes with every field a Precision names, FSDP2's
+    set_requires_gradient_sync and FSDP1's no_sync."""
+    import dataclasses
+
+    try:
+        MixedPrecision, MixedPrecisionPolicy = precision_api()
+        _, FSDPModule, _ = a2.fsdp2_api()
+    except ImportError as e:
+        return f"torch {torch.__version__} lacks FSDP mixed precision or fully_shard ({e})"
+    want = {MixedPrecisionPolicy: ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"),
+            MixedPrecision: ("param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs")}
+    for cls, names in want.items():
+        lacking = set(names) - {f.name for f in dataclasses.fields(cls)}
+        if lacking:
+            return f"torch {torch.__version__}: {cls.__name__} lacks {sorted(lacking)}"
+    if not hasattr(FSDPModule, "set_requires_gradient_sync"):
+        return f"torch {torch.__version__}: FSDPModule lacks set_requires_gradient_sync"
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if not hasattr(FSDP, "no_sync"):
+        return f"torch {torch.__version__}: FullyShardedDataParallel lacks no_sync"
+    return None
+
+
 def wrap_kwargs(spec: CaseSpec, pr: Precision | None):
     """FSDP1: the mixed_precision kwarg; FSDP2: a function of a group's
     modules giving its mp_policy (output_dtype on the root's only: it casts

@@ -64,6 +64,7 @@ ERRORS = {
     "attempting to assign a gradient with dtype": "error:grad-dtype-mismatch",
     "expects uniform gradient dtype": "error:mixed-grad-dtypes",
     "_post_backward_hook_state": "error:post-backward-hook-state",
+    "has no attribute '_unsharded_param'": "error:no-unsharded-param",
 }
 
 

@@ -95,3 +95,15 @@ def test_fault_is_caught_inside_the_ranks(invariant, case, fault, kind, pool):
     res = run(invariant, CASES[case](), pool, f"fault:schedule:{fault}")
     assert res.verdict == FAIL, res.describe()
     assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+def test_a_torch_without_the_apis_is_a_skip_with_its_reason(monkeypatch):
+    from conformance.adapters import schedule
+
+    assert schedule.missing_api() is None  # torch 2.13 has them all
+
+    def missing():
+        raise ImportError("cannot import name 'MixedPrecisionPolicy'")
+
+    monkeypatch.setattr(schedule, "precision_api", missing)
+    assert "MixedPrecisionPolicy" in schedule.missing_api()
