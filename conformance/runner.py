@@ -57,6 +57,7 @@ def _fsdp2_handlers() -> dict[str, Handler]:
         "fsdp2": Handler("fsdp2", FSDP2Observation.from_dict, lambda spec: predict_fsdp2(spec, torch.__version__)),
         "fsdp1-methods": Handler("fsdp1-methods", FSDP2Observation.from_dict, predict_summon),
         "train": Handler("train", TrainObservation.from_dict, predict_parity),
+        **_schedule_handlers(),
     }
 
 
@@ -67,6 +68,12 @@ def _ckpt_handlers() -> dict[str, Handler]:
 
     return {name: Handler(name, CkptObservation.from_dict, predict_ckpt) for name in ("ckpt-full", "ckpt-ties", "ckpt-roundtrip")}
 # --- end lifecycle (checkpoint) handlers ---
+def _schedule_handlers() -> dict[str, Handler]:
+    # --- training schedules (MP-DTYPES, ACCUM) ---
+    from conformance.observations.schedule import ScheduleObservation
+    from conformance.oracle.schedule import predict_schedule
+
+    return {"schedule": Handler("schedule", ScheduleObservation.from_dict, predict_schedule)}
 
 
 _HANDLERS: dict[str, Handler] = {}

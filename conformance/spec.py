@@ -262,6 +262,7 @@ class CaseSpec:
     calls: tuple[MethodCall, ...] = ()
     train: TrainPlan | None = None
     ckpt: CheckpointPlan | None = None
+    schedule: Schedule | None = None  # MP-DTYPES, ACCUM
 
     def __post_init__(self) -> None:
         validate(self)
@@ -288,6 +289,91 @@ class CaseSpec:
     def to_python(self) -> str:
         """Python source that rebuilds this spec (the repr, with its import)."""
         return "from conformance.spec import *\n\nspec = " + repr(self) + "\n"
+
+
+# ---- training schedules (MP-DTYPES, ACCUM) ----------------------------------
+
+# Floating dtypes a precision setting may name (torch.<name>).
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULE_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """FSDP2 MixedPrecisionPolicy / FSDP1 MixedPrecision, dtypes by name
+    (None: unset). output_dtype is FSDP2's only; buffer_dtype,
+    keep_low_precision_grads and cast_root_forward_inputs FSDP1's only.
+    cast_forward_inputs None: the API's default (FSDP2 True, FSDP1 False)."""
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    buffer_dtype: str | None = None
+    cast_forward_inputs: bool | None = None
+    cast_root_forward_inputs: bool = True
+    keep_low_precision_grads: bool = False
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One forward/backward; ``skip``: module paths whose forward it does not
+    run (their parent's forward passes over them)."""
+
+    skip: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScheduleStep:
+    """One optimizer step: ``frozen`` FQNs have requires_grad=False during it
+    (the rest True); its microbatches run one after the other, gradient sync
+    disabled on all but the last unless ``sync_every``."""
+
+    frozen: tuple[str, ...] = ()
+    microbatches: tuple[Microbatch, ...] = (Microbatch(),)
+    sync_every: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Optimizer steps under mixed precision and gradient accumulation; the
+    loss of a microbatch is (model(x) ** 2).sum() on data that differs by rank
+    and microbatch. ``optimizer``: SGD (momentum 0.9), Adam or AdamW."""
+
+    steps: tuple[ScheduleStep, ...] = (ScheduleStep(),)
+    optimizer: str = "SGD"
+    lr: float = 0.05
+    precision: Precision | None = None
+    first: int = -1  # the very first microbatch calls spec.methods[first] (registered, FSDP2); -1: forward
+
+
+def validate_schedule(spec: "CaseSpec") -> None:
+    s = spec.schedule
+    if s is None:
+        return
+    if s.optimizer not in SCHEDULE_OPTIMIZERS or not s.lr > 0 or not s.steps:
+        raise SpecError(f"schedule: optimizer one of {SCHEDULE_OPTIMIZERS}, lr > 0, at least one step")
+    paths = {p for p, _ in walk(spec.tree)}
+    fqns = set(param_fqns(spec.tree)) | {join(t.module, t.name) for t in spec.ties}
+    for st in s.steps:
+        if not st.microbatches:
+            raise SpecError("schedule: a step needs at least one microbatch")
+        if not set(st.frozen) <= fqns:
+            raise SpecError(f"schedule: frozen names unknown parameters {sorted(set(st.frozen) - fqns)}")
+        for mb in st.microbatches:
+            if "" in mb.skip or not set(mb.skip) <= paths:
+                raise SpecError(f"schedule: a microbatch skips an unknown or the root module: {mb.skip!r}")
+    if not -1 <= s.first < len(spec.methods):
+        raise SpecError(f"schedule: first={s.first} names no method")
+    pr = s.precision
+    if pr is not None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
+            if getattr(pr, name) not in (None, *DTYPES):
+                raise SpecError(f"precision: {name} must be None or one of {DTYPES}")
+        api = spec.plan.api
+        if api == "fsdp2" and (pr.buffer_dtype or pr.keep_low_precision_grads or not pr.cast_root_forward_inputs):
+            raise SpecError("precision: buffer_dtype, keep_low_precision_grads, cast_root_forward_inputs are FSDP1's")
+        if api == "fsdp1" and pr.output_dtype:
+            raise SpecError("precision: output_dtype is FSDP2's")
 
 
 # ---- tree queries (pure) ---------------------------------------------------
@@ -427,6 +513,7 @@ def validate(spec: CaseSpec) -> None:
             raise SpecError(f"tie {t!r} joins parameters of different shapes")
     _validate_plan(spec, paths, fqns)
     _validate_methods(spec, paths)
+    validate_schedule(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -636,6 +723,7 @@ _TYPES = {
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
         CheckpointPlan,
+        Precision, Microbatch, ScheduleStep, Schedule,
     )
 }
 

@@ -171,12 +171,14 @@ def _ignored_params(spec: CaseSpec, model: nn.Module) -> set[nn.Parameter]:
     return out
 
 
-def wrap(spec: CaseSpec, built: Built, policy=None) -> FSDP:
+def wrap(spec: CaseSpec, built: Built, policy=None, **extra) -> FSDP:
+    """FSDP1 over the case's plan; ``extra``: more FSDP kwargs (mixed_precision)."""
     model = built.model
     kwargs = dict(
         auto_wrap_policy=make_policy(spec, built) if policy is None else policy,
         device_id=torch.device("cpu"),
         use_orig_params=spec.plan.use_orig_params,
+        **extra,
     )
     if spec.plan.ignored_modules:
         kwargs["ignored_modules"] = [model.get_submodule(p) for p in spec.plan.ignored_modules]

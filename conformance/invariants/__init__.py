@@ -6,3 +6,5 @@ from conformance.invariants import checkpoint  # noqa: F401,E402  (lifecycle: ch
 from conformance.invariants.catalog import CATALOG, Invariant, UnknownInvariant, get, select
 
 __all__ = ["CATALOG", "Invariant", "UnknownInvariant", "get", "select"]
+# --- training schedules (MP-DTYPES, ACCUM) ---
+from conformance.invariants import training  # noqa: E402,F401

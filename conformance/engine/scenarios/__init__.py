@@ -150,3 +150,5 @@ def json_roundtrip(record: dict, catch: tuple[type[BaseException], ...] = (Excep
 # Every driver (and a pool's preload) knows the suite's scenarios.
 from conformance.engine.scenarios import fsdp1, fsdp2, selfcheck, training  # noqa: E402,F401
 from conformance.engine.scenarios import checkpoint  # noqa: E402,F401  (lifecycle: checkpoint)
+# --- training schedules (MP-DTYPES, ACCUM) ---
+from conformance.engine.scenarios import schedule  # noqa: E402,F401

@@ -28,6 +28,10 @@ def repro_script(spec: CaseSpec, violations: list | None = None, title: str = ""
         from conformance.report.repro.checkpoint import ckpt_script
 
         return ckpt_script(spec, violations, title)
+    if getattr(spec, "schedule", None) is not None:  # --- training schedules (MP-DTYPES, ACCUM) ---
+        from conformance.report.repro.schedule import schedule_script
+
+        return schedule_script(spec, violations, title)
     gen = GENERATORS.get(api)
     # the torch-only generators build, wrap and call; they do not train: a
     # PARITY case replays through the suite
