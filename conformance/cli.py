@@ -88,6 +88,9 @@ def cmd_run(ns) -> int:
     from conformance import invariants, profiles
     from conformance.report import data
 
+    # first: a source that cannot be used is bad input, whatever else is asked
+    _use_fsdp_source(getattr(ns, "fsdp_source", None))
+
     try:
         profile = profiles.selected(ns.profile)
     except ValueError as e:
@@ -140,6 +143,25 @@ def cmd_run(ns) -> int:
     args += ns.pytest_args or []
     live = ns.progress == "live" or (ns.progress == "auto" and sys.stdout.isatty() and not os.environ.get("CI"))
     return _run_pytest(args, report_dir, live)
+
+
+def _use_fsdp_source(path: str | None) -> dict | None:
+    """Check an FSDP source tree (layout, parse, import against this torch)
+    and put it in the environment the run's processes inherit; "installed"
+    or None: the installed torch's FSDP (an inherited overlay stays)."""
+    from conformance import fsdp_source
+
+    if path is None:
+        return None
+    if path == "installed":
+        os.environ.pop(fsdp_source.ENV_VAR, None)
+        return None
+    try:
+        info = fsdp_source.validate(path)
+    except fsdp_source.SourceError as e:
+        raise UsageError(str(e)) from None
+    os.environ[fsdp_source.ENV_VAR] = info["path"]
+    return info
 
 
 def _run_pytest(args: list[str], report_dir: Path, live: bool) -> int:
@@ -404,6 +426,10 @@ def cmd_bench(ns) -> int:
 
 
 def cmd_selfcheck(ns) -> int:
+    if getattr(ns, "mutants", False):  # issue 10: the suite's mutation score
+        from conformance import mutants
+
+        return mutants.run(ns)
     return _pytest(["tests/self", "-q"])
 
 
@@ -424,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: reports/baselines/ for this torch; 'none')")
     r.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
     r.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto", help="live progress (a terminal) or pytest's quiet log (CI, pipes)")
+    r.add_argument("--fsdp-source", default=None, metavar="PATH",
+                   help="import FSDP (torch/distributed/fsdp/, FSDP1 and FSDP2) from this source tree over the installed torch")
     r.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     r.set_defaults(fn=cmd_run)
     cp = sub.add_parser("compare", help="compare a report with a baseline: regressions, fixes, new / removed invariants")
@@ -453,8 +481,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake (issue: engine)")
     b.set_defaults(fn=cmd_bench)
-    s = sub.add_parser("selfcheck", help="run the suite's own tests")
+    s = sub.add_parser("selfcheck", help="run the suite's own tests; --mutants: the suite's mutation score")
     s.set_defaults(fn=cmd_selfcheck)
+    from conformance import mutants
+
+    mutants.add_arguments(s)
+    # ---- issue 10: testing an FSDP change (conformance.change) ----
+    from conformance import change
+
+    change.add_parser(sub, main, ROOT)
+    # ---- end issue 10 ----
     ns = p.parse_args(argv)
     try:
         return ns.fn(ns)
@@ -467,4 +503,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as a script this file is a second copy of the module: use the
+    # package's, so that conformance.change / conformance.mutants raise the
+    # UsageError that main catches
+    from conformance.cli import main as _main
+
+    sys.exit(_main())
