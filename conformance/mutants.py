@@ -171,16 +171,18 @@ def run_one(m: Mutant, *, profile: str, examples: int | None, tiers: str, work: 
     except MutantError as e:
         return Outcome(m, "error", detail=str(e), seconds=time.monotonic() - t0)
     report_dir = mdir / "report"
-    # The overlay goes in through the environment, not --fsdp-source: the
-    # source is the installed one but for a find/replace already parsed, so
-    # the import check (one more torch import) is skipped.
-    cmd = [python, "-m", "conformance.cli", "run", "--profile", profile, "--tiers", tiers,
-           "--baseline", "none", "--report-dir", str(report_dir), "--progress", "quiet"]
+    # pytest as `fsdp-conformance run` calls it, started directly (one torch
+    # import less per mutant); the overlay goes in through the environment,
+    # not --fsdp-source: the source is the installed one but for a
+    # find/replace already parsed, so the import check is skipped too.
+    cmd = [python, "-m", "pytest", str(ROOT / "tests" / "conformance"), f"--conformance-profile={profile}",
+           f"--tiers={tiers}", "--baseline=none", f"--report-dir={report_dir}", "--report=always", "-q", "-rfE",
+           "--disable-warnings", "-p", "no:xdist", "-p", "conformance.mutant_plugin"]
     if examples is not None:
-        cmd += ["--examples", str(examples)]
-    for inv in invariants_for(m.api):
-        cmd += ["--invariant", inv]
-    cmd += ["--", "-p", "conformance.mutant_plugin"] + (["-x"] if stop_first else [])
+        cmd.append(f"--max-examples={examples}")
+    cmd += [f"--invariant={inv}" for inv in invariants_for(m.api)]
+    if stop_first:
+        cmd.append("-x")
     env = {**os.environ, "FSDP_CONFORMANCE_SHRINK": "0", "FSDP_CONFORMANCE_DATABASE": "none", fsdp_source.ENV_VAR: str(src),
            "FSDP_CONFORMANCE_MUTANT_API": m.api}
     log_path = mdir / "run.log"
