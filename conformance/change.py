@@ -91,7 +91,7 @@ def run_change(ns, run_cmd) -> int:
         except fsdp_source.SourceError as e:
             raise UsageError(f"{side.upper()}: {e}") from None
     seed = ns.seed if ns.seed is not None else random.randrange(2**31)
-    out_dir = Path(ns.report_dir).resolve()
+    out_dir = Path(ns.report_dir or Path.cwd() / "reports" / "change").resolve()
     common = ["--profile", ns.profile, "--seed", str(seed), "--baseline", "none", "--deadline", str(ns.deadline),
               "--world-size", str(ns.world_size), "--fake-world-size", str(ns.fake_world_size), "-n", str(ns.workers),
               "--progress", ns.progress]
@@ -142,7 +142,7 @@ def run_change(ns, run_cmd) -> int:
     return c.exit_status
 
 
-def add_parser(sub, run_cmd, root: Path) -> None:
+def add_parser(sub, run_cmd) -> None:
     ch = sub.add_parser("change", help="run the same profile and seed on two FSDP sources and compare: regressions (exit 1), fixes, changed messages")
     ch.add_argument("base", metavar="BASE", help="FSDP source tree (holding torch/distributed/fsdp/) or 'installed'")
     ch.add_argument("new", metavar="NEW", help="FSDP source tree or 'installed'")
@@ -157,5 +157,5 @@ def add_parser(sub, run_cmd, root: Path) -> None:
     ch.add_argument("-n", "--workers", type=int, default=0)
     ch.add_argument("--deadline", type=float, default=60.0)
     ch.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto")
-    ch.add_argument("--report-dir", default=str(root / "reports" / "change"), help="BASE and NEW reports go to DIR/base and DIR/new (default reports/change)")
+    ch.add_argument("--report-dir", default=None, help="BASE and NEW reports go to DIR/base and DIR/new (default reports/change under the current directory)")
     ch.set_defaults(fn=lambda ns: run_change(ns, run_cmd))

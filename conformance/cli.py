@@ -1,4 +1,4 @@
-"""fsdp-conformance: run | compare | check | repro | bench | selfcheck.
+"""fsdp-conformance: run | hunt | compare | check | repro | bench | selfcheck.
 
 Exit status: 0 when every invariant holds (KNOWN and FIXED included), 1 on a
 violation (or a regression, for compare), 2 on bad input or an environment
@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("fake", "gloo", "nccl", "auto")
 
 
@@ -29,8 +28,8 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _pytest(args: list[str]) -> int:
-    return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=ROOT)
+def _pytest(args: list[str], cwd=None) -> int:
+    return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=cwd)
 
 
 def _need_distributed() -> None:
@@ -85,8 +84,7 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 
 
 def cmd_run(ns) -> int:
-    from conformance import invariants, profiles
-    from conformance.report import data
+    from conformance import paths, profiles
 
     # first: a source that cannot be used is bad input, whatever else is asked
     _use_fsdp_source(getattr(ns, "fsdp_source", None))
@@ -95,6 +93,19 @@ def cmd_run(ns) -> int:
         profile = profiles.selected(ns.profile)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    args, report_dir = _conformance_args(ns, profile, paths.default_report_dir())
+    if ns.seed is not None:
+        args.append(f"--hypothesis-seed={ns.seed}")
+    live = ns.progress == "live" or (ns.progress == "auto" and sys.stdout.isatty() and not os.environ.get("CI"))
+    return _run_pytest(args, report_dir, live)
+
+
+def _conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[str], Path]:
+    """Validate the options `run` and `hunt` share; the pytest arguments of
+    the conformance tests and the report directory."""
+    from conformance import invariants, paths, profiles
+    from conformance.report import data
+
     if ns.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
     if ns.fake_world_size < 1:
@@ -107,6 +118,16 @@ def cmd_run(ns) -> int:
         invariants.select(ns.invariant)
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
+    if ns.database:
+        try:
+            profiles.database_from(ns.database)
+        except profiles.DatabaseError as e:
+            raise UsageError(str(e)) from None
+        os.environ[profiles.DATABASE_VAR] = ns.database  # the pytest child and its xdist workers inherit it
+    if getattr(ns, "replay", False):
+        if not ns.database:
+            raise UsageError("--replay needs --database (the examples to replay)")
+        os.environ[profiles.REPLAY_VAR] = "1"
     _need_distributed()
     tiers = _tiers(ns)
     for b in ns.baseline or []:
@@ -115,17 +136,20 @@ def cmd_run(ns) -> int:
                 data.load(b, "baseline")
             except data.ReportError as e:
                 raise UsageError(str(e)) from None
-    tests = ROOT / "tests" / "conformance"
+    tests = paths.SUITE
     if not tests.is_dir():
-        raise UsageError(f"{tests} not found: `run` needs a checkout of fsdp-conformance (pip install -e .)")
-    report_dir = Path(ns.report_dir).resolve()
+        raise UsageError(f"{tests} not found: this installation of fsdp-conformance lacks its conformance suite")
+    report_dir = Path(ns.report_dir or default_report_dir).resolve()
     try:
         report_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"cannot create report directory {report_dir}: {e.strerror}") from None
 
     args = [
-        str(tests), f"--conformance-profile={profile}", f"--tiers={','.join(tiers)}", f"--world-size={ns.world_size}",
+        # the installed suite alone, from any directory: no project's config
+        # or conftest applies (a venv inside a project would find its pyproject)
+        str(tests), f"--rootdir={tests}", "-c", os.devnull, f"--confcutdir={tests}", "-p", "no:cacheprovider",
+        f"--conformance-profile={profile}", f"--tiers={','.join(tiers)}", f"--world-size={ns.world_size}",
         f"--fake-world-size={ns.fake_world_size}", f"--report-dir={report_dir}", "--report=always", "-q", "-rfE",
         "--disable-warnings",
         f"--example-deadline={ns.deadline}",
@@ -134,15 +158,12 @@ def cmd_run(ns) -> int:
     args += [f"--baseline={b}" for b in ns.baseline or []]
     if ns.examples is not None:
         args.append(f"--max-examples={ns.examples}")
-    if ns.seed is not None:
-        args.append(f"--hypothesis-seed={ns.seed}")
     if ns.workers:
         args += ["-n", str(ns.workers)]
     else:
         args += ["-p", "no:xdist"]
     args += ns.pytest_args or []
-    live = ns.progress == "live" or (ns.progress == "auto" and sys.stdout.isatty() and not os.environ.get("CI"))
-    return _run_pytest(args, report_dir, live)
+    return args, report_dir
 
 
 def _use_fsdp_source(path: str | None) -> dict | None:
@@ -164,13 +185,31 @@ def _use_fsdp_source(path: str | None) -> dict | None:
     return info
 
 
-def _run_pytest(args: list[str], report_dir: Path, live: bool) -> int:
+def cmd_hunt(ns) -> int:
+    """Rounds of fresh random examples until --minutes are up; finds kept in
+    the example database and replayed first by the next hunt (or run)."""
+    from conformance.hunt import hunt
+
+    if not ns.minutes > 0:
+        raise UsageError(f"--minutes must be > 0, got {ns.minutes}")
+    args, report_dir = _conformance_args(ns, "hunt", Path("reports") / "hunt")
+
+    def run_round(stop_at: float, save: Path, priors: list[Path]) -> int:
+        round_args = args + [f"--stop-at={stop_at}", f"--save-partials={save}"]
+        round_args += [f"--prior-partials={p}" for p in priors]
+        return _run_pytest(round_args, report_dir, live=False, quiet=True)
+
+    print(f"hunt: {ns.minutes:g} min, example database {ns.database}, report {report_dir}")
+    return hunt(run_round, minutes=ns.minutes, report_dir=report_dir)
+
+
+def _run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = False) -> int:
     from conformance.report import data
 
     cmd = [sys.executable, "-m", "pytest", *args]
     log = None
-    if live:
-        log = open(report_dir / "pytest.log", "w")
+    if live or quiet:  # quiet: pytest's output to the log only (hunt rounds)
+        log = open(report_dir / "pytest.log", "a" if quiet else "w")
     got: list[int] = []
 
     def forward(signum, frame):
@@ -181,7 +220,7 @@ def _run_pytest(args: list[str], report_dir: Path, live: bool) -> int:
             pass
 
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT if log else None,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
                             start_new_session=True, preexec_fn=_child_setup)
     for s in old:
         signal.signal(s, forward)
@@ -382,6 +421,7 @@ def cmd_repro(ns) -> int:
 
 
 def cmd_compare(ns) -> int:
+    from conformance import paths
     from conformance.report import compare, data
 
     *bases, new_path = ns.reports
@@ -389,16 +429,16 @@ def cmd_compare(ns) -> int:
     try:
         new = data.load(new_path, "report")
         if not bases:
-            bases = compare.default_baselines(new, ROOT / "reports" / "baselines")
+            bases = compare.default_baselines(new, paths.BASELINES)
             if not bases:
                 tiers = ", ".join(f"{t.get('backend')} W={t.get('world_size')}" for t in new.get("run", {}).get("tiers", []))
-                raise UsageError(f"no committed baseline in reports/baselines for torch <= {new.get('torch', {}).get('version')} and {tiers or 'its tiers'}; name BASE.json")
+                raise UsageError(f"no shipped baseline ({paths.shown(paths.BASELINES)}) for torch <= {new.get('torch', {}).get('version')} and {tiers or 'its tiers'}; name BASE.json")
             auto = True
         base = compare.merged([data.load(b, "baseline") for b in bases])
     except data.ReportError as e:
         raise UsageError(str(e)) from None
     if auto:
-        print("baseline: " + ", ".join(_rel(b) for b in bases), file=sys.stderr)
+        print("baseline: " + ", ".join(paths.shown(b) for b in bases), file=sys.stderr)
     c = compare.compare(base, new)
     text = json.dumps(c.to_dict(), indent=1) + "\n" if ns.format == "json" else compare.render(c, ns.format)
     if ns.output and ns.output != "-":
@@ -409,19 +449,20 @@ def cmd_compare(ns) -> int:
     return c.exit_status
 
 
-def _rel(p) -> str:
-    p = Path(p).resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
-
-
 def cmd_bench(ns) -> int:
-    from conformance.bench import bench_fake
+    from conformance import bench
 
-    bench_fake(examples=ns.examples, world_size=ns.world_size, seed=ns.seed)
-    if ns.engines:
-        from conformance.engine.bench import main as engine_bench
-
-        engine_bench(["--examples", str(min(ns.examples, 200))])
+    apis = [a for a in ns.api.split(",") if a] if ns.api != "all" else list(bench.APIS)
+    bad = [a for a in apis if a not in bench.APIS]
+    if bad:
+        raise UsageError(f"unknown API {bad[0]!r}; choose from {', '.join(bench.APIS)} or all")
+    for name in ("examples", "world_size", "fake_world_size"):
+        v = getattr(ns, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    _need_distributed()
+    bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
+              fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json)
     return 0
 
 
@@ -430,7 +471,12 @@ def cmd_selfcheck(ns) -> int:
         from conformance import mutants
 
         return mutants.run(ns)
-    return _pytest(["tests/self", "-q"])
+    from conformance import paths
+
+    checkout = paths.PACKAGE.parent
+    if not (checkout / "tests" / "self").is_dir():
+        raise UsageError("the suite's own tests (tests/self) are in a checkout of fsdp-conformance, not in the installed package")
+    return _pytest(["tests/self", "-q"], cwd=checkout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,14 +492,31 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--examples", type=int, default=None, help="Hypothesis examples per test (default: the profile's)")
     r.add_argument("--seed", type=int, default=None, help="Hypothesis seed (the ci profile is derandomized)")
     r.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers (default 0: one process)")
-    r.add_argument("--report-dir", default=str(ROOT / "reports" / "latest"), help="where the report goes (default reports/latest)")
-    r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: reports/baselines/ for this torch; 'none')")
+    r.add_argument("--report-dir", default=None, help="where the report goes (default: reports/latest under the current directory)")
+    r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: the shipped baselines for this torch; 'none')")
     r.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
     r.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto", help="live progress (a terminal) or pytest's quiet log (CI, pipes)")
     r.add_argument("--fsdp-source", default=None, metavar="PATH",
                    help="import FSDP (torch/distributed/fsdp/, FSDP1 and FSDP2) from this source tree over the installed torch")
+    r.add_argument("--database", default=None, help="keep and replay examples in this Hypothesis example database (a directory, github:OWNER/REPO, redis://HOST:PORT)")
+    r.add_argument("--replay", action="store_true", help="draw nothing: only the regression corpus and the database's examples")
     r.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     r.set_defaults(fn=cmd_run)
+    h = sub.add_parser("hunt", help="keep drawing fresh examples until the time is up; keep the finds in an example database")
+    h.add_argument("--minutes", type=float, required=True, help="how long to hunt")
+    h.add_argument("--database", default=".fsdp-conformance-db", help="example database: a directory (default .fsdp-conformance-db), github:OWNER/REPO (read the CI artifact), redis://HOST:PORT (a fleet)")
+    h.add_argument("--examples", type=int, default=None, help="examples per test and round (default 50; the pool-backed tests a fifth of it)")
+    h.add_argument("--backend", default=None, help="fake | gloo | nccl | auto; default: fake and gloo")
+    h.add_argument("--tiers", default=None, help="several backends, comma-separated (e.g. fake,gloo)")
+    h.add_argument("--world-size", type=int, default=2, help="ranks of the gloo / NCCL pool (default 2)")
+    h.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
+    h.add_argument("--invariant", action="append", help="invariant ID or area (repeatable); default all")
+    h.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers (default 0: one process)")
+    h.add_argument("--report-dir", default=None, help="where the report goes (default: reports/hunt under the current directory)")
+    h.add_argument("--baseline", action="append", help="baseline report (default auto; 'none')")
+    h.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
+    h.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
+    h.set_defaults(fn=cmd_hunt)
     cp = sub.add_parser("compare", help="compare a report with a baseline: regressions, fixes, new / removed invariants")
     cp.add_argument("reports", nargs="+", metavar="BASE.json ... NEW.json",
                     help="baseline(s), then the new report; NEW alone: the committed baselines for its torch and tiers")
@@ -475,11 +538,14 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("-o", "--output", default="-", help="where the script goes (default: stdout)")
     rp.add_argument("--no-run", action="store_true", help="only write the script")
     rp.set_defaults(fn=cmd_repro)
-    b = sub.add_parser("bench", help="examples/s of the fake-tier FSDP1 checks; --engines adds the pool")
-    b.add_argument("--examples", type=int, default=500)
-    b.add_argument("--world-size", type=int, default=4)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake (issue: engine)")
+    b = sub.add_parser("bench", help="examples/s of the checks per FSDP API next to the time inside FSDP; --engines compares the engines")
+    b.add_argument("--api", default="all", help="fsdp1 (fake tier) | fsdp2 (gloo pool) | all (default), comma-separated")
+    b.add_argument("--examples", type=int, default=None, help="drawn examples per benchmark (default: fsdp1 500, fsdp2 100, engines 200)")
+    b.add_argument("--world-size", type=int, default=2, help="ranks of the gloo pool (default 2)")
+    b.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
+    b.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the drawn cases (default 0)")
+    b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake on the same cases")
+    b.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("selfcheck", help="run the suite's own tests; --mutants: the suite's mutation score")
     s.set_defaults(fn=cmd_selfcheck)
@@ -489,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- issue 10: testing an FSDP change (conformance.change) ----
     from conformance import change
 
-    change.add_parser(sub, main, ROOT)
+    change.add_parser(sub, main)
     # ---- end issue 10 ----
     ns = p.parse_args(argv)
     try:

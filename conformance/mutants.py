@@ -27,10 +27,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance import fsdp_source
+from conformance import fsdp_source, paths
 
 CATALOG_PATH = Path(__file__).with_name("mutants.toml")
-ROOT = Path(__file__).resolve().parents[1]
 APIS = ("fsdp1", "fsdp2", "forward_method")
 DEFAULT_EXAMPLES = 100
 DEFAULT_TIMEOUT = 900.0
@@ -175,9 +174,10 @@ def run_one(m: Mutant, *, profile: str, examples: int | None, tiers: str, work: 
     # import less per mutant); the overlay goes in through the environment,
     # not --fsdp-source: the source is the installed one but for a
     # find/replace already parsed, so the import check is skipped too.
-    cmd = [python, "-m", "pytest", str(ROOT / "tests" / "conformance"), f"--conformance-profile={profile}",
-           f"--tiers={tiers}", "--baseline=none", f"--report-dir={report_dir}", "--report=always", "-q", "-rfE",
-           "--disable-warnings", "-p", "no:xdist", "-p", "conformance.mutant_plugin"]
+    suite = str(paths.SUITE)
+    cmd = [python, "-m", "pytest", suite, f"--rootdir={suite}", "-c", os.devnull, f"--confcutdir={suite}", "-p", "no:cacheprovider",
+           f"--conformance-profile={profile}", f"--tiers={tiers}", "--baseline=none", f"--report-dir={report_dir}",
+           "--report=always", "-q", "-rfE", "--disable-warnings", "-p", "no:xdist", "-p", "conformance.mutant_plugin"]
     if examples is not None:
         cmd.append(f"--max-examples={examples}")
     cmd += [f"--invariant={inv}" for inv in invariants_for(m.api)]
@@ -187,7 +187,7 @@ def run_one(m: Mutant, *, profile: str, examples: int | None, tiers: str, work: 
            "FSDP_CONFORMANCE_MUTANT_API": m.api}
     log_path = mdir / "run.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=mdir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

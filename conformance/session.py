@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from conformance import corpus as corpus_mod
 from conformance import known as known_mod
 from conformance.report.repro import repro_script
 from conformance.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, check_case
@@ -80,6 +81,7 @@ class Tally:
     verdicts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     findings: dict[str, Finding] = field(default_factory=dict)
+    features: dict[str, int] = field(default_factory=dict)  # examples per case feature (conformance.features)
 
     @property
     def verdict(self) -> str:
@@ -107,6 +109,7 @@ class Tally:
             "examples": self.examples,
             "outcomes": dict(self.verdicts),
             "seconds": round(self.seconds, 3),
+            "features": dict(self.features),
             "findings": [f.to_dict() for f in self.findings.values()],
         }
 
@@ -138,6 +141,8 @@ class Session:
         self.tallies: dict[tuple[str, str, str], Tally] = {}
         self.repro_dir = repro_dir
         self.on_change: Callable[[], None] | None = None  # called after every example (reports throttle it)
+        self.corpus: dict[tuple[str, str, str], dict] = {}  # (case, invariant, tier) -> outcome of a corpus case
+        self._corpus_index = corpus_mod.by_digest()
 
     def tally(self, invariant: str, tier: str, api: str | None = None) -> Tally:
         api = api or api_of(invariant)
@@ -151,6 +156,7 @@ class Session:
         by_known: dict[str, list] = {}
         for v, fid in res.known:
             by_known.setdefault(fid, []).append(v)
+        self._record_corpus(res.invariant, res.spec, tier, res.verdict, sorted(by_known))
         for fid, vs in by_known.items():
             t.add(Finding(KNOWN, f"known:{fid}", res.spec, str(vs[0]), [_violation_dict(v) for v in vs], known_failure=fid))
         if res.violations:
@@ -165,8 +171,43 @@ class Session:
         t.seconds += seconds
         t.verdicts[kind] = t.verdicts.get(kind, 0) + 1
         t.add(Finding(kind, kind, spec, message, [], engine=engine))
+        self._record_corpus(invariant, spec, tier, kind, [])
         self._changed()
         return t.findings[kind]
+
+    def _features(self, invariant: str, spec: CaseSpec, engine, tier: str) -> None:
+        """Count the example's case features (and report them to Hypothesis
+        as events: ``--hypothesis-show-statistics``)."""
+        from conformance.features import case_features
+
+        try:
+            feats = case_features(spec, getattr(engine, "world_size", 2))
+        except Exception:  # an oracle that rejects the case: no features, the check says why
+            feats = []
+        t = self.tally(invariant, tier, api_of(invariant, spec))
+        for f in feats:
+            t.features[f] = t.features.get(f, 0) + 1
+            try:
+                from hypothesis import event
+
+                event(f"case: {f}")
+            except Exception:  # outside a Hypothesis test (check, repro)
+                pass
+
+    def _record_corpus(self, invariant: str, spec: CaseSpec, tier: str, verdict: str, known: list[str]) -> None:
+        """Remember what a corpus case gave (the report tells a finding that
+        no longer reproduces, FIXED, from one that was not checked)."""
+        if not self._corpus_index:
+            return
+        case = self._corpus_index.get(corpus_mod.spec_digest(spec))
+        if case is None:
+            return
+        rec = self.corpus.setdefault((case.name, invariant, tier), {
+            "case": case.name, "finding": case.finding, "case_tier": case.tier,
+            "invariant": invariant, "tier": tier, "verdicts": {}, "known": [],
+        })
+        rec["verdicts"][verdict] = rec["verdicts"].get(verdict, 0) + 1
+        rec["known"] = sorted(set(rec["known"]) | set(known))
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -177,6 +218,7 @@ class Session:
         a repro script's path as notes) when FSDP breaks the invariant."""
         from conformance.engine.errors import ExampleFailed
 
+        self._features(invariant, spec, engine, tier)
         t0 = time.perf_counter()
         try:
             res = check_case(invariant, spec, engine, self.known)
@@ -225,7 +267,7 @@ class Session:
         ]
 
     def to_dict(self) -> dict:
-        return {"tallies": [t.to_dict() for t in self.tallies.values()]}
+        return {"tallies": [t.to_dict() for t in self.tallies.values()], "corpus": list(self.corpus.values())}
 
 
 def repro_name(spec: CaseSpec, invariant: str) -> str:

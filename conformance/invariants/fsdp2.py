@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.invariants.catalog import invariant
-from conformance.observation_fsdp2 import FSDP2Observation
+from conformance.observations import FSDP2Observation
 from conformance.oracle.fsdp2 import TIE_CHECK_SINCE, FSDP2Prediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
@@ -26,10 +26,14 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("tie:grouped")
     if spec.shared:
         tags.add("shared-module")
+    if pred.resharded:
+        tags.add("group:resharded")  # fully_shard given a module an earlier group already holds
     if any(g.mixed for g in pred.groups):
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
+    if any(len(g.modules) > 1 and g.managed and not g.trainable for g in pred.groups):
+        tags.add("frozen:all-frozen-multi-group")
     fsdp = set(pred.fsdp_modules)
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):

@@ -15,7 +15,7 @@ SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
 VERDICTS = ("PASS", "FAIL", "KNOWN", "FIXED", "SKIP")
 FAILING_KINDS = ("FAIL", "HANG", "CRASH", "ERROR")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one (git revision)
 
 
 class ReportError(ValueError):
@@ -30,6 +30,8 @@ def now() -> str:
 
 
 def _git(*args: str) -> str | None:
+    if not (ROOT / ".git").exists():  # an installed package: no checkout of its own
+        return None
     try:
         out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -119,7 +121,9 @@ def merge_tallies(partials: list[dict]) -> dict[tuple[str, str, str], dict]:
             key = (t["invariant"], t["api"], t["tier"])
             cur = out.get(key)
             if cur is None:
-                out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": []}
+                out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": [], "features": {}}
+            for k, v in t.get("features", {}).items():
+                cur["features"][k] = cur["features"].get(k, 0) + v
             cur["examples"] += t["examples"]
             cur["seconds"] += t["seconds"]
             for k, v in t["outcomes"].items():
@@ -140,6 +144,20 @@ def merge_tallies(partials: list[dict]) -> dict[tuple[str, str, str], dict]:
 
 
 # ---- the report ---------------------------------------------------------------
+
+
+def merge_corpus(partials: list[dict]) -> list[dict]:
+    """The corpus cases' outcomes of every process, one record per case,
+    invariant and tier (verdict counts added up)."""
+    out: dict[tuple, dict] = {}
+    for part in partials:
+        for c in part.get("corpus", []):
+            key = (c["case"], c["invariant"], c["tier"])
+            rec = out.setdefault(key, {**c, "verdicts": {}, "known": []})
+            for v, n in c["verdicts"].items():
+                rec["verdicts"][v] = rec["verdicts"].get(v, 0) + n
+            rec["known"] = sorted(set(rec["known"]) | set(c["known"]))
+    return [out[k] for k in sorted(out)]
 
 
 def _finding_id(invariant: str, api: str, tier: str, key: str) -> str:
@@ -253,6 +271,7 @@ def build(
                     "examples": 0,
                     "seconds": 0.0,
                     "outcomes": {},
+                    "features": {},
                     "findings": [],
                 }
                 fail_item = unexplained.get((inv_id, tier))
@@ -260,6 +279,7 @@ def build(
                     row["examples"] = t["examples"]
                     row["seconds"] = round(t["seconds"], 3)
                     row["outcomes"] = t["outcomes"]
+                    row["features"] = t.get("features", {})
                     for f in sorted(t["findings"], key=lambda f: (f["kind"] == "KNOWN", f["key"])):
                         fid = _finding_id(inv_id, key[1], tier, f["key"])
                         row["findings"].append(fid)
@@ -292,16 +312,34 @@ def build(
         for k in b.get("known_failures", []):
             if k.get("status") == "matched":
                 base_known[k["id"]] = k
+    corpus_runs = merge_corpus(partials)
+    from conformance import corpus as corpus_mod
+
+    corpus_findings = {c.finding for c in corpus_mod.load() if c.finding}
     known_out, warnings = [], []
     for k in known:
         rows = [r for r in results if r["invariant"] in k.invariants]
         hits = [f for f in findings if f.get("known_failure") == k.id]
         examples = sum(r["examples"] for r in rows)
+        # its corpus cases, run where they reproduce (a "ranks" case needs real ranks)
+        checked = [c for c in corpus_runs if c["finding"] == k.id and c["invariant"] in k.invariants
+                   and (c["case_tier"] == "fake" or tier_info.get(c["tier"], {}).get("backend", c["tier"]) != "fake")]
         if not _in_range(torch_version, k.torch):
             st = "other-torch"
         elif hits:
             st = "matched"
-        elif examples == 0:
+        elif checked:
+            # its minimal case ran and torch no longer deviates: FIXED, whatever the baseline
+            st = "fixed"
+            for r in results:
+                if r["invariant"] in k.invariants and r["verdict"] == "PASS" and any(c["tier"] == r["tier"] for c in checked):
+                    r["verdict"] = "FIXED"
+                    r["reason"] = f"the corpus case of known failure {k.id} no longer deviates"
+        elif k.no_corpus:
+            st = "unchecked"  # no corpus case (its entry says why): nothing to warn about
+        elif examples == 0 or k.id in corpus_findings:
+            # a finding with a corpus case is judged by that case alone; this
+            # run did not select it
             st = "not-run"
         else:
             b = base_known.get(k.id)
@@ -322,6 +360,16 @@ def build(
             "examples": examples,
         })
 
+    status = {k["id"]: k["status"] for k in known_out}
+    for c in corpus_runs:
+        # per record: did this invariant show the case's finding? (whether
+        # the finding is fixed is the known failure's status, over every record)
+        c["outcome"] = (
+            "FAIL" if any(v in FAILING_KINDS for v in c["verdicts"])
+            else "reproduced" if c["finding"] and c["finding"] in c["known"]
+            else "PASS"
+        )
+        c["finding_status"] = status.get(c["finding"]) if c["finding"] else None
     counts = {v: 0 for v in VERDICTS}
     for r in results:
         counts[r["verdict"]] += 1
@@ -356,6 +404,7 @@ def build(
         "results": results,
         "findings": findings,
         "known_failures": known_out,
+        "corpus": corpus_runs,
         "warnings": warnings,
         "tests": {"failed": failed_tests},
         "snapshots": {

@@ -1,0 +1,116 @@
+"""What FSDP2 (and the FSDP1 forward-method workaround, which reports in the
+same shape) did with one case on one rank: pure data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GroupObservation:
+    modules: tuple[str, ...]  # canonical paths of the modules sharing the group's state
+    managed: tuple[str, ...]  # canonical FQNs of its FSDPParams
+
+
+@dataclass(frozen=True)
+class RegistrationObservation:
+    method: int
+    fsdp_module: bool  # isinstance(module, FSDPModule)
+    patched: bool  # the method is now an attribute of the instance
+    others_unchanged: bool  # no other instance (same class in the model, the reference model) changed
+    error: str | None = None  # registration raised
+
+
+@dataclass(frozen=True)
+class ProbeObservation:
+    call: int
+    step: int  # -1: on entry
+    fqn: str  # canonical
+    state: str  # "full" | "sharded" | "other" (a plain tensor of the wrong shape)
+    equal: bool | None  # full: equal to the reference's value
+
+
+@dataclass(frozen=True)
+class CallObservation:
+    index: int
+    method: int
+    allgathers: int
+    close: bool | None  # output equals the reference's (None: the call raised)
+    max_diff: float | None
+    error: str | None  # "Type: first line" when the call raised
+    group_states: tuple[str, ...]  # per observed group after the call: sharded | full | mixed
+
+
+@dataclass(frozen=True)
+class GradObservation:
+    fqn: str
+    grad_none: bool
+    ref_grad_none: bool
+    close: bool | None  # gradient equals the reference's (None: either is None)
+    max_diff: float | None
+    unchanged: bool  # value equals its initial value (frozen: must stay)
+
+
+@dataclass(frozen=True)
+class FSDP2Observation:
+    api: str
+    rank: int
+    world_size: int
+    backend: str
+    torch_version: str
+    wrap_error: str | None = None
+    groups: tuple[GroupObservation, ...] = ()
+    registrations: tuple[RegistrationObservation, ...] = ()
+    missing: tuple[tuple[str, bool, str | None], ...] = ()  # (module, fsdp_module, error type of a missing name)
+    calls: tuple[CallObservation, ...] = ()
+    probes: tuple[ProbeObservation, ...] = ()
+    backward_error: str | None = None
+    backward_ran: bool = False
+    grads: tuple[GradObservation, ...] = ()
+    ties_intact: tuple[tuple[str, bool], ...] = ()  # canonical FQN -> aliases one tensor (after the calls)
+    warnings: tuple[str, ...] = ()  # UserWarnings while sharding and registering
+    seconds: float = 0.0  # inside fully_shard, registration and the calls
+
+    @property
+    def values_meaningful(self) -> bool:
+        """The fake process group's collectives move no data: values are noise."""
+        return self.backend != "fake"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FSDP2Observation":
+        d = dict(d)
+        d["groups"] = tuple(GroupObservation(**_tup(x)) for x in d.get("groups", ()))
+        d["registrations"] = tuple(RegistrationObservation(**x) for x in d.get("registrations", ()))
+        d["calls"] = tuple(CallObservation(**_tup(x)) for x in d.get("calls", ()))
+        d["probes"] = tuple(ProbeObservation(**x) for x in d.get("probes", ()))
+        d["grads"] = tuple(GradObservation(**x) for x in d.get("grads", ()))
+        return cls(**_tup(d))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def comparable(self) -> dict:
+        """What every rank must agree on (rank, timings and float noise removed)."""
+        d = self.to_dict()
+        for k in ("rank", "seconds", "warnings"):
+            d.pop(k)
+        for c in d["calls"]:
+            c.pop("max_diff")
+        for gr in d["grads"]:
+            gr.pop("max_diff")
+        return d
+
+
+def _tup(d: dict) -> dict:
+    def conv(v: Any) -> Any:
+        if isinstance(v, list):
+            return tuple(conv(x) for x in v)
+        return v
+
+    return {k: conv(v) if not dataclasses.is_dataclass(v) else v for k, v in d.items()}
