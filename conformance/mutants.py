@@ -31,7 +31,7 @@ from conformance import fsdp_source, paths
 
 CATALOG_PATH = Path(__file__).with_name("mutants.toml")
 APIS = ("fsdp1", "fsdp2", "forward_method")
-DEFAULT_EXAMPLES = 100
+DEFAULT_EXAMPLES = 60
 DEFAULT_TIMEOUT = 900.0
 
 

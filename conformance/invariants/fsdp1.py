@@ -99,6 +99,42 @@ def check_wrap_units(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) ->
     return out
 
 
+# ---- issue 10 (mutation score: a CustomPolicy that dropped its kwargs survived) ----
+DOC_CUSTOM_POLICY = "CustomPolicy docstring (a non-empty dict overrides the root's kwargs for that module)"
+ROOT_KWARGS = {"sharding_strategy": "FULL_SHARD", "forward_prefetch": False}  # what adapters.fsdp1.wrap gives the root
+
+
+@invariant(
+    "WRAP-KWARGS",
+    scenario=STRUCTURE,
+    area="wrap",
+    api="fsdp1",
+    statement="A unit whose CustomPolicy lambda returned a kwargs dict is built with those kwargs; every other unit with the root's.",
+    source=DOC_CUSTOM_POLICY,
+)
+def check_wrap_kwargs(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
+    from conformance.spec import CustomWrap
+
+    if not isinstance(spec.plan.policy, CustomWrap) or not _wrapped(pred, obs):
+        return []
+    tags = case_tags(spec, pred)
+    overrides = {t: dict(kw) for t, kw in spec.plan.policy.kwargs if t}  # the root is wrapped with the root's kwargs
+    out = []
+    for u in obs.units:
+        if not u.kwargs:
+            continue
+        want = {**ROOT_KWARGS, **overrides.get(u.path, {})}
+        if obs.world_size == 1 and want["sharding_strategy"] != "NO_SHARD":
+            want["sharding_strategy"] = "NO_SHARD"  # FSDP's documented switch for a world of one
+        got = dict(u.kwargs)
+        wrong = sorted(k for k in want if k in got and got[k] != want[k])
+        if wrong:
+            detail = ", ".join(f"{k}={got[k]!r} (expected {want[k]!r})" for k in wrong)
+            out.append(_v("WRAP-KWARGS", f"unit {u.path or '<root>'} was built with {detail}", tags, "kind:wrong-kwargs"))
+    return out
+# ---- end issue 10 ----
+
+
 @invariant(
     "WRAP-FQNS",
     scenario=STRUCTURE,
