@@ -32,7 +32,7 @@ from conformance import fsdp_source, paths
 CATALOG_PATH = Path(__file__).with_name("mutants.toml")
 APIS = ("fsdp1", "fsdp2", "forward_method")
 DEFAULT_EXAMPLES = 60
-DEFAULT_TIMEOUT = 900.0
+DEFAULT_TIMEOUT = 1500.0
 
 
 class MutantError(Exception):
@@ -184,7 +184,7 @@ def run_one(m: Mutant, *, profile: str, examples: int | None, tiers: str, work: 
     if stop_first:
         cmd.append("-x")
     env = {**os.environ, "FSDP_CONFORMANCE_SHRINK": "0", "FSDP_CONFORMANCE_DATABASE": "none", fsdp_source.ENV_VAR: str(src),
-           "FSDP_CONFORMANCE_MUTANT_API": m.api}
+           "FSDP_CONFORMANCE_MUTANT_API": m.api, "FSDP_CONFORMANCE_MUTANT_FILE": m.path}
     log_path = mdir / "run.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=mdir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -216,6 +216,12 @@ def _stop(proc: subprocess.Popen) -> None:
 def _outcome(m: Mutant, rc: int, report_dir: Path, log_path: Path, seconds: float) -> Outcome:
     from conformance.report import data
 
+    if rc < 0:
+        # The mutant crashed the run (e.g. FSDP1 reading a freed flat
+        # parameter in the driver's fake tier): a CI run would be red too.
+        sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        return Outcome(m, "killed", [f"crash ({sig}) in {_crashed_test(log_path)}"], _tail(log_path), seconds)
+
     try:
         report = data.load(report_dir / "report.json")
     except data.ReportError:
@@ -236,6 +242,18 @@ def _outcome(m: Mutant, rc: int, report_dir: Path, log_path: Path, seconds: floa
     if rc != 0:
         return Outcome(m, "error", detail=f"exit {rc}: {_tail(log_path)}", seconds=seconds, examples=examples)
     return Outcome(m, "survived", seconds=seconds, examples=examples)
+
+
+def _crashed_test(log_path: Path) -> str:
+    """The conformance test a faulthandler stack in the log was in."""
+    import re
+
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return "?"
+    hits = re.findall(r'suite/(test_\w+\.py)", line \d+ in (\w+)', text)
+    return f"{hits[0][0]}::{hits[0][1]}" if hits else "?"
 
 
 def _first(text: str, width: int = 160) -> str:
@@ -308,6 +326,14 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _suite_revision() -> str | None:
+    from conformance.report.data import suite_info
+
+    info = suite_info()
+    rev = info.get("git_revision")
+    return (rev[:12] + ("+dirty" if info.get("git_dirty") else "")) if rev else None
+
+
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -355,13 +381,30 @@ def run(ns) -> int:
         return 0
     if ns.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {ns.jobs}")
+    import torch
+
+    meta = {"command": "fsdp-conformance selfcheck --mutants" + (f" --profile {ns.profile}" if ns.profile != "ci" else "")
+            + (f" --examples {ns.examples}" if ns.examples != DEFAULT_EXAMPLES else ""),
+            "torch": torch.__version__, "profile": ns.profile, "examples": ns.examples, "tiers": ns.tiers,
+            "suite": _suite_revision(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     from concurrent.futures import ThreadPoolExecutor
 
+    from conformance.report import data
+
     done = [0]
+    import threading
+
+    lock = threading.Lock()
+    finished: list[Outcome] = []
 
     def one(m: Mutant, tmp: str) -> Outcome:
         o = run_one(m, profile=ns.profile, examples=ns.examples, tiers=ns.tiers, work=Path(tmp),
                     timeout=ns.timeout, stop_first=not ns.all_kills)
+        with lock:
+            finished.append(o)
+            if ns.json:  # as the run goes: a long run stopped half-way keeps what it measured
+                data.write_json(Path(ns.json), {**meta, "complete": False, "outcomes": [x.to_dict() for x in finished]})
         done[0] += 1
         print(f"[{done[0]}/{len(mutants)}] {m.id}: {o.status}{': ' + ', '.join(o.killed_by) if o.killed_by else ''}"
               f"{' (' + o.detail + ')' if o.status in ('error', 'timeout') else ''} [{o.seconds:.0f}s]", file=sys.stderr, flush=True)
@@ -372,18 +415,10 @@ def run(ns) -> int:
         with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
             outcomes = list(pool.map(lambda m: one(m, tmp), mutants))
     sys.stdout.write(render_text(outcomes))
-    import torch
-
-    meta = {"command": "fsdp-conformance selfcheck --mutants" + (f" --profile {ns.profile}" if ns.profile != "ci" else "")
-            + (f" --examples {ns.examples}" if ns.examples != DEFAULT_EXAMPLES else ""),
-            "torch": torch.__version__, "profile": ns.profile, "examples": ns.examples, "tiers": ns.tiers,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    from conformance.report import data
-
     if ns.output:
         data.write_text(Path(ns.output), render_md(outcomes, meta))
     if ns.json:
-        data.write_json(Path(ns.json), {**meta, "outcomes": [o.to_dict() for o in outcomes]})
+        data.write_json(Path(ns.json), {**meta, "complete": True, "outcomes": [o.to_dict() for o in outcomes]})
     if any(o.status == "error" for o in outcomes):
         return 2
     bad = [o for o in outcomes if (o.status != "killed") != bool(o.mutant.equivalent)]
