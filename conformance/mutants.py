@@ -308,7 +308,7 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
         "",
         f"**{k}/{n} non-equivalent mutants killed ({100.0 * k / n if n else 0:.0f}%)**; "
         f"{sum(1 for o in outcomes if o.mutant.equivalent)} equivalent; {sum(o.seconds for o in outcomes) / 60:.0f} min in all"
-        f" ({meta['date']}).",
+        f" ({'; '.join(meta['runs']) if meta.get('runs') else meta['date'] + ', suite ' + str(meta.get('suite'))}).",
         "",
         "| mutant | API | file | status | killed by | time | regression |",
         "| --- | --- | --- | --- | --- | ---: | --- |",
@@ -324,6 +324,35 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
             why = f"equivalent: {o.mutant.equivalent}" if o.mutant.equivalent else (o.detail or "not caught: no invariant observes this change yet")
             out.append(f"- `{o.mutant.id}` ({o.status}): {_cell(why)}")
     return "\n".join(out) + "\n"
+
+
+def _render_saved(ns, mutants: list[Mutant]) -> int:
+    """The table of outcomes saved by earlier runs (several runs: each
+    mutant's latest outcome); mutants no run measured are listed as such."""
+    from conformance.cli import UsageError
+    from conformance.report import data
+
+    by_id = {m.id: m for m in mutants}
+    got: dict[str, Outcome] = {}
+    metas = []
+    for path in ns.render:
+        try:
+            saved = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot read saved outcomes {path}: {e}") from None
+        metas.append({k: v for k, v in saved.items() if k != "outcomes"})
+        for o in saved.get("outcomes", []):
+            m = by_id.get(o["id"])
+            if m is not None:
+                got[m.id] = Outcome(m, o["status"], list(o.get("killed_by") or []), o.get("detail") or "",
+                                    float(o.get("seconds") or 0), int(o.get("examples") or 0))
+    outcomes = [got.get(m.id) or Outcome(m, "not run", detail="no saved outcome") for m in mutants]
+    meta = dict(metas[-1]) if metas else {"command": "?", "torch": "?", "profile": "?", "examples": None, "tiers": "?", "date": "?"}
+    meta["runs"] = [f"{x.get('date')} (suite {x.get('suite')})" for x in metas]
+    sys.stdout.write(render_text(outcomes))
+    if ns.output:
+        data.write_text(Path(ns.output), render_md(outcomes, meta))
+    return 0
 
 
 def _suite_revision() -> str | None:
@@ -351,6 +380,8 @@ def add_arguments(p) -> None:
     p.add_argument("--all-kills", action="store_true", help="do not stop a mutant at its first failing test: list every invariant that catches it")
     p.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
     p.add_argument("--list", action="store_true", help="list the catalog (checking that every mutant applies) and exit")
+    p.add_argument("--render", nargs="+", metavar="JSON", default=None,
+                   help="run nothing: the kill table of saved outcomes (--json files of earlier runs, merged in catalog order)")
     p.add_argument("-o", "--output", default=None, help="also write the kill table as Markdown (e.g. reports/mutants.md)")
     p.add_argument("--json", default=None, help="also write the outcomes as JSON")
 
@@ -374,6 +405,8 @@ def run(ns) -> int:
         check_all(mutants)
     except MutantError as e:
         raise UsageError(str(e)) from None
+    if ns.render:
+        return _render_saved(ns, mutants)
     if ns.list:
         for m in mutants:
             print(f"{m.id:<44} {m.api:<15} {m.path}{'  (equivalent)' if m.equivalent else ''}\n    {m.description}")
