@@ -273,8 +273,8 @@ def _tail(path: Path) -> str:
 
 
 def score(outcomes: list[Outcome]) -> tuple[int, int]:
-    """(killed, non-equivalent mutants)."""
-    counted = [o for o in outcomes if not o.mutant.equivalent]
+    """(killed, non-equivalent mutants measured)."""
+    counted = [o for o in outcomes if not o.mutant.equivalent and o.status != "not run"]
     return sum(o.status == "killed" for o in counted), len(counted)
 
 
@@ -284,13 +284,16 @@ def render_text(outcomes: list[Outcome]) -> str:
         why = ", ".join(o.killed_by) if o.killed_by else (f"EQUIVALENT: {o.mutant.equivalent}" if o.mutant.equivalent else o.detail)
         lines.append(f"{o.mutant.id:<44} {o.mutant.api:<15} {o.status:<9} {o.seconds:>5.0f}s  {why}")
     k, n = score(outcomes)
-    surv = [o.mutant.id for o in outcomes if o.status != "killed" and not o.mutant.equivalent]
+    surv = [o.mutant.id for o in outcomes if o.status not in ("killed", "not run") and not o.mutant.equivalent]
+    not_run = [o.mutant.id for o in outcomes if o.status == "not run"]
     eq_killed = [o.mutant.id for o in outcomes if o.status == "killed" and o.mutant.equivalent]
     lines.append("")
     lines.append(f"mutation score: {k}/{n} non-equivalent mutants killed ({100.0 * k / n if n else 0:.0f}%); "
                  f"{sum(1 for o in outcomes if o.mutant.equivalent)} equivalent")
     if surv:
         lines.append("survivors: " + ", ".join(surv))
+    if not_run:
+        lines.append("not run: " + ", ".join(not_run))
     if eq_killed:
         lines.append("killed although marked equivalent (the catalog is wrong about them): " + ", ".join(eq_killed))
     return "\n".join(lines) + "\n"
@@ -317,13 +320,23 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
         by = "<br>".join(o.killed_by) or ("equivalent" if o.mutant.equivalent else o.detail)
         out.append(f"| `{o.mutant.id}` | {o.mutant.api} | `{o.mutant.file}` | {o.status.upper() if o.status != 'killed' else 'killed'} "
                    f"| {_cell(by)} | {o.seconds:.0f}s | {_cell(o.mutant.description)} |")
-    surv = [o for o in outcomes if o.status != "killed"]
+    surv = [o for o in outcomes if o.status not in ("killed", "not run")]
+    not_run = [o.mutant.id for o in outcomes if o.status == "not run"]
+    if not_run:
+        out[6] += f" {len(not_run)} not measured (see the end)."
     if surv:
         out += ["", "## Survivors", ""]
         for o in surv:
-            why = f"equivalent: {o.mutant.equivalent}" if o.mutant.equivalent else (o.detail or "not caught: no invariant observes this change yet")
+            why = f"equivalent: {o.mutant.equivalent}" if o.mutant.equivalent else (SURVIVOR_NOTES.get(o.mutant.id) or o.detail or "not caught: no invariant observes this change yet")
             out.append(f"- `{o.mutant.id}` ({o.status}): {_cell(why)}")
+    if not_run:
+        out += ["", "## Not measured", "", "No run of this table reached them: " + ", ".join(f"`{i}`" for i in not_run)]
     return "\n".join(out) + "\n"
+
+
+# Why a survivor survived, as far as we know (the table's reader needs the
+# reason, not only the name); filled from the analysis of each survivor.
+SURVIVOR_NOTES: dict[str, str] = {}
 
 
 def _render_saved(ns, mutants: list[Mutant]) -> int:
