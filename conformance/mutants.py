@@ -356,7 +356,8 @@ def _render_saved(ns, mutants: list[Mutant]) -> int:
         metas.append({k: v for k, v in saved.items() if k != "outcomes"})
         for o in saved.get("outcomes", []):
             m = by_id.get(o["id"])
-            if m is not None:
+            if m is not None and not (o["status"] == "timeout" and m.id in got and got[m.id].status != "timeout"):
+                # latest wins, but a run that timed out does not undo one that finished
                 got[m.id] = Outcome(m, o["status"], list(o.get("killed_by") or []), o.get("detail") or "",
                                     float(o.get("seconds") or 0), int(o.get("examples") or 0))
     outcomes = [got.get(m.id) or Outcome(m, "not run", detail="no saved outcome") for m in mutants]
