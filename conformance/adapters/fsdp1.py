@@ -221,10 +221,10 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         path = aliases.canon_of_module.get(id(unit.module), "?")
         managed, raw = _unit_managed(unit, aliases)
         raw = tuple(f"{path}.{n}" if path else n for n in raw)
-        units.append((path, managed, raw))
+        units.append((path, managed, raw, _unit_kwargs(unit)))
     unit_obs = tuple(
-        UnitObservation(path=p, managed=m, raw_managed=r, simulated=None if sim is None else sim.get(p))
-        for p, m, r in units
+        UnitObservation(path=p, managed=m, raw_managed=r, simulated=None if sim is None else sim.get(p), kwargs=kw)
+        for p, m, r, kw in units
     )
     state_dict_keys, state_dict_error, state_dict_seconds = (), None, 0.0
     if not _same_structure_on_all_ranks(unit_obs):
@@ -257,6 +257,16 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         ties_intact=ties,
         wrap_seconds=wrap_seconds,
         state_dict_seconds=state_dict_seconds,
+    )
+
+
+def _unit_kwargs(unit) -> tuple:
+    """The kwargs of spec.CUSTOM_KWARGS as the unit holds them (FSDP1 keeps
+    them on its _FSDPState: sharding_strategy, forward_prefetch)."""
+    strategy = getattr(unit, "sharding_strategy", None)
+    return (
+        ("forward_prefetch", bool(getattr(unit, "forward_prefetch", False))),
+        ("sharding_strategy", getattr(strategy, "name", str(strategy))),
     )
 
 
