@@ -1,0 +1,158 @@
+"""The release matrix (ci/matrix.py, conformance/report/matrix.py): the page
+from two small baselines, the known-failure ranges applied per release, and
+a release that cannot be installed recorded as not run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+from conformance import known as known_mod
+from conformance.report import matrix
+
+pytestmark = pytest.mark.selfcheck
+ROOT = Path(__file__).resolve().parents[2]
+
+KNOWN = [
+    known_mod.KnownFailure(
+        id="tie-twice",
+        torch=SpecifierSet(">=2.13"),
+        matches_=(known_mod.Match("WRAP-UNITS", frozenset({"tie"})),),
+        summary="a tied parameter is flattened twice",
+        repro="reports/findings/tie-twice.py",
+    ),
+    known_mod.KnownFailure(
+        id="never-seen", torch=SpecifierSet(">=2.4"), matches_=(known_mod.Match("TIES", frozenset()),), summary="s", repro="r"
+    ),
+]
+
+
+def _finding(inv: str, kind: str, known: str | None, tags: list[str], message: str) -> dict:
+    key = f"known:{known}" if known else f"FAIL:{'|'.join(tags)}"
+    return {
+        "id": f"{inv}/fsdp1/fake/{key}", "invariant": inv, "api": "fsdp1", "tier": "fake", "kind": kind, "key": key,
+        "message": message, "known_failure": known, "count": 1,
+        "violations": [{"invariant": inv, "message": message, "tags": tags}],
+    }
+
+
+def _baseline(release: str, results: list[tuple], findings: list[dict]) -> dict:
+    rows = [
+        {"invariant": inv, "area": "wrap", "api": "fsdp1", "tier": "fake", "backend": "fake", "world_size": 4,
+         "statement": f"{inv} holds", "verdict": verdict, "reason": reason, "examples": 10, "seconds": 1.0,
+         "findings": [f["id"] for f in findings if f["invariant"] == inv]}
+        for inv, verdict, reason in results
+    ]
+    verdicts = dict.fromkeys(("PASS", "FAIL", "KNOWN", "FIXED", "SKIP"), 0)
+    for _, v, _ in results:
+        verdicts[v] += 1
+    return {
+        "schema": "fsdp-conformance-report", "schema_version": 1, "complete": True,
+        "torch": {"version": f"{release}+cpu"},
+        "run": {"tiers": [{"tier": "fake", "backend": "fake", "world_size": 4}], "profile": "ci"},
+        "summary": {"verdicts": verdicts, "examples": 10 * len(results), "seconds": 3.0, "wall_seconds": 2.0},
+        "results": rows, "findings": findings,
+    }
+
+
+@pytest.fixture
+def matrix_dir(tmp_path: Path) -> Path:
+    # 2.4.1 (run with every known failure matching, as ci/matrix.py does):
+    # the tie finding is seen, but known_failures' range starts at 2.13
+    old = _baseline(
+        "2.4.1",
+        [("WRAP-UNITS", "KNOWN", None), ("TIES", "SKIP", "register_fsdp_forward_method: not in torch 2.4.1"),
+         ("WRAP-FQNS", "FAIL", None)],
+        [_finding("WRAP-UNITS", "KNOWN", "tie-twice", ["tie", "kind:x"], "unit a wraps b twice"),
+         _finding("WRAP-FQNS", "FAIL", None, ["kind:new"], "simulation disagrees")],
+    )
+    new = _baseline("2.13.0", [("WRAP-UNITS", "KNOWN", None), ("TIES", "PASS", None), ("WRAP-FQNS", "PASS", None)],
+                    [_finding("WRAP-UNITS", "KNOWN", "tie-twice", ["tie"], "unit a wraps b twice")])
+    (tmp_path / "torch-2.4.1-fake-w4.json").write_text(json.dumps(old))
+    (tmp_path / "torch-2.13.0-fake-w4.json").write_text(json.dumps(new))
+    (tmp_path / "torch-2.6.0-install.notrun.json").write_text(
+        json.dumps({"release": "2.6.0", "what": "install", "reason": "pip install torch==2.6.0: no matching distribution"})
+    )
+    return tmp_path
+
+
+def test_findings_get_their_first_and_last_release_and_ranges_apply(matrix_dir):
+    m = matrix.load(matrix_dir, KNOWN)
+    assert m.releases == ["2.4.1", "2.6.0", "2.13.0"]  # by version, not by text
+    a = matrix.analyse(m)
+    f = {x["id"]: x for x in a["findings"]}
+    tie = f["tie-twice"]
+    assert (tie["first"], tie["last"], tie["covered"]) == ("2.4.1", "2.13.0", False)
+    assert tie["gaps"] == []  # 2.6.0 did not run: not a gap
+    unknown = [x for x in a["findings"] if x["known"] is None]
+    assert len(unknown) == 1 and unknown[0]["first"] == unknown[0]["last"] == "2.4.1"
+    assert [k.id for k in a["unseen"]] == ["never-seen"]
+    cells = a["rows"][("WRAP-UNITS", "fsdp1")]["cells"]
+    # outside its range a known failure is a FAIL; inside, KNOWN
+    assert cells["2.4.1"]["fake-w4"]["verdict"] == "FAIL"
+    assert cells["2.13.0"]["fake-w4"]["verdict"] == "KNOWN"
+    assert a["counts"][("2.4.1", "fake-w4")] == {"PASS": 0, "FAIL": 2, "KNOWN": 0, "FIXED": 0, "SKIP": 1}
+    assert a["counts"][("2.13.0", "fake-w4")]["PASS"] == 2
+
+
+def test_a_range_that_covers_the_measurement_is_known_everywhere(matrix_dir):
+    wide = [known_mod.KnownFailure(**{**KNOWN[0].__dict__, "torch": SpecifierSet(">=2.4,<2.15")})]
+    a = matrix.analyse(matrix.load(matrix_dir, wide))
+    assert a["rows"][("WRAP-UNITS", "fsdp1")]["cells"]["2.4.1"]["fake-w4"]["verdict"] == "KNOWN"
+    assert next(x for x in a["findings"] if x["id"] == "tie-twice")["covered"]
+
+
+def test_page_markdown_and_html(matrix_dir):
+    m = matrix.load(matrix_dir, KNOWN)
+    a = matrix.analyse(m)
+    md = matrix.render_markdown(m, a)
+    assert "| 2.6.0 | install | not run: pip install torch==2.6.0: no matching distribution |" in md
+    assert "| WRAP-UNITS | fsdp1 | **FAIL** | - | KNOWN |" in md
+    assert "| tie-twice | WRAP-UNITS | 2.4.1 | 2.13.0 | - | `>=2.13` (**does not cover every release seen**) |" in md
+    assert "| TIES | fsdp1 | 2.4.1 | register_fsdp_forward_method: not in torch 2.4.1 |" in md
+    html = matrix.render_html(m, a)
+    assert "not run: pip install torch==2.6.0" in html and "tie-twice" in html and "v v-FAIL" in html
+    assert "--pass:" in html  # the report's own style sheet
+
+
+def test_write_replaces_the_page_whole(matrix_dir):
+    md, html = matrix.write(matrix_dir, KNOWN)
+    assert md.read_text().startswith("# fsdp-conformance release matrix")
+    assert html.read_text().lstrip().startswith("<!DOCTYPE html>")
+    assert not list(matrix_dir.glob("*.tmp"))
+
+
+def _matrix(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "ci" / "matrix.py"), *args], capture_output=True, text=True, timeout=120)
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("ci_matrix", ROOT / "ci" / "matrix.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_release_that_cannot_be_installed_is_recorded_as_not_run(tmp_path, capsys):
+    out = tmp_path / "matrix"
+    # in process (torch is already imported here); an interpreter that
+    # cannot make a venv: the install step fails at once
+    rc = _load_script().main(["2.4.1", "--out", str(out), "--venv-root", str(tmp_path / "venvs"), "--python", "/bin/false"])
+    assert rc == 0, capsys.readouterr()
+    record = json.loads((out / "torch-2.4.1-install.notrun.json").read_text())
+    assert record["release"] == "2.4.1" and record["reason"].startswith("venv:")
+    assert "| 2.4.1 | install | not run: venv:" in (out / "README.md").read_text()
+    assert not (tmp_path / "venvs" / "torch-2.4.1").exists()  # cleaned up
+
+
+@pytest.mark.parametrize("bad", [["two.four"], ["2.4"], ["--newest", "0"]])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, bad):
+    proc = _matrix(*bad, "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
