@@ -76,7 +76,7 @@ def install(release: str, venv: Path, log: Path, python: str, timeout: float) ->
     if _run([python, "-m", "venv", str(venv)], log, 300) != 0:
         raise NotRun(f"venv: {_last_line(log.read_text())}")
     py = str(venv / "bin" / "python")
-    pip = [py, "-m", "pip", "install", "-q", "--no-cache-dir"]
+    pip = [py, "-m", "pip", "install", "-q", "--no-cache-dir", "--no-compile"]  # no .pyc for all of torch: minutes on 2 cores
     if _run(pip + [f"torch=={release}"], log, timeout) != 0:
         raise NotRun(f"pip install torch=={release}: {_last_line(log.read_text())}")
     pin = venv / "torch-pin.txt"
@@ -90,6 +90,17 @@ def install(release: str, venv: Path, log: Path, python: str, timeout: float) ->
     if version.split("+")[0] != release:
         raise NotRun(f"torch {version} installed, not {release}")
     return version
+
+
+def kept_venv(release: str, venv: Path) -> str | None:
+    """torch.__version__ of a venv kept by an earlier --keep-venvs run, if it has this release."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        return None
+    proc = subprocess.run([str(py), "-c", "import torch, conformance; print(torch.__version__)"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    version = proc.stdout.strip()
+    return version if proc.returncode == 0 and version.split("+")[0] == release else None
 
 
 def run_tier(py: str, backend: str, world: int, workers: int, log: Path, timeout: float) -> dict:
@@ -123,14 +134,16 @@ def run_release(release: str, args) -> None:
     for old in out.glob(f"torch-{release}-*.json"):
         old.unlink()
     venv = args.venv_root / f"torch-{release}"
-    shutil.rmtree(venv, ignore_errors=True)
     args.venv_root.mkdir(parents=True, exist_ok=True)
     log = args.venv_root / f"torch-{release}.log"
     log.write_text("")
-    print(f"{release}: installing (log {log})", flush=True)
     try:
         try:
-            version = install(release, venv, log, args.python, args.install_timeout)
+            version = kept_venv(release, venv) if args.keep_venvs else None
+            if version is None:
+                shutil.rmtree(venv, ignore_errors=True)
+                print(f"{release}: installing (log {log})", flush=True)
+                version = install(release, venv, log, args.python, args.install_timeout)
         except (NotRun, subprocess.SubprocessError) as e:
             record_notrun(out, release, "install", str(e))
             return
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", "2")))
     p.add_argument("--install-timeout", type=float, default=1800)
     p.add_argument("--run-timeout", type=float, default=2400, help="seconds per tier")
-    p.add_argument("--keep-venvs", action="store_true")
+    p.add_argument("--keep-venvs", action="store_true", help="keep each venv, and reuse one kept before")
     p.add_argument("--page-only", action="store_true", help="only regenerate the page")
     args = p.parse_args(argv)
     if args.releases and args.newest:

@@ -28,6 +28,20 @@ def size(spec: CaseSpec) -> tuple[int, int]:
     return sum(1 for _ in walk(spec.tree)), len(spec.to_json())
 
 
+def skip_if_unavailable(invariant: str, spec: CaseSpec, tier: str) -> None:
+    """An API this torch lacks (or cannot run here) is a SKIP with its reason
+    (conformance/adapters/support.py), never a crash."""
+    from conformance.adapters.support import unavailable
+    from conformance.invariants import CATALOG
+
+    inv = CATALOG.get(invariant)
+    reason = unavailable(api_of(invariant, spec), inv.scenario if inv else "", tier)
+    if reason:
+        import pytest
+
+        pytest.skip(reason)
+
+
 def api_of(invariant: str, spec: CaseSpec | None = None) -> str:
     """The FSDP API an example exercised: the spec's plan says, else the catalog."""
     api = getattr(getattr(spec, "plan", None), "api", None)
@@ -177,6 +191,7 @@ class Session:
         a repro script's path as notes) when FSDP breaks the invariant."""
         from conformance.engine.errors import ExampleFailed
 
+        skip_if_unavailable(invariant, spec, tier)
         t0 = time.perf_counter()
         try:
             res = check_case(invariant, spec, engine, self.known)

@@ -156,3 +156,42 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, bad):
     proc = _matrix(*bad, "--out", str(tmp_path))
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+# ---- an API a release cannot run: SKIP with its reason (conformance/adapters/support.py)
+
+
+def test_fsdp2_runs_here_on_this_torch():
+    from conformance.adapters import support
+
+    support.fsdp2_unavailable.cache_clear()
+    assert support.fsdp2_unavailable() is None
+    assert support.unavailable("fsdp1", "fsdp1", "fake") is None
+
+
+def test_fsdp2_that_needs_cuda_streams_is_unavailable(monkeypatch):
+    # torch 2.4's comm context builds torch.cuda.Stream whatever the device
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from conformance.adapters import support
+
+    def cuda_only(self, device):
+        raise RuntimeError("CUDA error: CUDA driver version is insufficient for CUDA runtime version")
+
+    monkeypatch.setattr(_fsdp_param_group.FSDPCommContext, "lazy_init", cuda_only)
+    support.fsdp2_unavailable.cache_clear()
+    try:
+        reason = support.unavailable("fsdp2", "fsdp2", "gloo")
+    finally:
+        support.fsdp2_unavailable.cache_clear()
+    assert reason.startswith("FSDP2 in torch ") and "CUDA driver version is insufficient" in reason
+
+
+def test_session_skips_an_unavailable_api_with_its_reason(monkeypatch):
+    from conformance.adapters import support
+    from conformance.session import Session
+    from tests.self.cases import two_blocks, with_plan
+
+    monkeypatch.setattr(support, "unavailable", lambda api, scenario, tier: f"no {api} here" if api == "fsdp2" else None)
+    with pytest.raises(pytest.skip.Exception, match="no fsdp2 here"):
+        Session().check("FSDP2-GROUPS", with_plan(two_blocks(), api="fsdp2", policy=None), engine=None, tier="fake")
