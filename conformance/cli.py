@@ -1,4 +1,4 @@
-"""fsdp-conformance: run | compare | check | repro | bench | selfcheck.
+"""fsdp-conformance: run | hunt | compare | check | repro | bench | selfcheck.
 
 Exit status: 0 when every invariant holds (KNOWN and FIXED included), 1 on a
 violation (or a regression, for compare), 2 on bad input or an environment
@@ -85,13 +85,25 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 
 
 def cmd_run(ns) -> int:
-    from conformance import invariants, profiles
-    from conformance.report import data
+    from conformance import profiles
 
     try:
         profile = profiles.selected(ns.profile)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    args, report_dir = _conformance_args(ns, profile)
+    if ns.seed is not None:
+        args.append(f"--hypothesis-seed={ns.seed}")
+    live = ns.progress == "live" or (ns.progress == "auto" and sys.stdout.isatty() and not os.environ.get("CI"))
+    return _run_pytest(args, report_dir, live)
+
+
+def _conformance_args(ns, profile: str) -> tuple[list[str], Path]:
+    """Validate the options `run` and `hunt` share; the pytest arguments of
+    the conformance tests and the report directory."""
+    from conformance import invariants, profiles
+    from conformance.report import data
+
     if ns.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
     if ns.fake_world_size < 1:
@@ -104,6 +116,16 @@ def cmd_run(ns) -> int:
         invariants.select(ns.invariant)
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
+    if ns.database:
+        try:
+            profiles.database_from(ns.database)
+        except profiles.DatabaseError as e:
+            raise UsageError(str(e)) from None
+        os.environ[profiles.DATABASE_VAR] = ns.database  # the pytest child and its xdist workers inherit it
+    if getattr(ns, "replay", False):
+        if not ns.database:
+            raise UsageError("--replay needs --database (the examples to replay)")
+        os.environ[profiles.REPLAY_VAR] = "1"
     _need_distributed()
     tiers = _tiers(ns)
     for b in ns.baseline or []:
@@ -131,24 +153,39 @@ def cmd_run(ns) -> int:
     args += [f"--baseline={b}" for b in ns.baseline or []]
     if ns.examples is not None:
         args.append(f"--max-examples={ns.examples}")
-    if ns.seed is not None:
-        args.append(f"--hypothesis-seed={ns.seed}")
     if ns.workers:
         args += ["-n", str(ns.workers)]
     else:
         args += ["-p", "no:xdist"]
     args += ns.pytest_args or []
-    live = ns.progress == "live" or (ns.progress == "auto" and sys.stdout.isatty() and not os.environ.get("CI"))
-    return _run_pytest(args, report_dir, live)
+    return args, report_dir
 
 
-def _run_pytest(args: list[str], report_dir: Path, live: bool) -> int:
+def cmd_hunt(ns) -> int:
+    """Rounds of fresh random examples until --minutes are up; finds kept in
+    the example database and replayed first by the next hunt (or run)."""
+    from conformance.hunt import hunt
+
+    if not ns.minutes > 0:
+        raise UsageError(f"--minutes must be > 0, got {ns.minutes}")
+    args, report_dir = _conformance_args(ns, "hunt")
+
+    def run_round(stop_at: float, save: Path, priors: list[Path]) -> int:
+        round_args = args + [f"--stop-at={stop_at}", f"--save-partials={save}"]
+        round_args += [f"--prior-partials={p}" for p in priors]
+        return _run_pytest(round_args, report_dir, live=False, quiet=True)
+
+    print(f"hunt: {ns.minutes:g} min, example database {ns.database}, report {report_dir}")
+    return hunt(run_round, minutes=ns.minutes, report_dir=report_dir)
+
+
+def _run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = False) -> int:
     from conformance.report import data
 
     cmd = [sys.executable, "-m", "pytest", *args]
     log = None
-    if live:
-        log = open(report_dir / "pytest.log", "w")
+    if live or quiet:  # quiet: pytest's output to the log only (hunt rounds)
+        log = open(report_dir / "pytest.log", "a" if quiet else "w")
     got: list[int] = []
 
     def forward(signum, frame):
@@ -424,8 +461,25 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: reports/baselines/ for this torch; 'none')")
     r.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
     r.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto", help="live progress (a terminal) or pytest's quiet log (CI, pipes)")
+    r.add_argument("--database", default=None, help="keep and replay examples in this Hypothesis example database (a directory, github:OWNER/REPO, redis://HOST:PORT)")
+    r.add_argument("--replay", action="store_true", help="draw nothing: only the regression corpus and the database's examples")
     r.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     r.set_defaults(fn=cmd_run)
+    h = sub.add_parser("hunt", help="keep drawing fresh examples until the time is up; keep the finds in an example database")
+    h.add_argument("--minutes", type=float, required=True, help="how long to hunt")
+    h.add_argument("--database", default=".fsdp-conformance-db", help="example database: a directory (default .fsdp-conformance-db), github:OWNER/REPO (read the CI artifact), redis://HOST:PORT (a fleet)")
+    h.add_argument("--examples", type=int, default=None, help="examples per test and round (default 50; the pool-backed tests a fifth of it)")
+    h.add_argument("--backend", default=None, help="fake | gloo | nccl | auto; default: fake and gloo")
+    h.add_argument("--tiers", default=None, help="several backends, comma-separated (e.g. fake,gloo)")
+    h.add_argument("--world-size", type=int, default=2, help="ranks of the gloo / NCCL pool (default 2)")
+    h.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
+    h.add_argument("--invariant", action="append", help="invariant ID or area (repeatable); default all")
+    h.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers (default 0: one process)")
+    h.add_argument("--report-dir", default=str(ROOT / "reports" / "hunt"), help="where the report goes (default reports/hunt)")
+    h.add_argument("--baseline", action="append", help="baseline report (default auto; 'none')")
+    h.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
+    h.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
+    h.set_defaults(fn=cmd_hunt)
     cp = sub.add_parser("compare", help="compare a report with a baseline: regressions, fixes, new / removed invariants")
     cp.add_argument("reports", nargs="+", metavar="BASE.json ... NEW.json",
                     help="baseline(s), then the new report; NEW alone: the committed baselines for its torch and tiers")

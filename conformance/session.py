@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from conformance import corpus as corpus_mod
 from conformance import known as known_mod
 from conformance.report.repro import repro_script
 from conformance.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, check_case
@@ -152,6 +153,8 @@ class Session:
         self.tallies: dict[tuple[str, str, str], Tally] = {}
         self.repro_dir = repro_dir
         self.on_change: Callable[[], None] | None = None  # called after every example (reports throttle it)
+        self.corpus: dict[tuple[str, str, str], dict] = {}  # (case, invariant, tier) -> outcome of a corpus case
+        self._corpus_index = corpus_mod.by_digest()
 
     def tally(self, invariant: str, tier: str, api: str | None = None) -> Tally:
         api = api or api_of(invariant)
@@ -165,6 +168,7 @@ class Session:
         by_known: dict[str, list] = {}
         for v, fid in res.known:
             by_known.setdefault(fid, []).append(v)
+        self._record_corpus(res.invariant, res.spec, tier, res.verdict, sorted(by_known))
         for fid, vs in by_known.items():
             t.add(Finding(KNOWN, f"known:{fid}", res.spec, str(vs[0]), [_violation_dict(v) for v in vs], known_failure=fid))
         if res.violations:
@@ -179,8 +183,24 @@ class Session:
         t.seconds += seconds
         t.verdicts[kind] = t.verdicts.get(kind, 0) + 1
         t.add(Finding(kind, kind, spec, message, [], engine=engine))
+        self._record_corpus(invariant, spec, tier, kind, [])
         self._changed()
         return t.findings[kind]
+
+    def _record_corpus(self, invariant: str, spec: CaseSpec, tier: str, verdict: str, known: list[str]) -> None:
+        """Remember what a corpus case gave (the report tells a finding that
+        no longer reproduces, FIXED, from one that was not checked)."""
+        if not self._corpus_index:
+            return
+        case = self._corpus_index.get(corpus_mod.spec_digest(spec))
+        if case is None:
+            return
+        rec = self.corpus.setdefault((case.name, invariant, tier), {
+            "case": case.name, "finding": case.finding, "case_tier": case.tier,
+            "invariant": invariant, "tier": tier, "verdicts": {}, "known": [],
+        })
+        rec["verdicts"][verdict] = rec["verdicts"].get(verdict, 0) + 1
+        rec["known"] = sorted(set(rec["known"]) | set(known))
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -240,7 +260,7 @@ class Session:
         ]
 
     def to_dict(self) -> dict:
-        return {"tallies": [t.to_dict() for t in self.tallies.values()]}
+        return {"tallies": [t.to_dict() for t in self.tallies.values()], "corpus": list(self.corpus.values())}
 
 
 def repro_name(spec: CaseSpec, invariant: str) -> str:

@@ -25,6 +25,10 @@ def pytest_addoption(parser):
     g.addoption("--baseline", action="append", default=None, help="baseline report JSON for FIXED verdicts (repeatable); 'auto' (default): reports/baselines/ for this torch and tier; 'none'")
     g.addoption("--max-examples", type=int, default=None, help="override the profile's Hypothesis example budget")
     g.addoption("--invariant", action="append", default=None, help="run only these invariant IDs or areas (repeatable)")
+    # hunting (fsdp-conformance hunt): a time limit and one report over several rounds
+    g.addoption("--stop-at", type=float, default=None, help="epoch seconds after which conformance tests are skipped (hunt)")
+    g.addoption("--save-partials", default=None, help="write this run's per-process results to this JSON file (hunt)")
+    g.addoption("--prior-partials", action="append", default=None, help="include the results saved by an earlier run (repeatable; hunt)")
 
 
 def pytest_configure(config):

@@ -26,6 +26,8 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("tie:grouped")
     if spec.shared:
         tags.add("shared-module")
+    if pred.resharded:
+        tags.add("group:resharded")  # fully_shard given a module an earlier group already holds
     if any(g.mixed for g in pred.groups):
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):

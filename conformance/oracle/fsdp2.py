@@ -86,6 +86,9 @@ class FSDP2Prediction:
     frozen: tuple[str, ...]
     tied: tuple[tuple[str, tuple[str, ...]], ...]  # canonical FQN -> its aliases (2+)
     fsdp_modules: tuple[str, ...]  # canonical paths of every module fully_shard was given
+    # modules given to fully_shard after an earlier call's group already took
+    # them in (not bottom-up: a list group that straddles an earlier group)
+    resharded: tuple[str, ...] = ()
 
     def group_index(self, module: str) -> int | None:
         return next((i for i, g in enumerate(self.groups) if module in g.modules), None)
@@ -130,8 +133,10 @@ def predict_fsdp2(spec: CaseSpec, torch_version: str) -> FSDP2Prediction:
     owner: dict[str, int] = {}
     reach: list[list[str]] = []
     groups: list[GroupPrediction] = []
+    resharded: list[str] = []
     for gi, grp in enumerate(order):
         roots = set(grp.modules)
+        resharded += [m for m in grp.modules if any(m in mods for mods in reach)]
         visited: set[str] = set()
         mods: list[str] = []
 
@@ -197,6 +202,7 @@ def predict_fsdp2(spec: CaseSpec, torch_version: str) -> FSDP2Prediction:
         frozen=tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid)),
         tied=tuple(tied),
         fsdp_modules=tuple(m for grp in groups for m in grp.modules),
+        resharded=tuple(g.module_path[m] for m in resharded),
     )
 
 

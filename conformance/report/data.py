@@ -134,6 +134,20 @@ def merge_tallies(partials: list[dict]) -> dict[tuple[str, str, str], dict]:
 # ---- the report ---------------------------------------------------------------
 
 
+def merge_corpus(partials: list[dict]) -> list[dict]:
+    """The corpus cases' outcomes of every process, one record per case,
+    invariant and tier (verdict counts added up)."""
+    out: dict[tuple, dict] = {}
+    for part in partials:
+        for c in part.get("corpus", []):
+            key = (c["case"], c["invariant"], c["tier"])
+            rec = out.setdefault(key, {**c, "verdicts": {}, "known": []})
+            for v, n in c["verdicts"].items():
+                rec["verdicts"][v] = rec["verdicts"].get(v, 0) + n
+            rec["known"] = sorted(set(rec["known"]) | set(c["known"]))
+    return [out[k] for k in sorted(out)]
+
+
 def _finding_id(invariant: str, api: str, tier: str, key: str) -> str:
     return f"{invariant}/{api}/{tier}/{key}"
 
@@ -284,16 +298,32 @@ def build(
         for k in b.get("known_failures", []):
             if k.get("status") == "matched":
                 base_known[k["id"]] = k
+    corpus_runs = merge_corpus(partials)
+    from conformance import corpus as corpus_mod
+
+    corpus_findings = {c.finding for c in corpus_mod.load() if c.finding}
     known_out, warnings = [], []
     for k in known:
         rows = [r for r in results if r["invariant"] in k.invariants]
         hits = [f for f in findings if f.get("known_failure") == k.id]
         examples = sum(r["examples"] for r in rows)
+        # its corpus cases, run where they reproduce (a "ranks" case needs real ranks)
+        checked = [c for c in corpus_runs if c["finding"] == k.id and c["invariant"] in k.invariants
+                   and (c["case_tier"] == "fake" or tier_info.get(c["tier"], {}).get("backend", c["tier"]) != "fake")]
         if not _in_range(torch_version, k.torch):
             st = "other-torch"
         elif hits:
             st = "matched"
-        elif examples == 0:
+        elif checked:
+            # its minimal case ran and torch no longer deviates: FIXED, whatever the baseline
+            st = "fixed"
+            for r in results:
+                if r["invariant"] in k.invariants and r["verdict"] == "PASS" and any(c["tier"] == r["tier"] for c in checked):
+                    r["verdict"] = "FIXED"
+                    r["reason"] = f"the corpus case of known failure {k.id} no longer deviates"
+        elif examples == 0 or k.id in corpus_findings:
+            # a finding with a corpus case is judged by that case alone; this
+            # run did not select it
             st = "not-run"
         else:
             b = base_known.get(k.id)
@@ -314,6 +344,13 @@ def build(
             "examples": examples,
         })
 
+    for c in corpus_runs:
+        c["outcome"] = (
+            "FAIL" if any(v in FAILING_KINDS for v in c["verdicts"])
+            else "reproduced" if c["finding"] and c["finding"] in c["known"]
+            else "fixed" if c["finding"]
+            else "PASS"
+        )
     counts = {v: 0 for v in VERDICTS}
     for r in results:
         counts[r["verdict"]] += 1
@@ -348,6 +385,7 @@ def build(
         "results": results,
         "findings": findings,
         "known_failures": known_out,
+        "corpus": corpus_runs,
         "warnings": warnings,
         "tests": {"failed": failed_tests},
         "snapshots": {

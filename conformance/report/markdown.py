@@ -51,6 +51,14 @@ def render(report: dict, *, details: bool = True) -> str:
     hint = report.get("snapshots", {}).get("hint")
     if hint:
         lines += ["", f"> {hint}"]
+    corpus = report.get("corpus") or []
+    if corpus:
+        cases = sorted({c["case"] for c in corpus})
+        fixed = sorted({c["finding"] for c in corpus if c.get("outcome") == "fixed"})
+        failed = sorted({c["case"] for c in corpus if c.get("outcome") == "FAIL"})
+        lines += ["", f"Regression corpus: {len(cases)} case(s) checked first"
+                  + (f"; **FAIL**: {', '.join(failed)}" if failed else "")
+                  + (f"; _FIXED_ (the finding no longer reproduces; remove it from known_failures.toml): {', '.join(fixed)}" if fixed else "")]
     if report.get("warnings"):
         lines += ["", "### Warnings", ""]
         lines += [f"- {w}" for w in report["warnings"]]

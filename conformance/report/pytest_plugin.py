@@ -228,7 +228,33 @@ class ReportPlugin:
 
     # ---- the report ---------------------------------------------------------------
 
+    def pytest_runtest_setup(self, item) -> None:
+        # hunting: once the time is up, the remaining tests of this round do
+        # not start (each process runs one, however slow its start)
+        stop = self.config.getoption("--stop-at", None)
+        if stop and time.time() >= stop and self._ran_one and item_invariants(item)[0]:
+            pytest.skip("hunt: time is up")
+
+    _ran_one = False
+
+    def pytest_runtest_teardown(self, item) -> None:
+        if item_invariants(item)[0]:
+            self._ran_one = True
+
+    def prior_partials(self) -> list[dict]:
+        """Earlier rounds' partials (hunting: one report over every round)."""
+        out = []
+        for path in self.config.getoption("--prior-partials", None) or []:
+            try:
+                out += json.loads(Path(path).read_text())
+            except (OSError, ValueError):
+                continue
+        return out
+
     def partials(self) -> list[dict]:
+        return self.own_partials() + (self.prior_partials() if not self.is_worker else [])
+
+    def own_partials(self) -> list[dict]:
         out = []
         if self.session is not None:
             out.append({"worker": "main", "collected": self.collected, **self.session.to_dict()})
@@ -316,6 +342,9 @@ class ReportPlugin:
         if report is None:
             return
         report["run"]["pytest_exit_status"] = int(exitstatus)
+        save = self.config.getoption("--save-partials", None)
+        if save:
+            data.write_json(Path(save), self.own_partials())
         write.write_all(report, self.report_dir)
         shutil.rmtree(self.partial_dir, ignore_errors=True)
         self._final = report

@@ -11,6 +11,7 @@ FSDP1) and the register_fsdp_forward_method / fully_shard docstrings.
 import pytest
 from hypothesis import given, settings
 
+from conformance import corpus
 from strategies.methods import fsdp2_case_specs, summon_specs
 from tests.conformance.budget import examples
 
@@ -18,6 +19,7 @@ FSDP2_METHODS = ["FWD-ALLGATHER", "FWD-PARITY", "FWD-RESHARD", "FWD-NOOP", "FWD-
 
 
 @settings(max_examples=examples(100))
+@corpus.examples(*FSDP2_METHODS)
 @given(spec=fsdp2_case_specs())
 def test_fsdp2_forward_methods(spec, engine, conformance):
     """Every example checks each FWD invariant on one run of the case."""
@@ -27,6 +29,7 @@ def test_fsdp2_forward_methods(spec, engine, conformance):
 
 @pytest.mark.parametrize("invariant_id", ["FWD-SUMMON"])
 @settings(max_examples=examples(100))
+@corpus.examples("FWD-SUMMON")
 @given(spec=summon_specs())
 def test_fsdp1_summon_workaround(invariant_id, spec, engine, conformance):
     conformance.check(invariant_id, spec, engine, engine.tier)

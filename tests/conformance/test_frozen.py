@@ -10,11 +10,13 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from conformance import corpus
 from conformance.oracle import predict_fsdp1
 from strategies import case_specs
 
 
 @pytest.mark.parametrize("invariant_id", ["FROZEN-ERROR"])
+@corpus.examples("FROZEN-ERROR")
 @given(spec=case_specs(use_orig_params=st.just(False)))
 def test_frozen_error(invariant_id, spec, engine, conformance):
     assume(predict_fsdp1(spec).error is not None)
@@ -22,6 +24,7 @@ def test_frozen_error(invariant_id, spec, engine, conformance):
 
 
 @pytest.mark.parametrize("invariant_id", ["FROZEN-WARN"])
+@corpus.examples("FROZEN-WARN")
 @given(spec=case_specs(use_orig_params=st.just(True)))
 def test_frozen_warn(invariant_id, spec, engine, conformance):
     assume(predict_fsdp1(spec).warnings)
@@ -29,6 +32,7 @@ def test_frozen_warn(invariant_id, spec, engine, conformance):
 
 
 @pytest.mark.parametrize("invariant_id", ["FROZEN-CLEAN"])
+@corpus.examples("FROZEN-CLEAN")
 @given(spec=case_specs())
 def test_frozen_clean(invariant_id, spec, engine, conformance):
     pred = predict_fsdp1(spec)

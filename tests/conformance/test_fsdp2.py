@@ -9,6 +9,7 @@ the torch release's own check (>= 2.13: ValueError naming it).
 import pytest
 from hypothesis import given, settings
 
+from conformance import corpus
 from strategies.methods import fsdp2_case_specs
 from tests.conformance.budget import examples
 
@@ -16,6 +17,7 @@ STRUCTURE = ["FSDP2-GROUPS", "FSDP2-FROZEN", "FSDP2-TIES"]
 
 
 @settings(max_examples=examples(100))
+@corpus.examples(*STRUCTURE)
 @given(spec=fsdp2_case_specs(methods=False))
 def test_groups_frozen_ties(spec, engine, conformance):
     """Every example checks the three invariants on one run of the case."""
@@ -25,6 +27,7 @@ def test_groups_frozen_ties(spec, engine, conformance):
 
 @pytest.mark.parametrize("invariant_id", ["FSDP2-TIES"])
 @settings(max_examples=examples(100))
+@corpus.examples("FSDP2-TIES")
 @given(spec=fsdp2_case_specs(methods=False, split_ties=True, max_groups=4))
 def test_ties_split_between_groups(invariant_id, spec, engine, conformance):
     conformance.check(invariant_id, spec, engine, engine.tier)

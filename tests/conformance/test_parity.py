@@ -9,12 +9,14 @@ collectives carry no data: only the frozen-gradient part applies there.
 import pytest
 from hypothesis import given, settings
 
+from conformance import corpus
 from strategies.methods import training_specs
 from tests.conformance.budget import examples
 
 
 @pytest.mark.parametrize("invariant_id", ["PARITY"])
 @settings(max_examples=examples(100))
+@corpus.examples("PARITY")
 @given(spec=training_specs(api="fsdp2"))
 def test_training_parity_fsdp2(invariant_id, spec, engine, conformance):
     conformance.check(invariant_id, spec, engine, engine.tier)
@@ -22,6 +24,7 @@ def test_training_parity_fsdp2(invariant_id, spec, engine, conformance):
 
 @pytest.mark.parametrize("invariant_id", ["PARITY"])
 @settings(max_examples=examples(100))
+@corpus.examples("PARITY")
 @given(spec=training_specs(api="fsdp1"))
 def test_training_parity_fsdp1(invariant_id, spec, engine, conformance):
     conformance.check(invariant_id, spec, engine, engine.tier)

@@ -9,11 +9,13 @@ with a clear error; silent duplication is a finding.
 import pytest
 from hypothesis import assume, given
 
+from conformance import corpus
 from conformance.oracle import predict_fsdp1
 from strategies import case_specs
 
 
 @pytest.mark.parametrize("invariant_id", ["TIES"])
+@corpus.examples("TIES")
 @given(spec=case_specs())
 def test_ties(invariant_id, spec, engine, conformance):
     assume(predict_fsdp1(spec).ties)

@@ -8,10 +8,12 @@ FullyShardedDataParallel docstring (auto_wrap_policy, ignored_modules).
 import pytest
 from hypothesis import given
 
+from conformance import corpus
 from strategies import case_specs
 
 
 @pytest.mark.parametrize("invariant_id", ["WRAP-UNITS", "WRAP-FQNS", "WRAP-EXACTLY-ONCE", "WRAP-STATE-DICT"])
+@corpus.examples("WRAP-UNITS", "WRAP-FQNS", "WRAP-EXACTLY-ONCE", "WRAP-STATE-DICT")
 @given(spec=case_specs())
 def test_invariant(invariant_id, spec, engine, conformance):
     conformance.check(invariant_id, spec, engine, engine.tier)

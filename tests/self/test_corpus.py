@@ -1,0 +1,119 @@
+"""The regression corpus: every known finding has a minimal case, the
+conformance tests check each case first (as explicit examples), a case that
+still deviates is KNOWN and one whose deviation is patched away is FIXED."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from conformance import corpus, known
+from conformance.report import data
+from conformance.runner import KNOWN, PASS, check_case
+from conformance.session import Session
+from tests.self import cases
+from tests.self.test_faults import _dropping_last_target
+
+pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
+
+SUITE = "tests.conformance"
+
+
+def test_every_known_failure_has_a_corpus_case_and_every_case_a_finding():
+    ids = {k.id for k in known.load()}
+    findings = {c.finding for c in corpus.load()}
+    assert ids - findings == set(), "known failures without a corpus case (add one: conformance/corpus/)"
+    assert findings - ids - {None} == set(), "corpus cases naming no known failure"
+    from conformance.invariants import CATALOG
+
+    for c in corpus.load():
+        assert set(c.invariants) <= set(CATALOG), c.name
+
+
+def _explicit_specs() -> list:
+    out = []
+    pkg = importlib.import_module(SUITE)
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"{SUITE}.{info.name}")
+        for obj in vars(mod).values():
+            for ex in getattr(obj, "hypothesis_explicit_examples", ()):
+                out.append(ex.kwargs.get("spec"))
+    return out
+
+
+def test_the_conformance_tests_check_every_corpus_case():
+    attached = {corpus.spec_digest(s) for s in _explicit_specs() if s is not None}
+    missing = [c.name for c in corpus.load() if c.digest not in attached]
+    assert not missing, f"corpus cases no conformance test runs: {missing}"
+
+
+@pytest.mark.parametrize("case", [c for c in corpus.load() if c.tier == "fake"], ids=lambda c: c.name)
+def test_a_corpus_case_reproduces_its_finding(case, fake_engine):
+    k = next(k for k in known.load() if k.id == case.finding)
+    if not known._in_range(torch.__version__, k.torch):
+        pytest.skip(f"{k.id} is recorded for torch {k.torch}, not {torch.__version__}")
+    res = check_case(case.invariants[0], case.spec, fake_engine)
+    assert (res.verdict, case.finding) in {(KNOWN, fid) for _, fid in res.known}, res.describe()
+
+
+SYNTHETIC = """
+[[finding]]
+id = "synthetic-dropped-unit"
+torch = ">=2.0"
+summary = "a deliberate regression standing in for a torch finding: ModuleWrapPolicy drops its last target"
+repro = "-"
+[[finding.match]]
+invariant = "WRAP-UNITS"
+when = ["kind:missing-unit"]
+"""
+
+
+def _report(session: Session) -> dict:
+    return data.build(
+        partials=[session.to_dict()],
+        run={"tiers": [{"tier": "fake", "backend": "fake", "world_size": 4}]},
+        known=session.known,
+        environment={"suite": {}, "torch": {"version": torch.__version__}, "platform": {}},
+    )
+
+
+def test_a_known_finding_turns_fixed_when_its_deviation_is_patched_away(tmp_path, monkeypatch, fake_engine):
+    """The stand-in finding: a monkeypatched ModuleWrapPolicy that drops a
+    unit, recorded as known with its corpus case. While the fault is in,
+    the case is KNOWN; once it is patched away, the report says FIXED and
+    warns of nothing."""
+    spec = cases.two_blocks()
+    known_path = tmp_path / "known.toml"
+    known_path.write_text(SYNTHETIC)
+    corpus.write(tmp_path / "corpus", "synthetic-dropped-unit", spec, ["WRAP-UNITS"], "synthetic-dropped-unit", "fake", "test")
+    monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path / "corpus"))
+    corpus.load.cache_clear()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(ModuleWrapPolicy, "_run_policy", _dropping_last_target(ModuleWrapPolicy._run_policy))
+            s = Session(known_path=known_path)
+            assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == KNOWN
+            r = _report(s)
+            assert [k["status"] for k in r["known_failures"]] == ["matched"]
+            assert [c["outcome"] for c in r["corpus"]] == ["reproduced"]
+            assert next(x for x in r["results"] if x["invariant"] == "WRAP-UNITS")["verdict"] == KNOWN
+
+        s = Session(known_path=known_path)
+        assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == PASS
+        r = _report(s)
+        assert [k["status"] for k in r["known_failures"]] == ["fixed"]
+        assert [c["outcome"] for c in r["corpus"]] == ["fixed"]
+        assert next(x for x in r["results"] if x["invariant"] == "WRAP-UNITS")["verdict"] == "FIXED"
+        assert r["warnings"] == []
+    finally:
+        corpus.load.cache_clear()
+
+
+def test_a_case_outside_the_corpus_is_not_recorded_as_one(fake_engine):
+    s = Session()
+    s.check("WRAP-UNITS", cases.two_blocks(), fake_engine, "fake")
+    assert s.to_dict()["corpus"] == []
