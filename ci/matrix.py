@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +130,39 @@ def record_notrun(out: Path, release: str, what: str, reason: str) -> None:
     print(f"  {release} {what}: not run: {reason}", flush=True)
 
 
+def prepare(release: str, args) -> None:
+    """--install-only: make (or keep) the venv for a later --keep-venvs run.
+    A marker file tells a run going on at the same time to wait for it."""
+    venv = args.venv_root / f"torch-{release}"
+    args.venv_root.mkdir(parents=True, exist_ok=True)
+    marker = venv.with_name(venv.name + ".installing")
+    log = args.venv_root / f"torch-{release}.install.log"
+    log.write_text("")
+    marker.write_text(str(os.getpid()))
+    try:
+        if kept_venv(release, venv) is None:
+            shutil.rmtree(venv, ignore_errors=True)
+            print(f"{release}: installing (log {log})", flush=True)
+            try:
+                print(f"{release}: torch {install(release, venv, log, args.python, args.install_timeout)} installed", flush=True)
+            except (NotRun, subprocess.SubprocessError) as e:
+                shutil.rmtree(venv, ignore_errors=True)  # the run records it when it tries
+                print(f"{release}: not installed: {e}", flush=True)
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def _wait_for_installer(venv: Path) -> None:
+    marker = venv.with_name(venv.name + ".installing")
+    while marker.exists():
+        try:
+            os.kill(int(marker.read_text() or 0), 0)
+        except (ValueError, ProcessLookupError, PermissionError, OSError):
+            marker.unlink(missing_ok=True)  # its installer is gone
+            return
+        time.sleep(10)
+
+
 def run_release(release: str, args) -> None:
     out = args.out
     for old in out.glob(f"torch-{release}-*.json"):
@@ -139,6 +173,8 @@ def run_release(release: str, args) -> None:
     log.write_text("")
     try:
         try:
+            if args.keep_venvs:
+                _wait_for_installer(venv)
             version = kept_venv(release, venv) if args.keep_venvs else None
             if version is None:
                 shutil.rmtree(venv, ignore_errors=True)
@@ -200,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=2400, help="seconds per tier")
     p.add_argument("--keep-venvs", action="store_true", help="keep each venv, and reuse one kept before")
     p.add_argument("--page-only", action="store_true", help="only regenerate the page")
+    p.add_argument("--install-only", action="store_true",
+                   help="only make the venvs (kept), for a --keep-venvs run going on at the same time or later")
     args = p.parse_args(argv)
     if args.releases and args.newest:
         p.error("give releases or --newest, not both")
@@ -208,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     releases = args.releases or (RELEASES[-args.newest:] if args.newest else RELEASES)
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        if not args.page_only:
+        if args.install_only:
+            for release in releases:
+                prepare(release, args)
+        elif not args.page_only:
             for release in releases:
                 run_release(release, args)
                 write_page(args.out)  # a page for what is done so far
