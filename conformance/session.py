@@ -221,7 +221,7 @@ class Session:
             self._annotate(err, spec, invariant, [str(e)])
             raise err from e
         except ScenarioFailed as e:
-            first = str(e).splitlines()[0]
+            first = (str(e).splitlines() or [type(e).__name__])[0]
             self.record_failure(invariant, spec, tier, time.perf_counter() - t0, ERROR, first)
             err = AssertionError(f"{invariant}: {first}")
             self._annotate(err, spec, invariant, [first])

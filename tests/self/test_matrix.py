@@ -195,3 +195,26 @@ def test_session_skips_an_unavailable_api_with_its_reason(monkeypatch):
     monkeypatch.setattr(support, "unavailable", lambda api, scenario, tier: f"no {api} here" if api == "fsdp2" else None)
     with pytest.raises(pytest.skip.Exception, match="no fsdp2 here"):
         Session().check("FSDP2-GROUPS", with_plan(two_blocks(), api="fsdp2", policy=None), engine=None, tier="fake")
+
+
+def test_the_bare_already_wrapped_assertion_of_older_torch_gets_its_words(tmp_path):
+    # torch 2.4-2.6: `assert not isinstance(child, cast(type, wrapper_cls))` in
+    # _recursive_wrap, no message; 2.13 says "Child module ... is already wrapped"
+    from conformance.adapters.fsdp1 import error_text
+    from conformance.invariants.fsdp1 import error_tags
+    from conformance.observation import FrozenMessage, Observation
+
+    # a module of its own: pytest would give a test module's assert a message
+    (tmp_path / "old_wrap.py").write_text("def _recursive_wrap(child):\n    assert not isinstance(child, int)\n")
+    spec = importlib.util.spec_from_file_location("old_wrap", tmp_path / "old_wrap.py")
+    old_wrap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old_wrap)
+    with pytest.raises(AssertionError) as info:
+        old_wrap._recursive_wrap(1)
+    text = error_text(info.value)
+    assert "is already wrapped" in text
+    obs = Observation(api="fsdp1", rank=0, world_size=1, torch_version="2.4.1",
+                      error=FrozenMessage("AssertionError", text, None, None, None, None, None))
+    assert error_tags(obs) == {"error:already-wrapped"}
+    assert error_text(AssertionError()) == "AssertionError without a message"  # any other bare assertion
+    assert error_text(ValueError("named")) == "named"
