@@ -169,6 +169,16 @@ def analyse(m: Matrix) -> dict:
     return {"rows": rows, "areas": list(areas.items()), "counts": counts, "findings": findings, "unseen": unseen}
 
 
+def run_label(rep: dict) -> str:
+    """Which suite and profile made a baseline: `ci` profile, suite revision."""
+    run, suite = rep.get("run", {}), rep.get("suite", {})
+    label = f"`{run.get('profile') or '?'}`"
+    if run.get("max_examples") not in (None, 500) and run.get("profile") == "ci" and "-max" in str(run.get("args", "")):
+        label += f" max {run['max_examples']}"
+    rev = (suite.get("git_revision") or "")[:10]
+    return label + (f" suite `{rev}`" if rev else "")
+
+
 def _combined(cells: dict[str, dict]) -> str:
     """One verdict for a release over its tiers, the worst."""
     order = ("FAIL", "KNOWN", "FIXED", "PASS", "SKIP")
@@ -186,8 +196,8 @@ def render_markdown(m: Matrix, a: dict) -> str:
         "",
         "## Verdicts by release",
         "",
-        "| release | tier | PASS | KNOWN | FAIL | SKIP | examples | time |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| release | tier | PASS | KNOWN | FAIL | SKIP | examples | time | run |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for rel in m.releases:
         for tier in m.tiers:
@@ -197,9 +207,9 @@ def render_markdown(m: Matrix, a: dict) -> str:
             c = a["counts"][(rel, tier)]
             s = rep["summary"]
             secs = s.get("wall_seconds") or s.get("seconds") or 0
-            lines.append(f"| {rel} | {tier} | {c['PASS']} | {c['KNOWN']} | {c['FAIL']} | {c['SKIP']} | {s.get('examples', 0)} | {secs:.0f}s |")
+            lines.append(f"| {rel} | {tier} | {c['PASS']} | {c['KNOWN']} | {c['FAIL']} | {c['SKIP']} | {s.get('examples', 0)} | {secs:.0f}s | {run_label(rep)} |")
         for what, reason in sorted(m.notrun.get(rel, {}).items()):
-            lines.append(f"| {rel} | {what} | not run: {_cell(reason)} | | | | | |")
+            lines.append(f"| {rel} | {what} | not run: {_cell(reason)} | | | | | | |")
     lines += ["", "## Invariants by release", "", "| invariant | API | " + " | ".join(m.releases) + " |",
               "| --- | --- | " + " | ".join("---" for _ in m.releases) + " |"]
     for _, invs in a["areas"]:
@@ -238,7 +248,7 @@ def render_markdown(m: Matrix, a: dict) -> str:
 
 def render_html(m: Matrix, a: dict) -> str:
     return _ENV.get_template("matrix.html.j2").render(
-        m=m, a=a, verdicts=VERDICTS, combined=_combined, title="fsdp-conformance release matrix",
+        m=m, a=a, verdicts=VERDICTS, combined=_combined, run_label=run_label, title="fsdp-conformance release matrix",
     )
 
 

@@ -113,6 +113,7 @@ def test_page_markdown_and_html(matrix_dir):
     a = matrix.analyse(m)
     md = matrix.render_markdown(m, a)
     assert "| 2.6.0 | install | not run: pip install torch==2.6.0: no matching distribution |" in md
+    assert "| 2.13.0 | fake-w4 | 2 | 1 | 0 | 0 | 30 | 2s | `ci` |" in md
     assert "| WRAP-UNITS | fsdp1 | **FAIL** | - | KNOWN |" in md
     assert "| tie-twice | WRAP-UNITS | 2.4.1 | 2.13.0 | - | `>=2.13` (**does not cover every release seen**) |" in md
     assert "| TIES | fsdp1 | 2.4.1 | register_fsdp_forward_method: not in torch 2.4.1 |" in md
