@@ -33,10 +33,22 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
     fsdp = set(pred.fsdp_modules)
+    if any(_container_base(spec, path) for path in fsdp):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
         tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside
     return tags
+
+
+def _container_base(spec: CaseSpec, path: str) -> bool:
+    from conformance.spec import SpecError, module_at
+
+    try:
+        cls = module_at(spec.tree, path).cls
+    except SpecError:
+        return False
+    return any(c.name == cls and c.base in ("ModuleList", "ModuleDict") for c in spec.classes)
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
