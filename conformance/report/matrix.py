@@ -113,6 +113,11 @@ def identify(finding: dict, known: list[known_mod.KnownFailure]) -> known_mod.Kn
     return None
 
 
+def _short(reason: str | None) -> str | None:
+    # a skip inside a test with explicit examples: Hypothesis appends the example
+    return reason.split("Failing explicit example")[0].strip() if reason else reason
+
+
 def _verdict_in_range(k: known_mod.KnownFailure | None, release: str) -> str:
     return "KNOWN" if k is not None and known_mod._in_range(release, k.torch) else "FAIL"
 
@@ -147,7 +152,7 @@ def analyse(m: Matrix) -> dict:
             tally[verdict] = tally.get(verdict, 0) + 1
             row = rows.setdefault((r["invariant"], r["api"]), {"statement": r.get("statement", ""), "area": r.get("area") or "other", "cells": {}})
             row["cells"].setdefault(release, {})[tier] = {
-                "verdict": verdict, "reason": r.get("reason"), "examples": r.get("examples"), "findings": ids,
+                "verdict": verdict, "reason": _short(r.get("reason")), "examples": r.get("examples"), "findings": ids,
             }
         counts[(release, tier)] = tally
     findings = []
