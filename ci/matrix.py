@@ -104,8 +104,10 @@ def kept_venv(release: str, venv: Path) -> str | None:
     return version if proc.returncode == 0 and version.split("+")[0] == release else None
 
 
-def run_tier(py: str, backend: str, world: int, workers: int, log: Path, timeout: float) -> dict:
+def run_tier(py: str, backend: str, world: int, workers: int, log: Path, timeout: float, examples: int | None = None) -> dict:
     size = ["--fake-world-size" if backend == "fake" else "--world-size", str(world)]
+    if examples:
+        size += ["--examples", str(examples)]  # fewer than the profile's: the page says so
     with tempfile.TemporaryDirectory(prefix="fsdp-matrix-") as d:
         env = dict(os.environ, **{ANY_RELEASE_ENV: "1"})
         rc = _run([py, "-m", "conformance.cli", "run", "--profile", "ci", "--backend", backend, *size, "-n", str(workers),
@@ -187,7 +189,7 @@ def run_release(release: str, args) -> None:
         for backend, world in TIERS:
             what = f"{backend}-w{world}"
             try:
-                data = run_tier(str(venv / "bin" / "python"), backend, world, args.workers, log, args.run_timeout)
+                data = run_tier(str(venv / "bin" / "python"), backend, world, args.workers, log, args.run_timeout, args.examples)
             except (NotRun, json.JSONDecodeError, OSError) as e:
                 record_notrun(out, release, what, str(e))
                 continue
@@ -232,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--venv-root", type=Path, default=Path(tempfile.gettempdir()) / "fsdp-matrix-venvs")
     p.add_argument("--python", default=sys.executable, help="the interpreter the venvs are made from")
     p.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", "2")))
+    p.add_argument("--examples", type=int, help="Hypothesis examples per test instead of the ci profile's (a quicker, smaller matrix)")
     p.add_argument("--install-timeout", type=float, default=1800)
     p.add_argument("--run-timeout", type=float, default=2400, help="seconds per tier")
     p.add_argument("--keep-venvs", action="store_true", help="keep each venv, and reuse one kept before")
