@@ -35,6 +35,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     if spec.shared:
         tags.add("shared-module")
     if pred is not None:
+        if any(len(group) > 2 for group in pred.tied):
+            tags.add("aliases:3+")  # one Parameter under three or more names
         if pred.frozen:
             tags.add("frozen")
         if pred.mask_changes:

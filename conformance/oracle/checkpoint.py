@@ -74,7 +74,7 @@ def _shards(spec: CaseSpec, g: ModelGraph, at_load: set[str]) -> tuple[str, ...]
     out = []
     for side, plan, world, frozen in (("save", spec.plan, ck.save_world, None), ("load", ck.load_plan or spec.plan, ck.load_world, at_load)):
         if plan.api == "fsdp2":
-            sizes = [g.param_specs[pid].shape[0] for _, pid in g.named_parameters()]
+            sizes = [g.param_info[pid].shape[0] for _, pid in g.named_parameters()]
         else:
             case = dataclasses.replace(spec, plan=plan, tree=spec.tree if frozen is None else with_frozen(spec.tree, frozenset(frozen)), ckpt=None)
             p1 = predict_fsdp1(case)
