@@ -16,3 +16,10 @@ if _os.environ.get("FSDP_CONFORMANCE_FSDP_SOURCE"):
     except _fsdp_source.SourceError as _e:
         print(f"fsdp-conformance: error: {_e}", file=_sys.stderr)
         raise SystemExit(2) from None
+
+
+def check_model(target: str, **kwargs):
+    """Every applicable invariant on a real model: see conformance.models.check_model."""
+    from conformance.models import check_model as run
+
+    return run(target, **kwargs)

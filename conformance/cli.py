@@ -1,4 +1,4 @@
-"""fsdp-conformance: run | hunt | compare | check | repro | bench | selfcheck.
+"""fsdp-conformance: run | hunt | model | compare | check | repro | bench | selfcheck.
 
 Exit status: 0 when every invariant holds (KNOWN and FIXED included), 1 on a
 violation (or a regression, for compare), 2 on bad input or an environment
@@ -275,24 +275,41 @@ def _run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = Fal
 
 
 def _load_spec(path: str):
-    from conformance.spec import CaseSpec, SpecError
+    from conformance.model_case import case_from_json
+    from conformance.spec import SpecError
 
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
     try:
-        return CaseSpec.from_json(text)
+        return _valid_case(case_from_json(text))
     except SpecError as e:
         raise UsageError(f"{path}: {e}") from None
+
+
+def _valid_case(case):
+    """A ModelCase names its target: that target must import and have every
+    name the case uses (TargetError: one line, exit 2)."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(case, ModelCase):
+        from conformance.targets import TargetError, check_case
+
+        try:
+            check_case(case)
+        except TargetError as e:
+            raise UsageError(str(e)) from None
+    return case
 
 
 def _load_case(path: str, finding_id: str | None):
     """(spec, invariant or None, finding or None) from a CaseSpec JSON, a
     report JSON (with --finding, or its only failing finding), or one finding
     object copied out of a report."""
+    from conformance.model_case import case_from_json
     from conformance.report import data
-    from conformance.spec import CaseSpec, SpecError
+    from conformance.spec import SpecError
 
     try:
         text = Path(path).read_text()
@@ -320,7 +337,7 @@ def _load_case(path: str, finding_id: str | None):
         finding = obj
     if finding is not None:
         try:
-            spec = CaseSpec.from_json(json.dumps(finding["spec"]))
+            spec = _valid_case(case_from_json(json.dumps(finding["spec"])))
         except (SpecError, KeyError, TypeError) as e:
             raise UsageError(f"{path}: the finding's case is not a valid CaseSpec ({e})") from None
         return spec, finding.get("invariant"), finding
@@ -339,6 +356,9 @@ def cmd_check(ns) -> int:
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
     _need_distributed()
+    from conformance.models import NOT_FOR_MODELS
+
+    selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
     return _check(spec, [i for i in selected if spec.plan.api in i.api.split("|")], ns.backend, ns.world_size)
 
 
@@ -396,7 +416,8 @@ def cmd_repro(ns) -> int:
         except invariants.UnknownInvariant as e:
             raise UsageError(str(e)) from None
     else:
-        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")]
+        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")
+                    and not (hasattr(spec, "target") and i.id == "FWD-SUMMON")]
     lines = [v["message"] if isinstance(v, dict) else str(v) for v in (finding or {}).get("violations", [])]
     title = inv_id or Path(ns.spec).stem
     text = repro_script(spec, lines, title=title)
@@ -461,8 +482,15 @@ def cmd_bench(ns) -> int:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     _need_distributed()
-    bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
-              fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json)
+    from conformance.targets import TargetError
+
+    if ns.target and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a user's target, as `fsdp-conformance model` finds it
+    try:
+        bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
+                  fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json, targets=ns.target or ())
+    except TargetError as e:
+        raise UsageError(str(e)) from None
     return 0
 
 
@@ -539,16 +567,23 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--no-run", action="store_true", help="only write the script")
     rp.set_defaults(fn=cmd_repro)
     b = sub.add_parser("bench", help="examples/s of the checks per FSDP API next to the time inside FSDP; --engines compares the engines")
-    b.add_argument("--api", default="all", help="fsdp1 (fake tier) | fsdp2 (gloo pool) | all (default), comma-separated")
-    b.add_argument("--examples", type=int, default=None, help="drawn examples per benchmark (default: fsdp1 500, fsdp2 100, engines 200)")
+    b.add_argument("--api", default="all", help="fsdp1 (fake tier) | fsdp2 (gloo pool) | checkpoint (save/reshard/load on worlds 1-3) | all (default), comma-separated")
+    b.add_argument("--examples", type=int, default=None, help="drawn examples per benchmark (default: fsdp1 500, fsdp2 100, checkpoint 30, engines 200)")
     b.add_argument("--world-size", type=int, default=2, help="ranks of the gloo pool (default 2)")
     b.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
     b.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the drawn cases (default 0)")
     b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake on the same cases")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    b.add_argument("--target", action="append", default=None, metavar="TARGET",
+                   help="a real model ('package.module:attr', repeatable): per API, fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("selfcheck", help="run the suite's own tests; --mutants: the suite's mutation score")
     s.set_defaults(fn=cmd_selfcheck)
+    # ---- model: a real nn.Module (issue 8) ----
+    from conformance import cli_model
+
+    cli_model.add_parser(sub, UsageError, BACKENDS)
+    # ---- end model ----
     from conformance import mutants
 
     mutants.add_arguments(s)
