@@ -336,7 +336,16 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
 
 # Why a survivor survived, as far as we know (the table's reader needs the
 # reason, not only the name); filled from the analysis of each survivor.
-SURVIVOR_NOTES: dict[str, str] = {}
+SURVIVOR_NOTES: dict[str, str] = {
+    "fsdp2-ignored-params-managed": "not caught: no FSDP2 plan passes ignored_params to fully_shard (spec.ShardGroup has no such field), so nothing the suite draws reaches this branch; a strategy for it is the fix",
+    "fsdp2-forward-inputs-not-cast": "not caught: no FSDP2 case draws a MixedPrecisionPolicy yet (mixed precision, MP-DTYPES, is another helper's work: rerun after it is merged)",
+    "fsdp2-output-dtype-not-cast": "not caught: no FSDP2 case draws a MixedPrecisionPolicy(output_dtype=...) yet (as above)",
+    "fsdp2-grad-sum-not-mean": "not caught: this divide-factor path runs only for a reduce dtype at overflow risk (fp16) or with set_force_sum_reduction_for_comms(True); fp32 on gloo takes the AVG path (see fsdp2-grad-avg-not-mean) and no case draws either",
+    "fsdp1-custom-policy-wraps-ignored": "survived 60 examples per test; killed by WRAP-UNITS (fake) with 100 examples per test (run0-part.json): it needs a CustomWrap target inside an ignored module, which the strategies draw rarely",
+    "fsdp1-post-order-apply-revisits-shared": "survived 60 examples per test; killed by WRAP-UNITS (gloo) with 100 examples per test (run0-part.json): it needs a shared module under two wrapped parents with an object policy, which the strategies draw rarely",
+    "fwd-patched-on-class": "not caught: to be analysed; FWD-ISOLATION would see it if the drawn cases registered on one of two instances of the same class (a bound method set on the class serves every instance)",
+    "fwd-kwargs-dropped": "not caught: no drawn forward method takes keyword arguments (strategies.methods): a method-kwargs strategy is the fix",
+}
 
 
 def _render_saved(ns, mutants: list[Mutant]) -> int:
