@@ -1,4 +1,4 @@
-"""fsdp-conformance: run | hunt | compare | check | repro | bench | selfcheck.
+"""fsdp-conformance: run | hunt | model | compare | check | repro | bench | selfcheck.
 
 Exit status: 0 when every invariant holds (KNOWN and FIXED included), 1 on a
 violation (or a regression, for compare), 2 on bad input or an environment
@@ -86,6 +86,9 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 def cmd_run(ns) -> int:
     from conformance import paths, profiles
 
+    # first: a source that cannot be used is bad input, whatever else is asked
+    _use_fsdp_source(getattr(ns, "fsdp_source", None))
+
     try:
         profile = profiles.selected(ns.profile)
     except ValueError as e:
@@ -161,6 +164,25 @@ def _conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[
         args += ["-p", "no:xdist"]
     args += ns.pytest_args or []
     return args, report_dir
+
+
+def _use_fsdp_source(path: str | None) -> dict | None:
+    """Check an FSDP source tree (layout, parse, import against this torch)
+    and put it in the environment the run's processes inherit; "installed"
+    or None: the installed torch's FSDP (an inherited overlay stays)."""
+    from conformance import fsdp_source
+
+    if path is None:
+        return None
+    if path == "installed":
+        os.environ.pop(fsdp_source.ENV_VAR, None)
+        return None
+    try:
+        info = fsdp_source.validate(path)
+    except fsdp_source.SourceError as e:
+        raise UsageError(str(e)) from None
+    os.environ[fsdp_source.ENV_VAR] = info["path"]
+    return info
 
 
 def cmd_hunt(ns) -> int:
@@ -253,24 +275,41 @@ def _run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = Fal
 
 
 def _load_spec(path: str):
-    from conformance.spec import CaseSpec, SpecError
+    from conformance.model_case import case_from_json
+    from conformance.spec import SpecError
 
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
     try:
-        return CaseSpec.from_json(text)
+        return _valid_case(case_from_json(text))
     except SpecError as e:
         raise UsageError(f"{path}: {e}") from None
+
+
+def _valid_case(case):
+    """A ModelCase names its target: that target must import and have every
+    name the case uses (TargetError: one line, exit 2)."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(case, ModelCase):
+        from conformance.targets import TargetError, check_case
+
+        try:
+            check_case(case)
+        except TargetError as e:
+            raise UsageError(str(e)) from None
+    return case
 
 
 def _load_case(path: str, finding_id: str | None):
     """(spec, invariant or None, finding or None) from a CaseSpec JSON, a
     report JSON (with --finding, or its only failing finding), or one finding
     object copied out of a report."""
+    from conformance.model_case import case_from_json
     from conformance.report import data
-    from conformance.spec import CaseSpec, SpecError
+    from conformance.spec import SpecError
 
     try:
         text = Path(path).read_text()
@@ -298,7 +337,7 @@ def _load_case(path: str, finding_id: str | None):
         finding = obj
     if finding is not None:
         try:
-            spec = CaseSpec.from_json(json.dumps(finding["spec"]))
+            spec = _valid_case(case_from_json(json.dumps(finding["spec"])))
         except (SpecError, KeyError, TypeError) as e:
             raise UsageError(f"{path}: the finding's case is not a valid CaseSpec ({e})") from None
         return spec, finding.get("invariant"), finding
@@ -317,6 +356,9 @@ def cmd_check(ns) -> int:
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
     _need_distributed()
+    from conformance.models import NOT_FOR_MODELS
+
+    selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
     return _check(spec, [i for i in selected if spec.plan.api in i.api.split("|")], ns.backend, ns.world_size)
 
 
@@ -374,7 +416,8 @@ def cmd_repro(ns) -> int:
         except invariants.UnknownInvariant as e:
             raise UsageError(str(e)) from None
     else:
-        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")]
+        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")
+                    and not (hasattr(spec, "target") and i.id == "FWD-SUMMON")]
     lines = [v["message"] if isinstance(v, dict) else str(v) for v in (finding or {}).get("violations", [])]
     title = inv_id or Path(ns.spec).stem
     text = repro_script(spec, lines, title=title)
@@ -439,12 +482,23 @@ def cmd_bench(ns) -> int:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     _need_distributed()
-    bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
-              fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json)
+    from conformance.targets import TargetError
+
+    if ns.target and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a user's target, as `fsdp-conformance model` finds it
+    try:
+        bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
+                  fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json, targets=ns.target or ())
+    except TargetError as e:
+        raise UsageError(str(e)) from None
     return 0
 
 
 def cmd_selfcheck(ns) -> int:
+    if getattr(ns, "mutants", False):  # issue 10: the suite's mutation score
+        from conformance import mutants
+
+        return mutants.run(ns)
     from conformance import paths
 
     checkout = paths.PACKAGE.parent
@@ -470,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: the shipped baselines for this torch; 'none')")
     r.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
     r.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto", help="live progress (a terminal) or pytest's quiet log (CI, pipes)")
+    r.add_argument("--fsdp-source", default=None, metavar="PATH",
+                   help="import FSDP (torch/distributed/fsdp/, FSDP1 and FSDP2) from this source tree over the installed torch")
     r.add_argument("--database", default=None, help="keep and replay examples in this Hypothesis example database (a directory, github:OWNER/REPO, redis://HOST:PORT)")
     r.add_argument("--replay", action="store_true", help="draw nothing: only the regression corpus and the database's examples")
     r.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
@@ -511,16 +567,31 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--no-run", action="store_true", help="only write the script")
     rp.set_defaults(fn=cmd_repro)
     b = sub.add_parser("bench", help="examples/s of the checks per FSDP API next to the time inside FSDP; --engines compares the engines")
-    b.add_argument("--api", default="all", help="fsdp1 (fake tier) | fsdp2 (gloo pool) | all (default), comma-separated")
-    b.add_argument("--examples", type=int, default=None, help="drawn examples per benchmark (default: fsdp1 500, fsdp2 100, engines 200)")
+    b.add_argument("--api", default="all", help="fsdp1 (fake tier) | fsdp2 (gloo pool) | checkpoint (save/reshard/load on worlds 1-3) | all (default), comma-separated")
+    b.add_argument("--examples", type=int, default=None, help="drawn examples per benchmark (default: fsdp1 500, fsdp2 100, checkpoint 30, engines 200)")
     b.add_argument("--world-size", type=int, default=2, help="ranks of the gloo pool (default 2)")
     b.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
     b.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the drawn cases (default 0)")
     b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake on the same cases")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    b.add_argument("--target", action="append", default=None, metavar="TARGET",
+                   help="a real model ('package.module:attr', repeatable): per API, fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
     b.set_defaults(fn=cmd_bench)
-    s = sub.add_parser("selfcheck", help="run the suite's own tests")
+    s = sub.add_parser("selfcheck", help="run the suite's own tests; --mutants: the suite's mutation score")
     s.set_defaults(fn=cmd_selfcheck)
+    # ---- model: a real nn.Module (issue 8) ----
+    from conformance import cli_model
+
+    cli_model.add_parser(sub, UsageError, BACKENDS)
+    # ---- end model ----
+    from conformance import mutants
+
+    mutants.add_arguments(s)
+    # ---- issue 10: testing an FSDP change (conformance.change) ----
+    from conformance import change
+
+    change.add_parser(sub, main)
+    # ---- end issue 10 ----
     ns = p.parse_args(argv)
     try:
         return ns.fn(ns)
@@ -533,4 +604,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as a script this file is a second copy of the module: use the
+    # package's, so that conformance.change / conformance.mutants raise the
+    # UsageError that main catches
+    from conformance.cli import main as _main
+
+    sys.exit(_main())

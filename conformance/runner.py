@@ -61,6 +61,13 @@ def _fsdp2_handlers() -> dict[str, Handler]:
     }
 
 
+# --- lifecycle (checkpoint) handlers ---
+def _ckpt_handlers() -> dict[str, Handler]:
+    from conformance.observations.checkpoint import CkptObservation
+    from conformance.oracle.checkpoint import predict_ckpt
+
+    return {name: Handler(name, CkptObservation.from_dict, predict_ckpt) for name in ("ckpt-full", "ckpt-ties", "ckpt-roundtrip")}
+# --- end lifecycle (checkpoint) handlers ---
 def _schedule_handlers() -> dict[str, Handler]:
     # --- training schedules (MP-DTYPES, ACCUM) ---
     from conformance.observations.schedule import ScheduleObservation
@@ -77,6 +84,7 @@ def handler(invariant_id: str) -> Handler:
     and use predict_fsdp1; FSDP2, forward methods and PARITY their own."""
     if not _HANDLERS:
         _HANDLERS.update(_fsdp2_handlers())
+        _HANDLERS.update(_ckpt_handlers())
     scenario = get(invariant_id).scenario
     return _HANDLERS.get(scenario) or Handler(scenario, Observation.from_dict, predict_fsdp1)
 

@@ -212,6 +212,44 @@ class TrainPlan:
 OPTIMIZERS = ("SGD", "Adam")
 
 
+# ---- checkpoints (lifecycle: state dicts, torch.distributed.checkpoint) -----
+
+# How a full state dict is taken (SD-FULL): FSDP1's FULL_STATE_DICT with its
+# FullStateDictConfig flags, or torch.distributed.checkpoint.state_dict's
+# get_model_state_dict(full_state_dict=True) with its options.
+FULL_SD_WAYS = ("fsdp1-full", "dcp-full")
+# How a full state dict is loaded back (TIES-KEPT).
+LOAD_PATHS = ("load_state_dict", "load_state_dict-assign", "set_model_state_dict", "set_model_state_dict-broadcast", "meta-to_empty")
+CKPT_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+MAX_WORLD = 3
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Save under the case's plan on ``save_world`` ranks, load under
+    ``load_plan`` on ``load_world`` ranks. Optimizer over every parameter
+    (frozen ones get no state until they train); ``steps`` before the save,
+    ``steps_after`` after it (continued and resumed). ``refreeze``: FQNs whose
+    requires_grad flips after the first step (before the save);
+    ``load_frozen``: the parameters frozen at load (and after it).
+    ``full_sd``/``rank0_only``/``offload``/``ignore_frozen``: how SD-FULL takes
+    the full state dict; ``load_path``: how TIES-KEPT loads one."""
+
+    save_world: int = 2
+    load_world: int = 2
+    load_plan: WrapPlan | None = None  # None: the case's own plan
+    optimizer: str = "SGD"
+    steps: int = 1
+    steps_after: int = 1
+    refreeze: tuple[str, ...] = ()
+    load_frozen: tuple[str, ...] | None = None  # None: the case's own mask
+    full_sd: str = "dcp-full"
+    rank0_only: bool = False
+    offload: bool = False
+    ignore_frozen: bool = False
+    load_path: str = "load_state_dict"
+
+
 @dataclass(frozen=True)
 class CaseSpec:
     tree: ModuleSpec
@@ -223,6 +261,7 @@ class CaseSpec:
     methods: tuple[ForwardMethod, ...] = ()
     calls: tuple[MethodCall, ...] = ()
     train: TrainPlan | None = None
+    ckpt: CheckpointPlan | None = None
     schedule: Schedule | None = None  # MP-DTYPES, ACCUM
 
     def __post_init__(self) -> None:
@@ -653,9 +692,29 @@ def _validate_methods(spec: CaseSpec, paths: set[str]) -> None:
     for c in spec.calls:
         if not -1 <= c.method < len(spec.methods) or c.times < 1:
             raise SpecError(f"call {c!r} names no method or a non-positive count")
+    if spec.ckpt is not None:
+        _validate_ckpt(spec, set(param_fqns(spec.tree)))
     t = spec.train
     if t is not None and (t.optimizer not in OPTIMIZERS or t.steps < 1 or not t.lr > 0):
         raise SpecError(f"train plan {t!r}: optimizer one of {OPTIMIZERS}, steps >= 1, lr > 0")
+
+
+def _validate_ckpt(spec: CaseSpec, fqns: set[str]) -> None:
+    c = spec.ckpt
+    if not all(isinstance(w, int) and 1 <= w <= MAX_WORLD for w in (c.save_world, c.load_world)):
+        raise SpecError(f"checkpoint world sizes must be 1..{MAX_WORLD}")
+    if c.optimizer not in CKPT_OPTIMIZERS or c.steps < 1 or c.steps_after < 0:
+        raise SpecError(f"checkpoint plan {c!r}: optimizer one of {CKPT_OPTIMIZERS}, steps >= 1, steps_after >= 0")
+    if c.full_sd not in FULL_SD_WAYS or c.load_path not in LOAD_PATHS:
+        raise SpecError(f"checkpoint plan {c!r}: full_sd one of {FULL_SD_WAYS}, load_path one of {LOAD_PATHS}")
+    for f in c.refreeze + (c.load_frozen or ()):
+        if f not in fqns:
+            raise SpecError(f"checkpoint plan names unknown parameter {f!r}")
+    if c.load_plan is not None:
+        if c.load_plan.ignored_modules or c.load_plan.ignored_params:
+            raise SpecError("a checkpoint's load plan ignores nothing")
+        # the load plan must fit the same tree
+        dataclasses.replace(spec, plan=c.load_plan, ckpt=None)
 
 
 # ---- JSON (de)serialisation -------------------------------------------------
@@ -665,6 +724,7 @@ _TYPES = {
     for t in (
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
+        CheckpointPlan,
         Precision, Microbatch, ScheduleStep, Schedule,
     )
 }

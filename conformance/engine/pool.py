@@ -34,6 +34,7 @@ from conformance.engine.errors import (
     RankState,
 )
 from conformance.engine.scenarios import default_preload, get_scenario
+from conformance.model_case import ModelCase
 from conformance.spec import CaseSpec
 
 BACKENDS = ("auto", "gloo", "nccl", "fake")
@@ -311,21 +312,22 @@ class RankPool:
     def forkserver_pid(self) -> int | None:
         return self._server.proc.pid if self._server is not None else None
 
-    def run(self, scenario: str, spec: CaseSpec, *, deadline: float | None = None) -> list[dict]:
-        """Run ``scenario`` on every rank with ``spec``; one record per rank."""
+    def run(self, scenario: str, spec: CaseSpec, *, deadline: float | None = None, args: dict | None = None) -> list[dict]:
+        """Run ``scenario`` on every rank with ``spec`` (and the JSON-able
+        keyword ``args``, e.g. a checkpoint directory); one record per rank."""
         if self._closed:
             raise EngineError("this RankPool is closed")
         sc = get_scenario(scenario)
         if sc.module == "__main__":
             raise EngineError(f"scenario {scenario!r} is defined in __main__; ranks cannot import it")
-        if not isinstance(spec, CaseSpec):
-            raise TypeError(f"spec must be a CaseSpec, got {type(spec).__name__}")
+        if not isinstance(spec, (CaseSpec, ModelCase)):
+            raise TypeError(f"spec must be a CaseSpec or a ModelCase, got {type(spec).__name__}")
         deadline = self.deadline if deadline is None else float(deadline)
         self._ensure_ready()
         self._next_id += 1
         msg_id = self._next_id
         line = (json.dumps({"op": "run", "id": msg_id, "scenario": scenario, "module": sc.module,
-                            "spec": spec.to_json()}) + "\n").encode()
+                            "spec": spec.to_json(), **({"args": args} if args else {})}) + "\n").encode()
         offsets = [r.log_size() for r in self._ranks]
         start = time.monotonic()
         try:

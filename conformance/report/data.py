@@ -81,6 +81,14 @@ def torch_info() -> dict:
     return info
 
 
+def fsdp_source_info() -> dict | None:
+    """The FSDP source tree this run imported FSDP from (None: the installed
+    torch's own): path, git commit, hashes (conformance.fsdp_source)."""
+    from conformance import fsdp_source
+
+    return fsdp_source.report_info()
+
+
 def platform_info() -> dict:
     return {
         "system": platform.system(),
@@ -192,7 +200,7 @@ def build(
         from conformance import known as known_mod
 
         known = known_mod.load()
-    env = environment or {"suite": suite_info(), "torch": torch_info(), "platform": platform_info()}
+    env = environment or {"suite": suite_info(), "torch": torch_info(), "platform": platform_info(), "fsdp_source": fsdp_source_info()}
     torch_version = torch_version or env["torch"]["version"]
     tests = tests or []
     tallies = merge_tallies(partials)
@@ -327,6 +335,8 @@ def build(
                 if r["invariant"] in k.invariants and r["verdict"] == "PASS" and any(c["tier"] == r["tier"] for c in checked):
                     r["verdict"] = "FIXED"
                     r["reason"] = f"the corpus case of known failure {k.id} no longer deviates"
+        elif k.no_corpus:
+            st = "unchecked"  # no corpus case (its entry says why): nothing to warn about
         elif examples == 0 or k.id in corpus_findings:
             # a finding with a corpus case is judged by that case alone; this
             # run did not select it
@@ -350,13 +360,16 @@ def build(
             "examples": examples,
         })
 
+    known_status = {k["id"]: k["status"] for k in known_out}
     for c in corpus_runs:
+        # per record: did this invariant show the case's finding? (whether
+        # the finding is fixed is the known failure's status, over every record)
         c["outcome"] = (
             "FAIL" if any(v in FAILING_KINDS for v in c["verdicts"])
             else "reproduced" if c["finding"] and c["finding"] in c["known"]
-            else "fixed" if c["finding"]
             else "PASS"
         )
+        c["finding_status"] = known_status.get(c["finding"]) if c["finding"] else None
     counts = {v: 0 for v in VERDICTS}
     for r in results:
         counts[r["verdict"]] += 1

@@ -15,8 +15,19 @@ GENERATORS: dict = {"fsdp1": fsdp1_script, "fsdp2": fsdp2_script}
 
 def repro_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
     """The standalone repro script of a case: torch-only where a generator
-    exists for its API, else one that replays the case through this suite."""
+    exists for its API, else one that replays the case through this suite.
+    A real model's case (ModelCase) has its own generator, training included."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(spec, ModelCase):
+        from conformance.report.repro.models import model_script
+
+        return model_script(spec, violations, title)
     api = getattr(spec.plan, "api", "fsdp1")
+    if getattr(spec, "ckpt", None) is not None:  # lifecycle (checkpoint) cases
+        from conformance.report.repro.checkpoint import ckpt_script
+
+        return ckpt_script(spec, violations, title)
     if getattr(spec, "schedule", None) is not None:  # --- training schedules (MP-DTYPES, ACCUM) ---
         from conformance.report.repro.schedule import schedule_script
 
