@@ -352,8 +352,10 @@ def validate_schedule(spec: "CaseSpec") -> None:
         return
     if s.optimizer not in SCHEDULE_OPTIMIZERS or not s.lr > 0 or not s.steps:
         raise SpecError(f"schedule: optimizer one of {SCHEDULE_OPTIMIZERS}, lr > 0, at least one step")
+    from conformance.oracle.graph import ModelGraph  # the names the built model gives its parameters
+
     paths = {p for p, _ in walk(spec.tree)}
-    fqns = set(param_fqns(spec.tree)) | {join(t.module, t.name) for t in spec.ties}
+    fqns = {f for f, _ in ModelGraph(spec).named_parameters(remove_duplicate=False)}
     for st in s.steps:
         if not st.microbatches:
             raise SpecError("schedule: a step needs at least one microbatch")

@@ -18,7 +18,7 @@ from conformance.oracle.graph import ModelGraph
 from conformance.oracle.methods import predict_parity
 from conformance.oracle.schedule import used_params
 from conformance.spec import (
-    SCHEDULE_OPTIMIZERS, CaseSpec, ForwardMethod, MethodStep, Microbatch, Precision, Schedule, ScheduleStep,
+    SCHEDULE_OPTIMIZERS, CaseSpec, ForwardMethod, MethodStep, Microbatch, Precision, Schedule, ScheduleStep, walk,
 )
 
 from strategies._common import check_bool, check_int, ints, maybe, pick, pick_subset
@@ -52,7 +52,7 @@ def draw_schedule(draw: Any, spec: CaseSpec, *, max_steps: int, max_microbatches
     # FSDP1 flattens parameters when use_orig_params=False: requires_grad is
     # fixed at wrap time there
     can_change = spec.plan.api == "fsdp2" or spec.plan.use_orig_params
-    skippable = [p for p, _ in graph.named_modules() if p]
+    skippable = [p for p, _ in walk(spec.tree) if p]  # registrations in the spec's own tree
     steps = []
     frozen = initial
     for i in range(1 + draw(ints(max_steps - 1))):
