@@ -11,6 +11,11 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
 APIS = ("fsdp1", "fsdp2")
+
+
+class BenchError(RuntimeError):
+    """A measurement that could not complete (a rank failed or timed out)."""
+
 # examples per API when --examples is not given: a few seconds each
 DEFAULT_EXAMPLES = {"fsdp1": 500, "fsdp2": 100, "engines": 200}
 
