@@ -173,7 +173,12 @@ def _make_module(m: ModuleSpec, classes: dict[str, type]) -> nn.Module:
 
 
 def build(spec: CaseSpec) -> Built:
-    """The case's model: same spec and seed, same module and values."""
+    """The case's model: same spec and seed, same module and values. A
+    ModelCase builds its target's model (conformance.targets.build_target)."""
+    if not isinstance(spec, CaseSpec):
+        from conformance.targets import build_target
+
+        return build_target(spec)
     classes = make_classes(spec)
     modules: dict[str, nn.Module] = {}
     for path, m in walk(spec.tree):

@@ -1,4 +1,4 @@
-"""fsdp-conformance: run | hunt | compare | check | repro | bench | selfcheck.
+"""fsdp-conformance: run | hunt | model | compare | check | repro | bench | selfcheck.
 
 Exit status: 0 when every invariant holds (KNOWN and FIXED included), 1 on a
 violation (or a regression, for compare), 2 on bad input or an environment
@@ -253,24 +253,41 @@ def _run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = Fal
 
 
 def _load_spec(path: str):
-    from conformance.spec import CaseSpec, SpecError
+    from conformance.model_case import case_from_json
+    from conformance.spec import SpecError
 
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
     try:
-        return CaseSpec.from_json(text)
+        return _valid_case(case_from_json(text))
     except SpecError as e:
         raise UsageError(f"{path}: {e}") from None
+
+
+def _valid_case(case):
+    """A ModelCase names its target: that target must import and have every
+    name the case uses (TargetError: one line, exit 2)."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(case, ModelCase):
+        from conformance.targets import TargetError, check_case
+
+        try:
+            check_case(case)
+        except TargetError as e:
+            raise UsageError(str(e)) from None
+    return case
 
 
 def _load_case(path: str, finding_id: str | None):
     """(spec, invariant or None, finding or None) from a CaseSpec JSON, a
     report JSON (with --finding, or its only failing finding), or one finding
     object copied out of a report."""
+    from conformance.model_case import case_from_json
     from conformance.report import data
-    from conformance.spec import CaseSpec, SpecError
+    from conformance.spec import SpecError
 
     try:
         text = Path(path).read_text()
@@ -298,7 +315,7 @@ def _load_case(path: str, finding_id: str | None):
         finding = obj
     if finding is not None:
         try:
-            spec = CaseSpec.from_json(json.dumps(finding["spec"]))
+            spec = _valid_case(case_from_json(json.dumps(finding["spec"])))
         except (SpecError, KeyError, TypeError) as e:
             raise UsageError(f"{path}: the finding's case is not a valid CaseSpec ({e})") from None
         return spec, finding.get("invariant"), finding
@@ -317,6 +334,9 @@ def cmd_check(ns) -> int:
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
     _need_distributed()
+    from conformance.models import NOT_FOR_MODELS
+
+    selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
     return _check(spec, [i for i in selected if spec.plan.api in i.api.split("|")], ns.backend, ns.world_size)
 
 
@@ -374,7 +394,8 @@ def cmd_repro(ns) -> int:
         except invariants.UnknownInvariant as e:
             raise UsageError(str(e)) from None
     else:
-        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")]
+        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")
+                    and not (hasattr(spec, "target") and i.id == "FWD-SUMMON")]
     lines = [v["message"] if isinstance(v, dict) else str(v) for v in (finding or {}).get("violations", [])]
     title = inv_id or Path(ns.spec).stem
     text = repro_script(spec, lines, title=title)
@@ -440,10 +461,15 @@ def cmd_bench(ns) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     _need_distributed()
     from conformance.engine.errors import EngineError
+    from conformance.targets import TargetError
 
+    if ns.target and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a user's target, as `fsdp-conformance model` finds it
     try:
         bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
-                  fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json)
+                  fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json, targets=ns.target or ())
+    except TargetError as e:
+        raise UsageError(str(e)) from None
     except (EngineError, bench.BenchError) as e:  # e.g. a spawned rank past its deadline on a loaded machine
         print(f"fsdp-conformance: bench could not measure: {e}", file=sys.stderr)
         return 2
@@ -524,9 +550,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the drawn cases (default 0)")
     b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake on the same cases")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    b.add_argument("--target", action="append", default=None, metavar="TARGET",
+                   help="a real model ('package.module:attr', repeatable): per API, fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("selfcheck", help="run the suite's own tests")
     s.set_defaults(fn=cmd_selfcheck)
+    # ---- model: a real nn.Module (issue 8) ----
+    from conformance import cli_model
+
+    cli_model.add_parser(sub, UsageError, BACKENDS)
+    # ---- end model ----
     ns = p.parse_args(argv)
     try:
         return ns.fn(ns)

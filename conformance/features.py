@@ -21,18 +21,22 @@ FEATURES = (
 
 
 def case_features(spec: CaseSpec, world_size: int) -> list[str]:
-    g = ModelGraph(spec)
+    """For a CaseSpec or a ModelCase (a real model's ties and shared modules
+    are read off its graph)."""
+    from conformance.targets import graph_of
+
+    g = graph_of(spec)
     params = [pid for _, pid in g.named_parameters()]
     out = []
-    if spec.ties:
+    if spec.ties or any(len(g.users(p)) > 1 for p in params):
         out.append("tie")
-    if spec.shared:
+    if spec.shared or g.shared_modules():
         out.append("shared module")
     if any(g.numel(p) == 1 for p in params):
         out.append("one-element parameter")
     units = _units(spec, g)
     if spec.plan.api == "fsdp2":
-        dim0 = [g.param_specs[p].shape[0] if g.param_specs[p].shape else 1 for p in params]
+        dim0 = [g.param_info[p].shape[0] if g.param_info[p].shape else 1 for p in params]
         uneven, empty = any(d % world_size for d in dim0), any(d < world_size for d in dim0)
     else:
         sizes = [sum(g.numel(p) for p in u) for u in units if u]

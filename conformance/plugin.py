@@ -38,6 +38,8 @@ def pytest_addoption(parser):
     g.addoption("--stop-at", type=float, default=None, help="epoch seconds after which conformance tests are skipped (hunt)")
     g.addoption("--save-partials", default=None, help="write this run's per-process results to this JSON file (hunt)")
     g.addoption("--prior-partials", action="append", default=None, help="include the results saved by an earlier run (repeatable; hunt)")
+    # real models (conformance/suite/test_models.py)
+    g.addoption("--target", action="append", default=None, help="a real model, 'package.module:attr' naming a conformance.targets.Target (repeatable): the suite checks it too")
 
 
 def requested(config) -> bool:
@@ -80,6 +82,7 @@ def pytest_configure(config):
     for t in TIERS:
         config.addinivalue_line("markers", f"{t}: a conformance test on the {t} tier")
     config.addinivalue_line("markers", "needs_ranks: needs several real ranks (not the fake tier)")
+    config.addinivalue_line("markers", MODEL_MARKER_DOC)  # fsdp_model (conformance.pytest_models)
     config._fsdp_conformance_requested = requested(config)
     if config._fsdp_conformance_requested:
         ensure_profile(config)
@@ -106,6 +109,10 @@ def pytest_generate_tests(metafunc):
         if metafunc.definition.get_closest_marker("needs_ranks"):
             ts = [t for t in ts if t != "fake"]  # one in-process rank cannot disagree
         metafunc.parametrize("engine", [pytest.param(t, marks=getattr(pytest.mark, t), id=t) for t in ts], indirect=True, scope="session")
+    if "model_target" in metafunc.fixturenames:  # conformance/suite/test_models.py: one test per --target
+        targets = metafunc.config.getoption("--target") or []
+        metafunc.parametrize("model_target", targets or [pytest.param(None, marks=pytest.mark.skip(reason="no --target given"))],
+                             ids=[t.split(":")[0].rsplit(".", 1)[-1] for t in targets] or ["no-target"])
 
 
 _ENGINES: dict = {}
@@ -161,3 +168,9 @@ def pytest_sessionfinish(session):
             except Exception as e:  # e.g. a pool whose ranks SIGTERM already killed
                 print(f"fsdp-conformance: closing {eng!r} failed: {type(e).__name__}: {e}")
     _ENGINES.clear()
+
+
+# ---- a project's own model (issue 8): the fsdp_model fixture and marker ----
+from conformance.pytest_models import MARKER_DOC as MODEL_MARKER_DOC  # noqa: E402
+from conformance.pytest_models import fsdp_model  # noqa: E402,F401  (a fixture of this plugin)
+# ---- end fsdp_model ----

@@ -25,7 +25,11 @@ FAILING_KINDS = (FAIL, HANG, CRASH, ERROR)
 
 
 def size(spec: CaseSpec) -> tuple[int, int]:
-    """How big a case is: modules first, then the length of its JSON."""
+    """How big a case is: modules first, then the length of its JSON (a
+    ModelCase: its frozen parameters, then its JSON)."""
+    own = getattr(spec, "size", None)
+    if own is not None:
+        return own()
     return sum(1 for _ in walk(spec.tree)), len(spec.to_json())
 
 

@@ -10,9 +10,12 @@ without touching the suite.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
+
+from conformance.build import Built
 
 Inputs = Callable[[int], Mapping[str, Any]]  # seed -> keyword arguments
 
@@ -87,3 +90,243 @@ def load_target(ref: str) -> Target:
     if not isinstance(obj, Target):
         raise TargetError(f"target {ref!r}: {attr!r} is a {type(obj).__name__}, not a conformance.targets.Target")
     return obj
+
+
+# ---- model cases: build, graph, checks ----------------------------------------
+# (Below: what the engine, the oracle and the strategies need from a target.
+# The graph is built in the driver from one model; ranks build their own.)
+
+
+
+@functools.lru_cache(maxsize=32)
+def cached_target(ref: str) -> Target:
+    """load_target, once per process (ranks build many cases of one target)."""
+    return load_target(ref)
+
+
+def _fail(ref: str, what: str) -> TargetError:
+    return TargetError(f"target {ref!r}: {what}")
+
+
+def make_model(ref: str, seed: int):
+    """The target's fresh model for ``seed`` (TargetError if the factory fails)."""
+    import torch.nn as nn
+
+    target = cached_target(ref)
+    try:
+        model = target.factory(seed)
+    except Exception as e:
+        raise _fail(ref, f"factory({seed}) raised {type(e).__name__}: {_first_line(e)}") from None
+    if not isinstance(model, nn.Module):
+        raise _fail(ref, f"factory({seed}) returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def apply_freeze(model, frozen) -> None:
+    """requires_grad=False for the FQNs in ``frozen`` (any alias), True for
+    every other parameter: the mask alone decides."""
+    frozen = set(frozen)
+    names: dict[int, list[str]] = {}
+    params = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+        params[id(p)] = p
+    for pid, p in params.items():
+        p.requires_grad_(not (frozen & set(names[pid])))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""
+
+
+def build_target(case):
+    """A ModelCase's model, as conformance.build.Built: the target's factory
+    at the case's seed with its freeze mask; modules by canonical path,
+    classes by name (every class in the modules' MROs)."""
+    model = make_model(case.target, case.seed)
+    apply_freeze(model, case.frozen)
+    modules: dict[str, Any] = {}
+    for path, m in model.named_modules():
+        modules.setdefault(path, m)
+    return TargetBuilt(model=model, classes=classes_by_name(model), modules=modules, target=cached_target(case.target), seed=case.seed)
+
+
+def classes_by_name(model) -> dict[str, type]:
+    """Class name -> class, for every nn.Module class in the model's modules'
+    MROs whose name is unambiguous (two classes of one name are left out)."""
+    import torch.nn as nn
+
+    out: dict[str, type] = {}
+    clash: set[str] = set()
+    for m in model.modules():
+        for k in type(m).__mro__:
+            if isinstance(k, type) and issubclass(k, nn.Module):
+                if k.__name__ in out and out[k.__name__] is not k:
+                    clash.add(k.__name__)
+                out.setdefault(k.__name__, k)
+    for name in clash:
+        del out[name]
+    return out
+
+
+@dataclass
+class TargetBuilt(Built):
+    """Built for a target: example inputs are the target's keyword arguments."""
+
+    target: Target | None = None
+    seed: int = 0
+
+    def example_input(self):
+        return dict(self.target.inputs(self.seed))
+
+
+@functools.lru_cache(maxsize=32)
+def base_graph(ref: str):
+    """The target's module graph (seed 0, the factory's own requires_grad).
+    A target's structure must not depend on the seed; its values do."""
+    from conformance.oracle.graph import ModelGraph
+
+    return ModelGraph(make_model(ref, 0))
+
+
+def graph_of(case):
+    """The graph the oracle reads: a CaseSpec's own, or a ModelCase's target
+    graph with the case's freeze mask applied."""
+    from conformance.model_case import ModelCase
+
+    if not isinstance(case, ModelCase):
+        return _spec_graph(case)
+    return _masked_graph(case.target, frozenset(case.frozen))
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_graph(spec):
+    from conformance.oracle.graph import ModelGraph
+
+    return ModelGraph(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _masked_graph(ref: str, frozen: frozenset):
+    import copy
+
+    from conformance.oracle.graph import ParamInfo
+
+    g = copy.copy(base_graph(ref))
+    g.param_info = {
+        pid: ParamInfo(info.shape, not (frozen & set(g.aliases(pid))))
+        for pid, info in base_graph(ref).param_info.items()
+    }
+    return g
+
+
+def check_case(case) -> None:
+    """TargetError unless every name the ModelCase's plan uses exists in the
+    target's model (FQNs, module paths, class names, method names)."""
+    target = cached_target(case.target)
+    g = base_graph(case.target)
+    ref = case.target
+    fqns = {a for pid in g.param_info for a in g.aliases(pid)}
+    paths = set(g.module_path.values())  # canonical: what the adapters look modules up by
+    classes = set(g.class_names())
+    for f in case.frozen:
+        if f not in fqns:
+            raise _fail(ref, f"the freeze mask names {f!r}, not a parameter of the model")
+    pol = case.plan.policy
+    for c in getattr(pol, "classes", ()):
+        if c not in classes:
+            raise _fail(ref, f"the wrap policy names class {c!r}, which no module of the model is")
+    for p in getattr(pol, "targets", ()):
+        if p not in paths:
+            raise _fail(ref, f"the wrap policy names module {p!r}, not a module of the model")
+    for grp in case.plan.groups:
+        for p in grp.modules:
+            if p not in paths:
+                raise _fail(ref, f"the shard group names module {p!r}, not a module of the model")
+    for p in case.plan.ignored_modules:
+        if p not in paths or p == "":
+            raise _fail(ref, f"ignored module {p!r} is not a non-root module of the model")
+    for f in case.plan.ignored_params:
+        if f not in fqns:
+            raise _fail(ref, f"ignored parameter {f!r} is not a parameter of the model")
+    names = {m.name for m in target.methods}
+    for m in case.methods:
+        if m.name not in names:
+            raise _fail(ref, f"the case calls method {m.name!r}, which the target does not list")
+
+
+def check_target(ref: str, *, wrap_classes: tuple[str, ...] | None = None) -> Target:
+    """Load the target and try it once, unsharded: the factory builds a
+    module with parameters; its forward takes the inputs; the loss is a
+    scalar; each listed method exists and runs; its wrap classes are classes
+    of the model. TargetError (naming the target and what is wrong) otherwise."""
+    import torch
+
+    target = load_target(ref)
+    cached_target.cache_clear()
+    model = make_model(ref, 0)
+    if not any(True for _ in model.parameters()):
+        raise _fail(ref, "the model has no parameters")
+    try:
+        inputs = dict(target.inputs(0))
+    except Exception as e:
+        raise _fail(ref, f"inputs(0) raised {type(e).__name__}: {_first_line(e)}") from None
+    try:
+        out = model(**inputs)
+    except Exception as e:
+        raise _fail(ref, f"the model rejects its inputs: forward raised {type(e).__name__}: {_first_line(e)}") from None
+    try:
+        loss = (target.loss or default_loss)(out)
+        ok = isinstance(loss, torch.Tensor) and loss.numel() == 1
+    except Exception as e:
+        raise _fail(ref, f"the loss raised {type(e).__name__}: {_first_line(e)}") from None
+    if not ok:
+        raise _fail(ref, "the loss is not a scalar tensor")
+    for mc in target.methods:
+        fn = getattr(model, mc.name, None)
+        if not callable(fn):
+            raise _fail(ref, f"the model has no method {mc.name!r}")
+        try:
+            with torch.no_grad():
+                fn(**method_kwargs(target, mc, 0))
+        except Exception as e:
+            raise _fail(ref, f"method {mc.name}() raised {type(e).__name__}: {_first_line(e)}") from None
+    classes = set(base_graph(ref).class_names())
+    for c in (target.wrap_classes if wrap_classes is None else wrap_classes):
+        if c not in classes:
+            raise _fail(ref, f"wrap class {c!r} is not a class of any module of the model")
+    return target
+
+
+def method_kwargs(target: Target, mc: MethodCall, seed: int) -> dict:
+    """The keyword arguments of one call of ``mc``: its inputs (or the
+    target's), then its fixed kwargs."""
+    base = dict((mc.inputs or target.inputs)(seed))
+    base.update(mc.kwargs)
+    return base
+
+
+@functools.lru_cache(maxsize=32)
+def methods_calling_forward(ref: str) -> frozenset[str]:
+    """Names of the target's methods that call the model itself (self(...),
+    as HF generate does), found by running each once on an unsharded model
+    with a forward pre-hook on the root: a fact about the model that the
+    oracle's tags need (register_fsdp_forward_method's hooks then nest)."""
+    import torch
+
+    target = cached_target(ref)
+    model = make_model(ref, 0)
+    count = [0]
+    handle = model.register_forward_pre_hook(lambda mod, args: count.__setitem__(0, count[0] + 1))
+    out = set()
+    try:
+        for mc in target.methods:
+            count[0] = 0
+            with torch.no_grad():
+                getattr(model, mc.name)(**method_kwargs(target, mc, 0))
+            if count[0]:
+                out.add(mc.name)
+    finally:
+        handle.remove()
+    return frozenset(out)

@@ -23,7 +23,7 @@ from conformance.observations import (
     RegistrationObservation,
 )
 from conformance.oracle.fsdp2 import shard_order
-from conformance.oracle.graph import ModelGraph
+from conformance.targets import graph_of
 from conformance.spec import CaseSpec, effective_calls, join
 
 MISSING_NAME = "no_such_forward_method"
@@ -117,7 +117,7 @@ def shard(spec: CaseSpec, built: Built) -> None:
     modules) after every group below it, the root last."""
     fully_shard, _, _ = fsdp2_api()
     ignored = {built.model.get_parameter(f) for f in spec.plan.ignored_params}
-    for grp in shard_order(spec, ModelGraph(spec)):
+    for grp in shard_order(spec.plan, graph_of(spec)):
         mods = [built.modules[p] for p in grp.modules]
         kwargs = {}
         if grp.reshard_after_forward is not None:

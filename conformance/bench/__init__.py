@@ -17,7 +17,7 @@ class BenchError(RuntimeError):
     """A measurement that could not complete (a rank failed or timed out)."""
 
 # examples per API when --examples is not given: a few seconds each
-DEFAULT_EXAMPLES = {"fsdp1": 500, "fsdp2": 100, "engines": 200}
+DEFAULT_EXAMPLES = {"fsdp1": 500, "fsdp2": 100, "engines": 200, "models": 20}
 
 
 def draw(strategy, n: int, seed: int = 0) -> list:
@@ -36,10 +36,20 @@ def draw(strategy, n: int, seed: int = 0) -> list:
 
 
 def run(apis=APIS, *, engines: bool = False, examples: int | None = None, world_size: int = 2,
-        fake_world_size: int = 4, seed: int = 0, json_path: str | None = None) -> dict:
+        fake_world_size: int = 4, seed: int = 0, json_path: str | None = None, targets=()) -> dict:
     """Run the benchmarks of ``apis`` (and the engines), print their figures,
-    return them (and write them as JSON to ``json_path``)."""
+    return them (and write them as JSON to ``json_path``). ``targets``: real
+    models ("package.module:attr") instead, each per API (conformance.bench.models)."""
     results: dict = {}
+    if targets:
+        from conformance.bench import models
+
+        for t in targets:
+            results[t] = models.bench(t, examples or DEFAULT_EXAMPLES["models"], world_size, fake_world_size, seed)
+            models.show(results[t])
+        if json_path:
+            Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+        return results
     if "fsdp1" in apis:
         from conformance.bench import fsdp1
 

@@ -9,6 +9,7 @@ from typing import Iterator
 
 from conformance.engine.errors import EngineError
 from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
+from conformance.model_case import ModelCase
 from conformance.spec import CaseSpec
 
 # (world_size, rank) of the fake default group a FakeEngine made, if any.
@@ -93,8 +94,8 @@ class FakeEngine:
         sc = get_scenario(scenario)
         if sc.fault:
             raise EngineError(f"scenario {scenario!r} hangs or kills its process: run it in a RankPool, not in-process")
-        if not isinstance(spec, CaseSpec):
-            raise TypeError(f"spec must be a CaseSpec, got {type(spec).__name__}")
+        if not isinstance(spec, (CaseSpec, ModelCase)):
+            raise TypeError(f"spec must be a CaseSpec or a ModelCase, got {type(spec).__name__}")
         self._join()
         # a scenario may import torch's test utilities on first use (FSDP
         # test helpers import common_utils): the suite's profile stays

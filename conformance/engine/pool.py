@@ -34,6 +34,7 @@ from conformance.engine.errors import (
     RankState,
 )
 from conformance.engine.scenarios import default_preload, get_scenario
+from conformance.model_case import ModelCase
 from conformance.spec import CaseSpec
 
 BACKENDS = ("auto", "gloo", "nccl", "fake")
@@ -318,8 +319,8 @@ class RankPool:
         sc = get_scenario(scenario)
         if sc.module == "__main__":
             raise EngineError(f"scenario {scenario!r} is defined in __main__; ranks cannot import it")
-        if not isinstance(spec, CaseSpec):
-            raise TypeError(f"spec must be a CaseSpec, got {type(spec).__name__}")
+        if not isinstance(spec, (CaseSpec, ModelCase)):
+            raise TypeError(f"spec must be a CaseSpec or a ModelCase, got {type(spec).__name__}")
         deadline = self.deadline if deadline is None else float(deadline)
         self._ensure_ready()
         self._next_id += 1

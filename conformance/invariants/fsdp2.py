@@ -24,7 +24,7 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("tie:split")
     elif pred.tied:
         tags.add("tie:grouped")
-    if spec.shared:
+    if spec.shared or pred.shared_modules:
         tags.add("shared-module")
     if pred.resharded:
         tags.add("group:resharded")  # fully_shard given a module an earlier group already holds
@@ -32,13 +32,34 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
-    if any(len(g.modules) > 1 and g.managed and not g.trainable for g in pred.groups):
-        tags.add("frozen:all-frozen-multi-group")
+    if any(len(g.modules) > 1 and g.reshard and any(_frozen_embedding(spec, m) for m in g.modules) for g in pred.groups):
+        # a list group with a module whose output needs no gradient (the case
+        # looks a frozen Embedding up with constant indices)
+        tags.add("group:multi-frozen-embedding")
     fsdp = set(pred.fsdp_modules)
+    if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
+        from conformance.targets import methods_calling_forward
+
+        if "" in fsdp and any(m.register and m.name in methods_calling_forward(spec.target) for m in spec.methods):
+            tags.add("method-calls-self")
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
         tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside
     return tags
+
+
+def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
+    """The module at ``path`` is an Embedding whose parameters are all frozen:
+    its output needs no gradient (the indices never do)."""
+    from conformance.targets import graph_of
+
+    g = graph_of(spec)
+    try:
+        nid = g.resolve_module(path)
+    except KeyError:
+        return False
+    node = g.nodes[nid]
+    return node.cls == "Embedding" and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:

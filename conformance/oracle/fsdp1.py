@@ -1,5 +1,6 @@
 """The FSDP1 oracle: what FullyShardedDataParallel auto-wrapping promises for a
-CaseSpec (units, managed parameters, frozen-parameter outcome, state dict)."""
+module graph and a wrap plan (units, managed parameters, frozen-parameter
+outcome, state dict)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import dataclass
 
 from conformance.oracle.graph import ModelGraph
 from conformance.spec import (
-    CaseSpec,
     CustomWrap,
+    WrapPlan,
     LambdaWrap,
     ModuleWrap,
     SizeBasedWrap,
@@ -64,20 +65,20 @@ class FSDP1Prediction:
         return next(u for u in self.units if u.path == path)
 
 
-def ignored_sets(g: ModelGraph, spec: CaseSpec) -> tuple[set[str], set[str]]:
+def ignored_sets(g: ModelGraph, plan: WrapPlan) -> tuple[set[str], set[str]]:
     """(ignored node ids, ignored param ids): ignored modules with everything
     below them, their parameters, and the ignored parameters themselves."""
     nodes: set[str] = set()
-    for path in spec.plan.ignored_modules:
+    for path in plan.ignored_modules:
         nodes.update(g.subtree(g.resolve_module(path)))
     params = {pid for n in nodes for _, pid in g.nodes[n].params}
-    params.update(g.resolve_param(f) for f in spec.plan.ignored_params)
+    params.update(g.resolve_param(f) for f in plan.ignored_params)
     return nodes, params
 
 
-def wrap_targets(g: ModelGraph, spec: CaseSpec, ignored_nodes: set[str], ignored_params: set[str]) -> set[str]:
+def wrap_targets(g: ModelGraph, plan: WrapPlan, ignored_nodes: set[str], ignored_params: set[str]) -> set[str]:
     """Node ids the policy wraps (the root, always a unit, not included)."""
-    pol = spec.plan.policy
+    pol = plan.policy
     candidates = [nid for nid in g.post_order() if nid not in ignored_nodes and nid != ""]
     if pol is None:
         return set()
@@ -112,11 +113,18 @@ def _lca(g: ModelGraph, nids: list[str]) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def predict_fsdp1(spec: CaseSpec) -> FSDP1Prediction:
-    """Cached: every invariant of an example asks for the same prediction."""
-    g = ModelGraph(spec)
-    ignored_nodes, ignored_params = ignored_sets(g, spec)
-    targets = wrap_targets(g, spec, ignored_nodes, ignored_params)
+def predict_fsdp1(spec) -> FSDP1Prediction:
+    """For a CaseSpec or a ModelCase: its graph and its plan. Cached: every
+    invariant of an example asks for the same prediction."""
+    from conformance.targets import graph_of
+
+    return fsdp1_prediction(graph_of(spec), spec.plan)
+
+
+def fsdp1_prediction(g: ModelGraph, plan: WrapPlan) -> FSDP1Prediction:
+    """What FSDP1 promises for the model graph ``g`` wrapped as ``plan`` says."""
+    ignored_nodes, ignored_params = ignored_sets(g, plan)
+    targets = wrap_targets(g, plan, ignored_nodes, ignored_params)
     claimed = set(ignored_params)
     units: list[UnitPrediction] = []
     owner: dict[str, str] = {}
@@ -140,7 +148,7 @@ def predict_fsdp1(spec: CaseSpec) -> FSDP1Prediction:
             )
         )
     mixed = tuple(u for u in units if u.mixed)
-    uop = spec.plan.use_orig_params
+    uop = plan.use_orig_params
     ties = []
     for _, pid in g.named_parameters():
         users = g.users(pid)
@@ -159,7 +167,7 @@ def predict_fsdp1(spec: CaseSpec) -> FSDP1Prediction:
                 below_lca=below,
             )
         )
-    pol = spec.plan.policy
+    pol = plan.policy
     return FSDP1Prediction(
         units=tuple(units),
         error=None if uop or not mixed else mixed[0],
@@ -168,6 +176,6 @@ def predict_fsdp1(spec: CaseSpec) -> FSDP1Prediction:
         state_dict_keys=tuple(g.state_dict_keys()),
         named_parameters=tuple(f for f, _ in g.named_parameters()),
         ties=tuple(ties),
-        shared_modules=len(g.named_modules()) != len(g._module_names),
+        shared_modules=g.shared_modules(),
         policy_kind="none" if pol is None else type(pol).__name__,
     )

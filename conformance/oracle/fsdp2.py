@@ -9,7 +9,7 @@ import functools
 from dataclasses import dataclass
 
 from conformance.oracle.graph import ModelGraph
-from conformance.spec import CaseSpec, ShardGroup, effective_calls, join
+from conformance.spec import ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls, join
 
 # The torch release from which fully_shard rejects a parameter that two
 # groups see (ValueError at the first forward that names it and prescribes
@@ -89,22 +89,28 @@ class FSDP2Prediction:
     # modules given to fully_shard after an earlier call's group already took
     # them in (not bottom-up: a list group that straddles an earlier group)
     resharded: tuple[str, ...] = ()
+    shared_modules: bool = False  # some module has two names
+    # gradients through the calls are promised: no called method reads a
+    # parameter of another group directly (FSDP2 keeps a parameter alive for
+    # backward only through its own module's forward; spec source 004)
+    backward_promised: bool = True
 
     def group_index(self, module: str) -> int | None:
         return next((i for i, g in enumerate(self.groups) if module in g.modules), None)
 
 
-def shard_order(spec: CaseSpec, g: ModelGraph) -> list[ShardGroup]:
+def shard_order(plan, g: ModelGraph) -> list[ShardGroup]:
     """The plan's groups plus the root's, bottom-up: each after every group
     below it (by the last of its modules in registration post-order)."""
-    groups = list(spec.plan.groups)
+    plan = getattr(plan, "plan", plan)  # a case: its plan
+    groups = list(plan.groups)
     if not any("" in grp.modules for grp in groups):
         groups.append(ShardGroup(("",)))
     pos = {nid: i for i, nid in enumerate(g.post_order())}
     return sorted(groups, key=lambda grp: max(pos[m] for m in grp.modules))
 
 
-def _unsupported(spec: CaseSpec, g: ModelGraph, order: list[ShardGroup]) -> str:
+def _unsupported(methods, calls, g: ModelGraph, order: list[ShardGroup]) -> str:
     for grp in order:
         for a in grp.modules:
             for b in grp.modules:
@@ -114,20 +120,42 @@ def _unsupported(spec: CaseSpec, g: ModelGraph, order: list[ShardGroup]) -> str:
             cls = g.nodes[m].cls
             if cls in TORCH_CONTAINERS:
                 return f"fully_shard on torch's own {cls} at {m or '<root>'}: its forward is not how the case calls it"
-    first = effective_calls(spec)[0]
+    first = calls[0]
     if True:
         if first.method != -1:
-            m = spec.methods[first.method]
+            m = methods[first.method]
             if m.module != "" or not m.register:
                 return "the first call does not run the root's forward hooks (lazy init picks the root by the first forward)"
     return ""
 
 
 @functools.lru_cache(maxsize=256)
-def predict_fsdp2(spec: CaseSpec, torch_version: str) -> FSDP2Prediction:
-    g = ModelGraph(spec)
-    order = shard_order(spec, g)
-    ignored = {g.resolve_param(f) for f in spec.plan.ignored_params}
+def predict_fsdp2(spec, torch_version: str) -> FSDP2Prediction:
+    """For a CaseSpec or a ModelCase: its graph, plan, methods and calls.
+    A ModelCase's methods are the model's own code (opaque to the oracle)."""
+    from conformance.model_case import ModelCase
+    from conformance.targets import graph_of
+
+    return fsdp2_prediction(
+        graph_of(spec), spec.plan, spec.methods, effective_calls(spec), torch_version, opaque=isinstance(spec, ModelCase)
+    )
+
+
+def fsdp2_prediction(
+    g: ModelGraph,
+    plan: WrapPlan,
+    methods: tuple[ForwardMethod, ...],
+    calls: tuple[MethodCall, ...],
+    torch_version: str,
+    *,
+    opaque: bool = False,
+) -> FSDP2Prediction:
+    """What FSDP2 promises for graph ``g`` sharded as ``plan`` says, with
+    ``methods`` registered and ``calls`` made. ``opaque``: the methods' bodies
+    are unknown (a real model's generate): only what holds whatever they run
+    is predicted."""
+    order = shard_order(plan, g)
+    ignored = {g.resolve_param(f) for f in plan.ignored_params}
     assigned = set(ignored)
     stateful: set[str] = set()
     owner: dict[str, int] = {}
@@ -180,12 +208,12 @@ def predict_fsdp2(spec: CaseSpec, torch_version: str) -> FSDP2Prediction:
         if len(holders) > 1:
             splits.append(SplitTie(fqn, tuple(g.aliases(pid)), tuple(sorted(holders))))
     tie_check = torch_release(torch_version) >= TIE_CHECK_SINCE
-    why = _unsupported(spec, g, order)
+    why = _unsupported(methods, calls, g, order)
     if not why and any(len(grp.modules) > 1 for grp in order) and torch_release(torch_version) < LIST_FORM_SINCE:
         why = f"fully_shard([a, b]) needs torch >= {LIST_FORM_SINCE[0]}.{LIST_FORM_SINCE[1]}"
-    calls: tuple[CallPrediction, ...] = ()
+    sim_calls: tuple[CallPrediction, ...] = ()
     if not why and not (splits and tie_check):
-        calls = _simulate(spec, g, order, groups, owner)
+        sim_calls = _simulate(methods, calls, g, order, groups, owner, opaque)
     tied = []
     for fqn, pid in g.named_parameters():
         aliases = g.aliases(pid)
@@ -197,12 +225,14 @@ def predict_fsdp2(spec: CaseSpec, torch_version: str) -> FSDP2Prediction:
         tie_outcomes=("error",) if tie_check else ("error", "once"),
         tie_check=tie_check,
         supported=why,
-        calls=calls,
+        calls=sim_calls,
         params=tuple(f for f, _ in g.named_parameters()),
         frozen=tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid)),
         tied=tuple(tied),
         fsdp_modules=tuple(m for grp in groups for m in grp.modules),
         resharded=tuple(g.module_path[m] for m in resharded),
+        shared_modules=g.shared_modules(),
+        backward_promised=not _reads_other_groups(methods, calls, g, order, owner),
     )
 
 
@@ -321,19 +351,72 @@ def subtree_named_parameters(g: ModelGraph, nid: str) -> list[tuple[str, str]]:
     return out
 
 
-def _simulate(spec: CaseSpec, g: ModelGraph, order, groups, owner) -> tuple[CallPrediction, ...]:
+def _reads_other_groups(methods, calls, g: ModelGraph, order: list[ShardGroup], owner: dict[str, int]) -> bool:
+    """A called method reads, by a "param" step, a parameter that a group
+    other than its own module's manages."""
+    member = {m: i for i, grp in enumerate(order) for m in grp.modules}
+    for call in calls:
+        if call.method == -1 or call.method >= len(methods):
+            continue
+        m = methods[call.method]
+        for st in m.steps:
+            if st.op == "param":
+                pnid, name = _resolve_from(g, m.module, st.target)
+                gi = owner.get(dict(g.nodes[pnid].params)[name])
+                if gi is not None and gi != member.get(m.module):
+                    return True
+    return False
+
+
+def _opaque_call(sim: "_Sim", call: MethodCall, m: ForwardMethod | None, index: int) -> CallPrediction:
+    """A call whose body the oracle cannot see (a real model's forward or
+    generate). Promised: a registered method of the root (and forward) runs
+    with the root's group unsharded, one all-gather at least when it was
+    sharded; afterwards the root's group is as its reshard_after_forward
+    says, and every reshard_after_forward=True group is sharded (whether the
+    call ran it or not). A reshard_after_forward=False group's state depends
+    on which submodules the body ran: not predicted."""
+    root = sim.member.get("")
+    patched = call.method == -1 or bool(m and m.register and root is not None)
+    before = root is not None and sim.sharded[root] and root not in sim.empty
+    after: list[bool | None] = []
+    for i, grp in enumerate(sim.groups):
+        if i in sim.multi or i in sim.empty:
+            after.append(None)
+        elif i == root:
+            after.append(grp.reshard if patched else None)
+        else:
+            after.append(True if grp.reshard else None)
+    if patched and root is not None:
+        # what is known now: the groups the prediction says are sharded are;
+        # a root left unsharded is full
+        for i, want in enumerate(after):
+            if want is not None:
+                sim.sharded[i] = want
+    return CallPrediction(
+        index=index, method=call.method, module="", fsdp_module=root is not None, patched=patched,
+        unshards=1 if (patched and before) else 0, exact=False, nested=False, reads=(),
+        in_promise=patched, sharded_after=tuple(after),
+    )
+
+
+def _simulate(methods, calls, g: ModelGraph, order, groups, owner, opaque: bool = False) -> tuple[CallPrediction, ...]:
     sim = _Sim(g, order, groups, owner)
     out: list[CallPrediction] = []
     index = 0
-    for call in effective_calls(spec):
+    for call in calls:
         for _ in range(call.times):
             sim.reset_call()
+            if opaque:
+                out.append(_opaque_call(sim, call, None if call.method == -1 else methods[call.method], index))
+                index += 1
+                continue
             reads: list[ReadPrediction] = []
             if call.method == -1:
                 nid, fsdp_module, patched = "", True, True
                 sim.run_module("", hooks=True)
             else:
-                m = spec.methods[call.method]
+                m = methods[call.method]
                 nid = m.module
                 gi = sim.member.get(nid)
                 fsdp_module = gi is not None

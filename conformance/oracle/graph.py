@@ -1,33 +1,67 @@
-"""ModelGraph: the module graph a CaseSpec builds (shared modules and ties in),
-with the traversals nn.Module defines, computed without torch."""
+"""ModelGraph: a module graph as pure data (classes, parameters, buffers,
+shared modules and ties), built from a CaseSpec or from any live nn.Module,
+with the traversals nn.Module defines, computed without torch.distributed."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from conformance.spec import CaseSpec, ParamSpec, class_ancestry, join, walk
+from conformance.spec import CaseSpec, class_ancestry, join, walk
 
 
 @dataclass
 class Node:
     cls: str
     params: list[tuple[str, str]] = field(default_factory=list)  # (attr name, param id)
-    buffers: list[str] = field(default_factory=list)
+    buffers: list[str] = field(default_factory=list)  # persistent buffers (state_dict keys)
     children: list[tuple[str, str]] = field(default_factory=list)  # (attr name, node id)
+    mro: tuple[str, ...] = ()  # class names, the class first, nn.Module last
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    shape: tuple[int, ...]
+    requires_grad: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 class ModelGraph:
-    """Nodes are identified by their spec path, parameters by the spec FQN
-    where they were created (a tie makes one parameter appear elsewhere)."""
+    """Nodes and parameters have ids: for a CaseSpec the spec path of a
+    module and the spec FQN where a parameter was created (a tie makes one
+    parameter appear elsewhere); for a live module the canonical path / FQN
+    (the first name nn.Module gives that object), found by identity."""
 
-    def __init__(self, spec: CaseSpec):
-        self.spec = spec
+    def __init__(self, source: Any):
+        self.spec: CaseSpec | None = None
         self.nodes: dict[str, Node] = {}
-        self.param_specs: dict[str, ParamSpec] = {}
+        self.param_info: dict[str, ParamInfo] = {}
+        if isinstance(source, CaseSpec):
+            self.spec = source
+            self._from_spec(source)
+        elif hasattr(source, "_modules") and hasattr(source, "_parameters"):
+            self._from_module(source)
+        else:
+            raise TypeError(f"ModelGraph needs a CaseSpec or an nn.Module, got {type(source).__name__}")
+        self._index()
+
+    @classmethod
+    def from_module(cls, model) -> "ModelGraph":
+        return cls(model)
+
+    # -- construction ---------------------------------------------------------
+    def _from_spec(self, spec: CaseSpec) -> None:
         for path, m in walk(spec.tree):
-            self.nodes[path] = Node(m.cls, [(p.name, join(path, p.name)) for p in m.params], [b.name for b in m.buffers])
+            self.nodes[path] = Node(
+                m.cls, [(p.name, join(path, p.name)) for p in m.params], [b.name for b in m.buffers],
+                mro=tuple(class_ancestry(spec, m.cls)),
+            )
             for p in m.params:
-                self.param_specs[join(path, p.name)] = p
+                self.param_info[join(path, p.name)] = ParamInfo(tuple(p.shape), p.requires_grad)
             if path:
                 self.nodes[path.rpartition(".")[0]].children.append((m.name, path))
         for s in spec.shared:
@@ -40,10 +74,47 @@ class ModelGraph:
                     break
             else:
                 node.params.append((t.name, t.source))
+
+    def _from_module(self, model) -> None:
+        """Walk _modules/_parameters/_buffers as nn.Module's own traversals
+        do; ids are the first path (pre-order, registration order) that
+        reaches each module or parameter object."""
+        mod_id: dict[int, str] = {}
+        par_id: dict[int, str] = {}
+        order: list[tuple[str, Any]] = []
+
+        def visit(m, prefix: str, stack: tuple[int, ...]) -> None:
+            if id(m) in mod_id:
+                return
+            mod_id[id(m)] = prefix
+            order.append((prefix, m))
+            for name, p in m._parameters.items():
+                if p is not None and id(p) not in par_id:
+                    par_id[id(p)] = join(prefix, name)
+            for name, c in m._modules.items():
+                if c is not None and id(c) not in stack:
+                    visit(c, join(prefix, name), stack + (id(c),))
+
+        visit(model, "", (id(model),))
+        for path, m in order:
+            non_persistent = getattr(m, "_non_persistent_buffers_set", set())
+            mro = tuple(k.__name__ for k in type(m).__mro__ if _is_module_class(k))
+            node = Node(type(m).__name__, mro=mro)
+            for name, p in m._parameters.items():
+                if p is not None:
+                    node.params.append((name, par_id[id(p)]))
+                    self.param_info.setdefault(par_id[id(p)], ParamInfo(tuple(int(d) for d in p.shape), bool(p.requires_grad)))
+            node.buffers = [n for n, b in m._buffers.items() if b is not None and n not in non_persistent]
+            node.children = [(n, mod_id[id(c)]) for n, c in m._modules.items() if c is not None]
+            self.nodes[path] = node
+
+    def _index(self) -> None:
         self._module_names = self._named_modules()
-        self.module_path = {}  # node id -> canonical path
+        self.module_path: dict[str, str] = {}  # node id -> canonical path
+        self._module_aliases: dict[str, list[str]] = {}
         for path, nid in self._module_names:
             self.module_path.setdefault(nid, path)
+            self._module_aliases.setdefault(nid, []).append(path)
         self.param_fqn: dict[str, str] = {}  # param id -> canonical FQN
         self._aliases: dict[str, list[str]] = {}
         for fqn, pid in self.named_parameters(remove_duplicate=False):
@@ -93,7 +164,7 @@ class ModelGraph:
 
     def state_dict_keys(self) -> list[str]:
         """nn.Module.state_dict() keys: every alias of every parameter and
-        buffer (state_dict does not deduplicate shared modules or ties)."""
+        persistent buffer (state_dict does not deduplicate shared modules or ties)."""
         out = []
         for path, nid in self._module_names:
             node = self.nodes[nid]
@@ -101,7 +172,12 @@ class ModelGraph:
         return out
 
     def aliases(self, pid: str) -> list[str]:
+        """Every FQN that reaches parameter ``pid`` (named_parameters(remove_duplicate=False))."""
         return list(self._aliases.get(pid, ()))
+
+    def module_aliases(self, nid: str) -> list[str]:
+        """Every path that reaches module ``nid`` (a shared module has several)."""
+        return list(self._module_aliases.get(nid, ()))
 
     def users(self, pid: str) -> list[str]:
         """Node ids whose own parameters include ``pid``."""
@@ -122,9 +198,11 @@ class ModelGraph:
     def subtree_params(self, nid: str) -> list[str]:
         """Distinct parameter ids reachable from ``nid``, named_parameters order."""
         out: list[str] = []
+        seen: set[str] = set()
         for m in self.subtree(nid):
             for _, pid in self.nodes[m].params:
-                if pid not in out:
+                if pid not in seen:
+                    seen.add(pid)
                     out.append(pid)
         return out
 
@@ -146,13 +224,17 @@ class ModelGraph:
         return out
 
     def isinstance_of(self, nid: str, classes: tuple[str, ...]) -> bool:
-        return bool(set(class_ancestry(self.spec, self.nodes[nid].cls)) & set(classes))
+        return bool(set(self.nodes[nid].mro) & set(classes))
+
+    def class_names(self) -> list[str]:
+        """Every class name in the model's modules' MROs, first seen first."""
+        return list(dict.fromkeys(c for node in self.nodes.values() for c in node.mro))
 
     def numel(self, pid: str) -> int:
-        return self.param_specs[pid].numel
+        return self.param_info[pid].numel
 
     def requires_grad(self, pid: str) -> bool:
-        return self.param_specs[pid].requires_grad
+        return self.param_info[pid].requires_grad
 
     def resolve_param(self, fqn: str) -> str:
         """The parameter id at attribute path ``fqn`` (after ties)."""
@@ -168,3 +250,36 @@ class ModelGraph:
         for part in path.split(".") if path else ():
             nid = dict(self.nodes[nid].children)[part]
         return nid
+
+    def shared_modules(self) -> bool:
+        """Some module is reachable by two paths."""
+        return len(self.named_modules()) != len(self._module_names)
+
+    # -- comparison -------------------------------------------------------------
+    def canonical(self) -> dict:
+        """The graph with every id replaced by its canonical name: two graphs
+        of the same model (from a spec and from the module it builds) are equal."""
+        mp, pf = self.module_path, self.param_fqn
+        modules = {}
+        for path, nid in self.named_modules():
+            n = self.nodes[nid]
+            modules[path] = {
+                "cls": n.cls,
+                "mro": list(n.mro),
+                "params": [(name, pf[pid]) for name, pid in n.params],
+                "buffers": list(n.buffers),
+                "children": [(name, mp[c]) for name, c in n.children],
+                "aliases": self.module_aliases(nid),
+            }
+        params = {
+            pf[pid]: {"shape": list(info.shape), "numel": info.numel, "requires_grad": info.requires_grad,
+                      "aliases": self.aliases(pid)}
+            for pid, info in self.param_info.items() if pid in pf
+        }
+        return {"modules": modules, "params": params, "state_dict": self.state_dict_keys()}
+
+
+def _is_module_class(k: type) -> bool:
+    import torch.nn as nn  # torch.nn only: the graph stays free of torch.distributed
+
+    return isinstance(k, type) and issubclass(k, nn.Module)

@@ -12,7 +12,7 @@ import torch
 
 from conformance.oracle.fsdp1 import FSDP1Prediction, predict_fsdp1
 from conformance.oracle.fsdp2 import TORCH_CONTAINERS, FSDP2Prediction, _resolve_from, predict_fsdp2
-from conformance.oracle.graph import ModelGraph
+from conformance.targets import graph_of
 from conformance.spec import CaseSpec, effective_calls
 
 
@@ -37,7 +37,7 @@ def predict_summon(spec: CaseSpec) -> SummonPrediction:
     manages. summon_full_params' docstring: no forward may start inside the
     context, so the method must not run a nested unit's forward."""
     fsdp1 = predict_fsdp1(spec)
-    g = ModelGraph(spec)
+    g = graph_of(spec)
     root = set(fsdp1.unit("").managed) if fsdp1.error is None else set()
     units = {g.resolve_module(u.path) for u in fsdp1.units if u.path} if fsdp1.error is None else set()
 
@@ -84,13 +84,18 @@ class ParityPrediction:
 
 
 @functools.lru_cache(maxsize=256)
-def predict_parity(spec: CaseSpec) -> ParityPrediction:
-    g = ModelGraph(spec)
+def predict_parity(spec) -> ParityPrediction:
+    """For a CaseSpec or a ModelCase (whose loss is the target's)."""
+    g = graph_of(spec)
     frozen = tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid))
     trainable = tuple(f for f, pid in g.named_parameters() if g.requires_grad(pid))
     if spec.plan.api == "fsdp1":
         p1 = predict_fsdp1(spec)
         why = "FSDP1 rejects mixed requires_grad with use_orig_params=False" if p1.error is not None else ""
+        if not why and any(t.below_lca for t in p1.ties):
+            # TIES: FSDP1 must reject a tie managed below its users' common
+            # ancestor; training is not promised for a case it must reject
+            why = "a tied parameter's unit is below its users' common ancestor (rejected, TIES)"
         for u in p1.units:
             cls = g.nodes[g.resolve_module(u.path)].cls
             if cls in TORCH_CONTAINERS and not why:

@@ -352,7 +352,7 @@ def build(
             "examples": examples,
         })
 
-    status = {k["id"]: k["status"] for k in known_out}
+    known_status = {k["id"]: k["status"] for k in known_out}
     for c in corpus_runs:
         # per record: did this invariant show the case's finding? (whether
         # the finding is fixed is the known failure's status, over every record)
@@ -361,7 +361,7 @@ def build(
             else "reproduced" if c["finding"] and c["finding"] in c["known"]
             else "PASS"
         )
-        c["finding_status"] = status.get(c["finding"]) if c["finding"] else None
+        c["finding_status"] = known_status.get(c["finding"]) if c["finding"] else None
     counts = {v: 0 for v in VERDICTS}
     for r in results:
         counts[r["verdict"]] += 1

@@ -15,7 +15,7 @@ def write_repros(report: dict, report_dir: Path) -> None:
     to the report directory. A script that cannot be generated is noted, not
     fatal: the report must still be written."""
     from conformance.session import write_repro_file
-    from conformance.spec import CaseSpec
+    from conformance.model_case import case_from_json
 
     import json
 
@@ -23,7 +23,7 @@ def write_repros(report: dict, report_dir: Path) -> None:
         if f.get("repro") and (Path(report_dir) / f["repro"]).exists():
             continue
         try:
-            spec = CaseSpec.from_json(json.dumps(f["spec"]))
+            spec = case_from_json(json.dumps(f["spec"]))
             lines = [f"{'KNOWN ' + f['known_failure'] + ': ' if f.get('known_failure') else ''}{v['message'] if isinstance(v, dict) else v}" for v in f.get("violations") or [f["message"]]]
             path = write_repro_file(Path(report_dir) / "repros", spec, f["invariant"], lines)
             f["repro"] = str(path.relative_to(report_dir))

@@ -109,6 +109,7 @@ def test_a_known_finding_turns_fixed_when_its_deviation_is_patched_away(tmp_path
         assert [(c["outcome"], c["finding_status"]) for c in r["corpus"]] == [("PASS", "fixed")]
         assert next(x for x in r["results"] if x["invariant"] == "WRAP-UNITS")["verdict"] == "FIXED"
         assert r["warnings"] == []
+        assert r["status"] == "complete" and r["complete"]
     finally:
         corpus.load.cache_clear()
 

@@ -77,3 +77,20 @@ def test_summon_promise_is_the_root_unit():
     assert predict_summon(base).calls[0].in_promise
     nested = dataclasses.replace(base, methods=(reads("block.w"),))
     assert not predict_summon(nested).calls[0].in_promise
+
+
+def test_gradients_are_promised_only_through_a_methods_own_group():
+    """Found by the thorough profile: a root method that reads a nested
+    group's parameter directly (reshard_after_forward=False keeps it
+    unsharded) between two forwards of that module; the group's
+    post-backward frees it while the read still needs it. Outputs are
+    promised, gradients are not (spec source 004: FSDP's hooks run around the
+    module's own forward and the registered method, nothing else)."""
+    import json
+    from pathlib import Path
+
+    case = json.loads((Path(__file__).with_name("data") / "fwd-reads-other-group.json").read_text())
+    spec = CaseSpec.from_json(json.dumps(case))
+    assert not predict_fsdp2(spec, "2.13.0").backward_promised
+    own = dataclasses.replace(spec, methods=tuple(dataclasses.replace(m, steps=tuple(s for s in m.steps if s.op != "param")) for m in spec.methods))
+    assert predict_fsdp2(own, "2.13.0").backward_promised

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from conformance.engine.errors import EngineError
+from conformance.model_case import case_from_json
 from conformance.spec import CaseSpec
 
 ScenarioFn = Callable[[CaseSpec], dict]
@@ -115,7 +116,7 @@ def run_scenario(
     try:
         sc = get_scenario(name, module)
         # in-process callers may hand the (immutable) spec over as it is
-        spec = spec_json if isinstance(spec_json, CaseSpec) else CaseSpec.from_json(spec_json)
+        spec = spec_json if not isinstance(spec_json, str) else case_from_json(spec_json)
         start = time.perf_counter()
         value = sc.fn(spec)
         seconds = time.perf_counter() - start

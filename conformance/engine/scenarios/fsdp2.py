@@ -18,6 +18,12 @@ def _comparable(value: dict) -> Any:
 @scenario("fsdp2", comparable=_comparable, preload=("conformance.adapters.fsdp2",))
 def fsdp2(spec: CaseSpec) -> dict:
     """fully_shard the case, register and call its forward methods (conformance.adapters.fsdp2)."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(spec, ModelCase):  # a real model: conformance.adapters.targets
+        from conformance.adapters import targets
+
+        return targets.observe_fsdp2(spec).to_dict()
     from conformance.adapters import fsdp2 as adapter
 
     return adapter.observe(spec).to_dict()

@@ -18,6 +18,12 @@ def _comparable(value: dict) -> Any:
 @scenario("train", comparable=_comparable, preload=("conformance.adapters.training",))
 def train(spec: CaseSpec) -> dict:
     """A few optimizer steps under the case's API against single-process training."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(spec, ModelCase):  # a real model: conformance.adapters.targets
+        from conformance.adapters import targets
+
+        return targets.observe_train(spec).to_dict()
     from conformance.adapters import training as adapter
 
     return adapter.observe(spec).to_dict()

@@ -15,7 +15,14 @@ GENERATORS: dict = {"fsdp1": fsdp1_script, "fsdp2": fsdp2_script}
 
 def repro_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
     """The standalone repro script of a case: torch-only where a generator
-    exists for its API, else one that replays the case through this suite."""
+    exists for its API, else one that replays the case through this suite.
+    A real model's case (ModelCase) has its own generator, training included."""
+    from conformance.model_case import ModelCase
+
+    if isinstance(spec, ModelCase):
+        from conformance.report.repro.models import model_script
+
+        return model_script(spec, violations, title)
     api = getattr(spec.plan, "api", "fsdp1")
     gen = GENERATORS.get(api)
     # the torch-only generators build, wrap and call; they do not train: a

@@ -165,7 +165,7 @@ def fsdp2_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     lines.append("mods = {" + ", ".join(f"{p!r}: {v}" for p, v in var.items()) + "}")
     lines.append("return m0, mods")
     build = "def build():\n" + textwrap.indent("\n".join(lines), "    ") + "\n"
-    order = shard_order(spec, graph)
+    order = shard_order(spec.plan, graph)
     shard_lines = []
     for grp in order:
         target = "[" + ", ".join(f"mods[{m!r}]" for m in grp.modules) + "]" if len(grp.modules) > 1 else f"mods[{grp.modules[0]!r}]"
