@@ -41,8 +41,10 @@ def _generic_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x + 0.5 * torch.tanh(getattr(self, name)).mean()
     for name in self._case_buffer_names:
         x = x + getattr(self, name).mean()
-    for child in self._modules.values():
-        x = call_child(child, x)
+    skip = self.__dict__.get("_case_skip", ())  # a microbatch that passes over some children (ACCUM)
+    for name, child in self._modules.items():
+        if name not in skip:
+            x = call_child(child, x)
     return x
 
 
@@ -59,8 +61,10 @@ def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return child(x[:, None] + torch.arange(n, dtype=x.dtype)).mean(-1) + x
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
         # torch's own containers (no usable forward): run their children
-        for c in inner._modules.values():
-            x = call_child(c, x)
+        skip = inner.__dict__.get("_case_skip", ())
+        for name, c in inner._modules.items():
+            if name not in skip:
+                x = call_child(c, x)
         return x
     return child(x)
 

@@ -86,6 +86,9 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 def cmd_run(ns) -> int:
     from conformance import paths, profiles
 
+    # first: a source that cannot be used is bad input, whatever else is asked
+    _use_fsdp_source(getattr(ns, "fsdp_source", None))
+
     try:
         profile = profiles.selected(ns.profile)
     except ValueError as e:
@@ -161,6 +164,25 @@ def _conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[
         args += ["-p", "no:xdist"]
     args += ns.pytest_args or []
     return args, report_dir
+
+
+def _use_fsdp_source(path: str | None) -> dict | None:
+    """Check an FSDP source tree (layout, parse, import against this torch)
+    and put it in the environment the run's processes inherit; "installed"
+    or None: the installed torch's FSDP (an inherited overlay stays)."""
+    from conformance import fsdp_source
+
+    if path is None:
+        return None
+    if path == "installed":
+        os.environ.pop(fsdp_source.ENV_VAR, None)
+        return None
+    try:
+        info = fsdp_source.validate(path)
+    except fsdp_source.SourceError as e:
+        raise UsageError(str(e)) from None
+    os.environ[fsdp_source.ENV_VAR] = info["path"]
+    return info
 
 
 def cmd_hunt(ns) -> int:
@@ -477,6 +499,10 @@ def cmd_bench(ns) -> int:
 
 
 def cmd_selfcheck(ns) -> int:
+    if getattr(ns, "mutants", False):  # issue 10: the suite's mutation score
+        from conformance import mutants
+
+        return mutants.run(ns)
     from conformance import paths
 
     checkout = paths.PACKAGE.parent
@@ -502,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: the shipped baselines for this torch; 'none')")
     r.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
     r.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto", help="live progress (a terminal) or pytest's quiet log (CI, pipes)")
+    r.add_argument("--fsdp-source", default=None, metavar="PATH",
+                   help="import FSDP (torch/distributed/fsdp/, FSDP1 and FSDP2) from this source tree over the installed torch")
     r.add_argument("--database", default=None, help="keep and replay examples in this Hypothesis example database (a directory, github:OWNER/REPO, redis://HOST:PORT)")
     r.add_argument("--replay", action="store_true", help="draw nothing: only the regression corpus and the database's examples")
     r.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
@@ -543,8 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--no-run", action="store_true", help="only write the script")
     rp.set_defaults(fn=cmd_repro)
     b = sub.add_parser("bench", help="examples/s of the checks per FSDP API next to the time inside FSDP; --engines compares the engines")
-    b.add_argument("--api", default="all", help="fsdp1 (fake tier) | fsdp2 (gloo pool) | all (default), comma-separated")
-    b.add_argument("--examples", type=int, default=None, help="drawn examples per benchmark (default: fsdp1 500, fsdp2 100, engines 200)")
+    b.add_argument("--api", default="all", help="fsdp1 (fake tier) | fsdp2 (gloo pool) | checkpoint (save/reshard/load on worlds 1-3) | all (default), comma-separated")
+    b.add_argument("--examples", type=int, default=None, help="drawn examples per benchmark (default: fsdp1 500, fsdp2 100, checkpoint 30, engines 200)")
     b.add_argument("--world-size", type=int, default=2, help="ranks of the gloo pool (default 2)")
     b.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
     b.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the drawn cases (default 0)")
@@ -553,13 +581,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--target", action="append", default=None, metavar="TARGET",
                    help="a real model ('package.module:attr', repeatable): per API, fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
     b.set_defaults(fn=cmd_bench)
-    s = sub.add_parser("selfcheck", help="run the suite's own tests")
+    s = sub.add_parser("selfcheck", help="run the suite's own tests; --mutants: the suite's mutation score")
     s.set_defaults(fn=cmd_selfcheck)
     # ---- model: a real nn.Module (issue 8) ----
     from conformance import cli_model
 
     cli_model.add_parser(sub, UsageError, BACKENDS)
     # ---- end model ----
+    from conformance import mutants
+
+    mutants.add_arguments(s)
+    # ---- issue 10: testing an FSDP change (conformance.change) ----
+    from conformance import change
+
+    change.add_parser(sub, main)
+    # ---- end issue 10 ----
     ns = p.parse_args(argv)
     try:
         return ns.fn(ns)
@@ -572,4 +608,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as a script this file is a second copy of the module: use the
+    # package's, so that conformance.change / conformance.mutants raise the
+    # UsageError that main catches
+    from conformance.cli import main as _main
+
+    sys.exit(_main())

@@ -3,6 +3,7 @@ torch version range and the tags of a violation."""
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,11 @@ from packaging.version import Version
 from conformance.violation import Violation
 
 DEFAULT_PATH = Path(__file__).with_name("known_failures.toml")
+# The release matrix (ci/matrix.py) sets this: a known failure then matches at
+# any torch release, so that each release's baseline names every finding it
+# shows (an unrecognised FAIL would stop Hypothesis on that invariant and hide
+# the others); the matrix page applies the real ranges afterwards.
+ANY_RELEASE_ENV = "FSDP_CONFORMANCE_KNOWN_ANY_RELEASE"
 
 
 class KnownFailuresError(ValueError):
@@ -42,7 +48,10 @@ class KnownFailure:
         return {m.invariant for m in self.matches_}
 
     def matches(self, v: Violation, torch_version: str) -> bool:
-        return _in_range(torch_version, self.torch) and any(
+        return (os.environ.get(ANY_RELEASE_ENV) == "1" or _in_range(torch_version, self.torch)) and self.matches_tags(v)
+
+    def matches_tags(self, v: Violation) -> bool:
+        return any(
             v.invariant == m.invariant and m.when <= v.tags for m in self.matches_
         )
 

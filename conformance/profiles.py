@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 
 ENV_VAR = "FSDP_CONFORMANCE_PROFILE"
 DATABASE_VAR = "FSDP_CONFORMANCE_DATABASE"  # where found examples are kept (see database_from)
+SHRINK_VAR = "FSDP_CONFORMANCE_SHRINK"  # "0": no shrinking (mutant runs, conformance.mutants)
 REPLAY_VAR = "FSDP_CONFORMANCE_REPLAY"  # "1": only the corpus and the database's examples, nothing drawn
 PROFILES = ("dev", "ci", "thorough", "hunt")
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
@@ -101,4 +102,10 @@ def activate(name: str) -> None:
 
         settings.register_profile(f"{name}-replay", parent=settings.get_profile(name), phases=[Phase.explicit, Phase.reuse])
         name = f"{name}-replay"
+    if os.environ.get(SHRINK_VAR) == "0":  # issue 10: a mutant is killed by one failing example, not the smallest
+        from hypothesis import Phase
+
+        settings.register_profile(f"{name}-noshrink", parent=settings.get_profile(name),
+                                  phases=[p for p in Phase if p not in (Phase.shrink, Phase.explain)])
+        name = f"{name}-noshrink"
     settings.load_profile(name)

@@ -57,7 +57,23 @@ def _fsdp2_handlers() -> dict[str, Handler]:
         "fsdp2": Handler("fsdp2", FSDP2Observation.from_dict, lambda spec: predict_fsdp2(spec, torch.__version__)),
         "fsdp1-methods": Handler("fsdp1-methods", FSDP2Observation.from_dict, predict_summon),
         "train": Handler("train", TrainObservation.from_dict, predict_parity),
+        **_schedule_handlers(),
     }
+
+
+# --- lifecycle (checkpoint) handlers ---
+def _ckpt_handlers() -> dict[str, Handler]:
+    from conformance.observations.checkpoint import CkptObservation
+    from conformance.oracle.checkpoint import predict_ckpt
+
+    return {name: Handler(name, CkptObservation.from_dict, predict_ckpt) for name in ("ckpt-full", "ckpt-ties", "ckpt-roundtrip")}
+# --- end lifecycle (checkpoint) handlers ---
+def _schedule_handlers() -> dict[str, Handler]:
+    # --- training schedules (MP-DTYPES, ACCUM) ---
+    from conformance.observations.schedule import ScheduleObservation
+    from conformance.oracle.schedule import predict_schedule
+
+    return {"schedule": Handler("schedule", ScheduleObservation.from_dict, predict_schedule)}
 
 
 _HANDLERS: dict[str, Handler] = {}
@@ -68,6 +84,7 @@ def handler(invariant_id: str) -> Handler:
     and use predict_fsdp1; FSDP2, forward methods and PARITY their own."""
     if not _HANDLERS:
         _HANDLERS.update(_fsdp2_handlers())
+        _HANDLERS.update(_ckpt_handlers())
     scenario = get(invariant_id).scenario
     return _HANDLERS.get(scenario) or Handler(scenario, Observation.from_dict, predict_fsdp1)
 

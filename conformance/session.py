@@ -33,6 +33,20 @@ def size(spec: CaseSpec) -> tuple[int, int]:
     return sum(1 for _ in walk(spec.tree)), len(spec.to_json())
 
 
+def skip_if_unavailable(invariant: str, spec: CaseSpec, tier: str) -> None:
+    """An API this torch lacks (or cannot run here) is a SKIP with its reason
+    (conformance/adapters/support.py), never a crash."""
+    from conformance.adapters.support import unavailable
+    from conformance.invariants import CATALOG
+
+    inv = CATALOG.get(invariant)
+    reason = unavailable(api_of(invariant, spec), inv.scenario if inv else "", tier)
+    if reason:
+        import pytest
+
+        pytest.skip(reason)
+
+
 def api_of(invariant: str, spec: CaseSpec | None = None) -> str:
     """The FSDP API an example exercised: the spec's plan says, else the catalog."""
     api = getattr(getattr(spec, "plan", None), "api", None)
@@ -222,17 +236,21 @@ class Session:
         a repro script's path as notes) when FSDP breaks the invariant."""
         from conformance.engine.errors import ExampleFailed
 
+        skip_if_unavailable(invariant, spec, tier)
         self._features(invariant, spec, engine, tier)
         t0 = time.perf_counter()
         try:
             res = check_case(invariant, spec, engine, self.known)
         except ExampleFailed as e:
+            res = self._known_engine_failure(invariant, spec, e, time.perf_counter() - t0, tier)
+            if res is not None:
+                return res
             self.record_failure(invariant, spec, tier, time.perf_counter() - t0, e.verdict, str(e), e.to_dict())
             err = AssertionError(f"{invariant}: {e}")
             self._annotate(err, spec, invariant, [str(e)])
             raise err from e
         except ScenarioFailed as e:
-            first = str(e).splitlines()[0]
+            first = (str(e).splitlines() or [type(e).__name__])[0]
             self.record_failure(invariant, spec, tier, time.perf_counter() - t0, ERROR, first)
             err = AssertionError(f"{invariant}: {first}")
             self._annotate(err, spec, invariant, [first])
@@ -242,6 +260,23 @@ class Session:
             err = AssertionError(res.describe())
             self._annotate(err, spec, invariant, [str(v) for v in res.violations], res)
             raise err
+        return res
+
+    def _known_engine_failure(self, invariant: str, spec: CaseSpec, e, seconds: float, tier: str) -> CaseResult | None:
+        """A HANG / CRASH that a known failure describes (only for invariants
+        that register their case tags for it): recorded KNOWN."""
+        from conformance.invariants.catalog import ENGINE_FAILURE_TAGS
+        from conformance.violation import Violation
+
+        tags_of = ENGINE_FAILURE_TAGS.get(invariant)
+        if tags_of is None:
+            return None
+        v = Violation(invariant, str(e).splitlines()[0], frozenset(tags_of(spec) | {f"kind:{e.verdict.lower()}"}))
+        k = known_mod.match(v, self.known, torch.__version__)
+        if k is None:
+            return None
+        res = CaseResult(invariant, spec, KNOWN, known=[(v, k.id)])
+        self.record(res, tier, seconds)
         return res
 
     def _annotate(self, err: BaseException, spec: CaseSpec, invariant: str, lines: list[str], res: CaseResult | None = None) -> None:

@@ -212,6 +212,44 @@ class TrainPlan:
 OPTIMIZERS = ("SGD", "Adam")
 
 
+# ---- checkpoints (lifecycle: state dicts, torch.distributed.checkpoint) -----
+
+# How a full state dict is taken (SD-FULL): FSDP1's FULL_STATE_DICT with its
+# FullStateDictConfig flags, or torch.distributed.checkpoint.state_dict's
+# get_model_state_dict(full_state_dict=True) with its options.
+FULL_SD_WAYS = ("fsdp1-full", "dcp-full")
+# How a full state dict is loaded back (TIES-KEPT).
+LOAD_PATHS = ("load_state_dict", "load_state_dict-assign", "set_model_state_dict", "set_model_state_dict-broadcast", "meta-to_empty")
+CKPT_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+MAX_WORLD = 3
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Save under the case's plan on ``save_world`` ranks, load under
+    ``load_plan`` on ``load_world`` ranks. Optimizer over every parameter
+    (frozen ones get no state until they train); ``steps`` before the save,
+    ``steps_after`` after it (continued and resumed). ``refreeze``: FQNs whose
+    requires_grad flips after the first step (before the save);
+    ``load_frozen``: the parameters frozen at load (and after it).
+    ``full_sd``/``rank0_only``/``offload``/``ignore_frozen``: how SD-FULL takes
+    the full state dict; ``load_path``: how TIES-KEPT loads one."""
+
+    save_world: int = 2
+    load_world: int = 2
+    load_plan: WrapPlan | None = None  # None: the case's own plan
+    optimizer: str = "SGD"
+    steps: int = 1
+    steps_after: int = 1
+    refreeze: tuple[str, ...] = ()
+    load_frozen: tuple[str, ...] | None = None  # None: the case's own mask
+    full_sd: str = "dcp-full"
+    rank0_only: bool = False
+    offload: bool = False
+    ignore_frozen: bool = False
+    load_path: str = "load_state_dict"
+
+
 @dataclass(frozen=True)
 class CaseSpec:
     tree: ModuleSpec
@@ -223,6 +261,8 @@ class CaseSpec:
     methods: tuple[ForwardMethod, ...] = ()
     calls: tuple[MethodCall, ...] = ()
     train: TrainPlan | None = None
+    ckpt: CheckpointPlan | None = None
+    schedule: Schedule | None = None  # MP-DTYPES, ACCUM
 
     def __post_init__(self) -> None:
         validate(self)
@@ -249,6 +289,91 @@ class CaseSpec:
     def to_python(self) -> str:
         """Python source that rebuilds this spec (the repr, with its import)."""
         return "from conformance.spec import *\n\nspec = " + repr(self) + "\n"
+
+
+# ---- training schedules (MP-DTYPES, ACCUM) ----------------------------------
+
+# Floating dtypes a precision setting may name (torch.<name>).
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULE_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """FSDP2 MixedPrecisionPolicy / FSDP1 MixedPrecision, dtypes by name
+    (None: unset). output_dtype is FSDP2's only; buffer_dtype,
+    keep_low_precision_grads and cast_root_forward_inputs FSDP1's only.
+    cast_forward_inputs None: the API's default (FSDP2 True, FSDP1 False)."""
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    buffer_dtype: str | None = None
+    cast_forward_inputs: bool | None = None
+    cast_root_forward_inputs: bool = True
+    keep_low_precision_grads: bool = False
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One forward/backward; ``skip``: module paths whose forward it does not
+    run (their parent's forward passes over them)."""
+
+    skip: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScheduleStep:
+    """One optimizer step: ``frozen`` FQNs have requires_grad=False during it
+    (the rest True); its microbatches run one after the other, gradient sync
+    disabled on all but the last unless ``sync_every``."""
+
+    frozen: tuple[str, ...] = ()
+    microbatches: tuple[Microbatch, ...] = (Microbatch(),)
+    sync_every: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Optimizer steps under mixed precision and gradient accumulation; the
+    loss of a microbatch is (model(x) ** 2).sum() on data that differs by rank
+    and microbatch. ``optimizer``: SGD (momentum 0.9), Adam or AdamW."""
+
+    steps: tuple[ScheduleStep, ...] = (ScheduleStep(),)
+    optimizer: str = "SGD"
+    lr: float = 0.05
+    precision: Precision | None = None
+    first: int = -1  # the very first microbatch calls spec.methods[first] (registered, FSDP2); -1: forward
+
+
+def validate_schedule(spec: "CaseSpec") -> None:
+    s = spec.schedule
+    if s is None:
+        return
+    if s.optimizer not in SCHEDULE_OPTIMIZERS or not s.lr > 0 or not s.steps:
+        raise SpecError(f"schedule: optimizer one of {SCHEDULE_OPTIMIZERS}, lr > 0, at least one step")
+    paths = {p for p, _ in walk(spec.tree)}
+    fqns = set(param_fqns(spec.tree)) | {join(t.module, t.name) for t in spec.ties}
+    for st in s.steps:
+        if not st.microbatches:
+            raise SpecError("schedule: a step needs at least one microbatch")
+        if not set(st.frozen) <= fqns:
+            raise SpecError(f"schedule: frozen names unknown parameters {sorted(set(st.frozen) - fqns)}")
+        for mb in st.microbatches:
+            if "" in mb.skip or not set(mb.skip) <= paths:
+                raise SpecError(f"schedule: a microbatch skips an unknown or the root module: {mb.skip!r}")
+    if not -1 <= s.first < len(spec.methods):
+        raise SpecError(f"schedule: first={s.first} names no method")
+    pr = s.precision
+    if pr is not None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
+            if getattr(pr, name) not in (None, *DTYPES):
+                raise SpecError(f"precision: {name} must be None or one of {DTYPES}")
+        api = spec.plan.api
+        if api == "fsdp2" and (pr.buffer_dtype or pr.keep_low_precision_grads or not pr.cast_root_forward_inputs):
+            raise SpecError("precision: buffer_dtype, keep_low_precision_grads, cast_root_forward_inputs are FSDP1's")
+        if api == "fsdp1" and pr.output_dtype:
+            raise SpecError("precision: output_dtype is FSDP2's")
 
 
 # ---- tree queries (pure) ---------------------------------------------------
@@ -388,6 +513,7 @@ def validate(spec: CaseSpec) -> None:
             raise SpecError(f"tie {t!r} joins parameters of different shapes")
     _validate_plan(spec, paths, fqns)
     _validate_methods(spec, paths)
+    validate_schedule(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -564,9 +690,29 @@ def _validate_methods(spec: CaseSpec, paths: set[str]) -> None:
     for c in spec.calls:
         if not -1 <= c.method < len(spec.methods) or c.times < 1:
             raise SpecError(f"call {c!r} names no method or a non-positive count")
+    if spec.ckpt is not None:
+        _validate_ckpt(spec, set(param_fqns(spec.tree)))
     t = spec.train
     if t is not None and (t.optimizer not in OPTIMIZERS or t.steps < 1 or not t.lr > 0):
         raise SpecError(f"train plan {t!r}: optimizer one of {OPTIMIZERS}, steps >= 1, lr > 0")
+
+
+def _validate_ckpt(spec: CaseSpec, fqns: set[str]) -> None:
+    c = spec.ckpt
+    if not all(isinstance(w, int) and 1 <= w <= MAX_WORLD for w in (c.save_world, c.load_world)):
+        raise SpecError(f"checkpoint world sizes must be 1..{MAX_WORLD}")
+    if c.optimizer not in CKPT_OPTIMIZERS or c.steps < 1 or c.steps_after < 0:
+        raise SpecError(f"checkpoint plan {c!r}: optimizer one of {CKPT_OPTIMIZERS}, steps >= 1, steps_after >= 0")
+    if c.full_sd not in FULL_SD_WAYS or c.load_path not in LOAD_PATHS:
+        raise SpecError(f"checkpoint plan {c!r}: full_sd one of {FULL_SD_WAYS}, load_path one of {LOAD_PATHS}")
+    for f in c.refreeze + (c.load_frozen or ()):
+        if f not in fqns:
+            raise SpecError(f"checkpoint plan names unknown parameter {f!r}")
+    if c.load_plan is not None:
+        if c.load_plan.ignored_modules or c.load_plan.ignored_params:
+            raise SpecError("a checkpoint's load plan ignores nothing")
+        # the load plan must fit the same tree
+        dataclasses.replace(spec, plan=c.load_plan, ckpt=None)
 
 
 # ---- JSON (de)serialisation -------------------------------------------------
@@ -576,6 +722,8 @@ _TYPES = {
     for t in (
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
+        CheckpointPlan,
+        Precision, Microbatch, ScheduleStep, Schedule,
     )
 }
 

@@ -7,6 +7,7 @@ import ast
 import functools
 import re
 import time
+import traceback
 import warnings
 
 import torch
@@ -171,12 +172,28 @@ def _ignored_params(spec: CaseSpec, model: nn.Module) -> set[nn.Parameter]:
     return out
 
 
-def wrap(spec: CaseSpec, built: Built, policy=None) -> FSDP:
+def error_text(e: BaseException) -> str:
+    """The text of a wrapping error. Older torch (2.4.1 and 2.6.0 measured) asserts in
+    _recursive_wrap that no child is already wrapped without a message
+    (later releases say "Child module ... is already wrapped by ..."): the same
+    rejection gets the same words here, whatever the release."""
+    text = str(e)
+    if text:
+        return text
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, AssertionError) and frames and frames[-1].name == "_recursive_wrap" and "isinstance(child" in (frames[-1].line or ""):
+        return "Child module is already wrapped (_recursive_wrap's assertion, without a message in this torch)"
+    return f"{type(e).__name__} without a message"
+
+
+def wrap(spec: CaseSpec, built: Built, policy=None, **extra) -> FSDP:
+    """FSDP1 over the case's plan; ``extra``: more FSDP kwargs (mixed_precision)."""
     model = built.model
     kwargs = dict(
         auto_wrap_policy=make_policy(spec, built) if policy is None else policy,
         device_id=torch.device("cpu"),
         use_orig_params=spec.plan.use_orig_params,
+        **extra,
     )
     if spec.plan.ignored_modules:
         kwargs["ignored_modules"] = [model.get_submodule(p) for p in spec.plan.ignored_modules]
@@ -205,7 +222,7 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
             error = None
         except Exception as e:  # an FSDP rejection is an observation, not a crash
             wrapped = None
-            error = parse_frozen_message(type(e).__name__, str(e), aliases)
+            error = parse_frozen_message(type(e).__name__, error_text(e), aliases)
         wrap_seconds = time.perf_counter() - t0
     frozen_warnings = tuple(
         parse_frozen_message(w.category.__name__, str(w.message), aliases) for w in caught if FROZEN_MARK in str(w.message)
@@ -219,10 +236,10 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         path = aliases.canon_of_module.get(id(unit.module), "?")
         managed, raw = _unit_managed(unit, aliases)
         raw = tuple(f"{path}.{n}" if path else n for n in raw)
-        units.append((path, managed, raw))
+        units.append((path, managed, raw, _unit_kwargs(unit)))
     unit_obs = tuple(
-        UnitObservation(path=p, managed=m, raw_managed=r, simulated=None if sim is None else sim.get(p))
-        for p, m, r in units
+        UnitObservation(path=p, managed=m, raw_managed=r, simulated=None if sim is None else sim.get(p), kwargs=kw)
+        for p, m, r, kw in units
     )
     state_dict_keys, state_dict_error, state_dict_seconds = (), None, 0.0
     if not _same_structure_on_all_ranks(unit_obs):
@@ -255,6 +272,16 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         ties_intact=ties,
         wrap_seconds=wrap_seconds,
         state_dict_seconds=state_dict_seconds,
+    )
+
+
+def _unit_kwargs(unit) -> tuple:
+    """The kwargs of spec.CUSTOM_KWARGS as the unit holds them (FSDP1 keeps
+    them on its _FSDPState: sharding_strategy, forward_prefetch)."""
+    strategy = getattr(unit, "sharding_strategy", None)
+    return (
+        ("forward_prefetch", bool(getattr(unit, "forward_prefetch", False))),
+        ("sharding_strategy", getattr(strategy, "name", str(strategy))),
     )
 
 

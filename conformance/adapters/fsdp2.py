@@ -112,9 +112,10 @@ def _err(e: BaseException) -> str:
 # ---- sharding and registration ----------------------------------------------------
 
 
-def shard(spec: CaseSpec, built: Built) -> None:
+def shard(spec: CaseSpec, built: Built, extra=None) -> None:
     """fully_shard bottom-up: each group (the multi-module form for several
-    modules) after every group below it, the root last."""
+    modules) after every group below it, the root last. ``extra(modules)``:
+    more fully_shard kwargs for the group of those spec paths (mp_policy)."""
     fully_shard, _, _ = fsdp2_api()
     ignored = {built.model.get_parameter(f) for f in spec.plan.ignored_params}
     for grp in shard_order(spec.plan, graph_of(spec)):
@@ -124,6 +125,8 @@ def shard(spec: CaseSpec, built: Built) -> None:
             kwargs["reshard_after_forward"] = grp.reshard_after_forward
         if ignored:
             kwargs["ignored_params"] = ignored
+        if extra is not None:
+            kwargs.update(extra(grp.modules))
         fully_shard(mods if len(mods) > 1 else mods[0], **kwargs)
 
 

@@ -28,18 +28,32 @@ def _optimizer(plan: TrainPlan, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=plan.lr, momentum=0.9)
 
 
-def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan) -> list[float]:
+def _batches(x0: torch.Tensor, step: int, world_size: int) -> list[torch.Tensor]:
+    """One batch per rank, different on every rank: a gradient that is not
+    reduced across ranks then differs from the reference's."""
+    return [x0 * (1.0 + 0.25 * step) * (1.0 + 0.5 * r) for r in range(world_size)]
+
+
+def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan, rank: int, world_size: int, *, reference: bool = False) -> list[float]:
+    """Train on this rank's batches; the single-process ``reference`` trains
+    on the mean loss over every rank's batch (the gradient FSDP's averaging
+    reduction must produce). The losses returned are this rank's batch's."""
     trainable = any(p.requires_grad for p in model.parameters())
     opt = _optimizer(plan, model.parameters()) if trainable else None
     losses = []
     for step in range(plan.steps):
         if opt is not None:
             opt.zero_grad(set_to_none=True)  # before the step: the last step's grads stay to be read
-        loss = (model(x0 * (1.0 + 0.25 * step)) ** 2).sum()
+        xs = _batches(x0, step, world_size)
+        if reference:
+            per_rank = [(model(x) ** 2).sum() for x in xs]
+            loss, mine = torch.stack(per_rank).mean(), per_rank[rank]
+        else:
+            loss = mine = (model(xs[rank]) ** 2).sum()
         if opt is not None:  # everything frozen: forward only
             loss.backward()
             opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(mine.detach()))
     return losses
 
 
@@ -63,10 +77,10 @@ def observe(spec: CaseSpec) -> TrainObservation:
         return TrainObservation(**base, wrap_error=_err(e), seconds=time.perf_counter() - t0)
     x0 = built.example_input()
     try:
-        losses = _train(model, x0, plan)
+        losses = _train(model, x0, plan, dist.get_rank(), dist.get_world_size())
     except Exception as e:
         return TrainObservation(**base, step_error=_err(e), seconds=time.perf_counter() - t0)
-    ref_losses = _train(ref.model, x0, plan)
+    ref_losses = _train(ref.model, x0, plan, dist.get_rank(), dist.get_world_size(), reference=True)
     final, grads_none = _final(spec, model, built.model, aliases, frozen)
     params = []
     for fqn, value in final.items():

@@ -10,14 +10,15 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
-APIS = ("fsdp1", "fsdp2")
+APIS = ("fsdp1", "fsdp2", "checkpoint")
 
 
 class BenchError(RuntimeError):
     """A measurement that could not complete (a rank failed or timed out)."""
 
+
 # examples per API when --examples is not given: a few seconds each
-DEFAULT_EXAMPLES = {"fsdp1": 500, "fsdp2": 100, "engines": 200, "models": 20}
+DEFAULT_EXAMPLES = {"fsdp1": 500, "fsdp2": 100, "checkpoint": 30, "engines": 200, "models": 20}
 
 
 def draw(strategy, n: int, seed: int = 0) -> list:
@@ -60,6 +61,11 @@ def run(apis=APIS, *, engines: bool = False, examples: int | None = None, world_
 
         results["fsdp2"] = fsdp2.bench(examples or DEFAULT_EXAMPLES["fsdp2"], world_size, seed)
         fsdp2.show(results["fsdp2"])
+    if "checkpoint" in apis:  # lifecycle: save / reshard / load round trips
+        from conformance.bench import checkpoint
+
+        results["checkpoint"] = checkpoint.bench(examples or DEFAULT_EXAMPLES["checkpoint"], world_size, seed)
+        checkpoint.show(results["checkpoint"])
     if engines:
         from conformance.bench import engines as eng
 

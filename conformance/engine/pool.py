@@ -312,8 +312,9 @@ class RankPool:
     def forkserver_pid(self) -> int | None:
         return self._server.proc.pid if self._server is not None else None
 
-    def run(self, scenario: str, spec: CaseSpec, *, deadline: float | None = None) -> list[dict]:
-        """Run ``scenario`` on every rank with ``spec``; one record per rank."""
+    def run(self, scenario: str, spec: CaseSpec, *, deadline: float | None = None, args: dict | None = None) -> list[dict]:
+        """Run ``scenario`` on every rank with ``spec`` (and the JSON-able
+        keyword ``args``, e.g. a checkpoint directory); one record per rank."""
         if self._closed:
             raise EngineError("this RankPool is closed")
         sc = get_scenario(scenario)
@@ -326,7 +327,7 @@ class RankPool:
         self._next_id += 1
         msg_id = self._next_id
         line = (json.dumps({"op": "run", "id": msg_id, "scenario": scenario, "module": sc.module,
-                            "spec": spec.to_json()}) + "\n").encode()
+                            "spec": spec.to_json(), **({"args": args} if args else {})}) + "\n").encode()
         offsets = [r.log_size() for r in self._ranks]
         start = time.monotonic()
         try:

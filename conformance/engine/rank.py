@@ -221,7 +221,8 @@ def _rank_main(
         op = msg["op"]
         if op == "run":
             record = run_scenario(
-                msg["scenario"], msg["spec"], rank=rank, module=msg.get("module"), catch=(BaseException,)
+                msg["scenario"], msg["spec"], rank=rank, module=msg.get("module"), catch=(BaseException,),
+                args=msg.get("args"),
             )
             try:
                 text = json.dumps({"op": "result", "id": msg["id"], **record})

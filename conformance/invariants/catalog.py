@@ -58,3 +58,11 @@ def select(ids_or_areas: list[str] | None = None) -> list[Invariant]:
             raise UnknownInvariant(name)
         out += [h for h in hits if h not in out]
     return out
+
+
+# --- lifecycle (checkpoint): engine failures that can be known findings ---
+# invariant ID -> fn(spec) -> tags of the case. A HANG or CRASH of such an
+# invariant's example is matched against known_failures.toml as a violation
+# tagged "kind:hang" / "kind:crash" plus these: a rank that torch itself
+# kills (a segfault in a known code path) is then KNOWN, not CRASH.
+ENGINE_FAILURE_TAGS: dict[str, Callable] = {}

@@ -42,6 +42,8 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
 
         if "" in fsdp and any(m.register and m.name in methods_calling_forward(spec.target) for m in spec.methods):
             tags.add("method-calls-self")
+    if any(_container_base(spec, path) for path in fsdp):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
         tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside
@@ -60,6 +62,17 @@ def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
         return False
     node = g.nodes[nid]
     return node.cls == "Embedding" and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
+
+def _container_base(spec: CaseSpec, path: str) -> bool:
+    from conformance.spec import SpecError, module_at
+
+    if getattr(spec, "tree", None) is None:  # a ModelCase: the target's own classes
+        return False
+    try:
+        cls = module_at(spec.tree, path).cls
+    except SpecError:
+        return False
+    return any(c.name == cls and c.base in ("ModuleList", "ModuleDict") for c in spec.classes)
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:

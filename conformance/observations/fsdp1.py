@@ -33,6 +33,8 @@ class UnitObservation:
     managed: tuple[str, ...]  # canonical FQNs in the unit's flat parameter
     raw_managed: tuple[str, ...]  # as FSDP names them, prefixed with the unit path
     simulated: tuple[str, ...] | None  # torch's pre-wrap simulation, canonical
+    # the unit's construction kwargs a CustomPolicy may override (spec.CUSTOM_KWARGS), as (key, value)
+    kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

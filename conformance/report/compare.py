@@ -62,7 +62,12 @@ def _describe(r: dict) -> str:
     t = r.get("torch", {})
     run = r.get("run", {})
     tiers = ",".join(f"{x.get('tier')}:W{x.get('world_size')}" for x in run.get("tiers", []))
-    return f"torch {t.get('version')} ({(t.get('git_version') or '?')[:12]}), {tiers or '?'}, profile {run.get('profile')}"
+    src = ""
+    if r.get("fsdp_source"):
+        from conformance.fsdp_source import label
+
+        src = f", FSDP from {label(r['fsdp_source'])}"
+    return f"torch {t.get('version')} ({(t.get('git_version') or '?')[:12]}){src}, {tiers or '?'}, profile {run.get('profile')}"
 
 
 def _finding_names(report: dict, row: dict) -> set[str]:

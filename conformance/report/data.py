@@ -81,6 +81,14 @@ def torch_info() -> dict:
     return info
 
 
+def fsdp_source_info() -> dict | None:
+    """The FSDP source tree this run imported FSDP from (None: the installed
+    torch's own): path, git commit, hashes (conformance.fsdp_source)."""
+    from conformance import fsdp_source
+
+    return fsdp_source.report_info()
+
+
 def platform_info() -> dict:
     return {
         "system": platform.system(),
@@ -192,7 +200,7 @@ def build(
         from conformance import known as known_mod
 
         known = known_mod.load()
-    env = environment or {"suite": suite_info(), "torch": torch_info(), "platform": platform_info()}
+    env = environment or {"suite": suite_info(), "torch": torch_info(), "platform": platform_info(), "fsdp_source": fsdp_source_info()}
     torch_version = torch_version or env["torch"]["version"]
     tests = tests or []
     tallies = merge_tallies(partials)

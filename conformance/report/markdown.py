@@ -22,6 +22,12 @@ def headline(report: dict) -> str:
     return f"fsdp-conformance {state}: {', '.join(parts) or 'nothing ran'}; {s['examples']} examples in {secs:.0f}s"
 
 
+def fsdp_source_label(report: dict) -> str:
+    from conformance.fsdp_source import label
+
+    return label(report.get("fsdp_source"))
+
+
 def render(report: dict, *, details: bool = True) -> str:
     t = report.get("torch", {})
     run = report.get("run", {})
@@ -34,6 +40,7 @@ def render(report: dict, *, details: bool = True) -> str:
         f"torch `{t.get('version')}` (git `{(t.get('git_version') or '?')[:12]}`, CUDA {t.get('cuda') or '-'}, NCCL {t.get('nccl') or '-'})"
         f" | suite {suite.get('version')} `{rev}` | tiers {tiers or '-'}"
         f" | profile `{run.get('profile')}`" + (f", seed {run['seed']}" if run.get("seed") is not None else ""),
+        *([f"FSDP from source: `{fsdp_source_label(report)}`", ""] if report.get("fsdp_source") else []),
         "",
         "| invariant | API | tier | verdict | examples | time | findings |",
         "| --- | --- | --- | --- | ---: | ---: | --- |",

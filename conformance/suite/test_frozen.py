@@ -38,3 +38,24 @@ def test_frozen_clean(invariant_id, spec, engine, conformance):
     pred = predict_fsdp1(spec)
     assume(pred.error is None and not pred.warnings)
     conformance.check(invariant_id, spec, engine, engine.tier)
+
+
+# ---- issue 10: several mixed units (the first-violator and warning order) ----
+from strategies.frozen_units import several_mixed_units  # noqa: E402
+from conformance.suite.budget import examples  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+
+@pytest.mark.parametrize("invariant_id", ["FROZEN-ERROR"])
+@settings(max_examples=examples(100))
+@given(spec=several_mixed_units(use_orig_params=st.just(False)))
+def test_frozen_error_first_of_several(invariant_id, spec, engine, conformance):
+    conformance.check(invariant_id, spec, engine, engine.tier)
+
+
+@pytest.mark.parametrize("invariant_id", ["FROZEN-WARN"])
+@settings(max_examples=examples(100))
+@given(spec=several_mixed_units(use_orig_params=st.just(True)))
+def test_frozen_warn_order_of_several(invariant_id, spec, engine, conformance):
+    conformance.check(invariant_id, spec, engine, engine.tier)
+# ---- end issue 10 ----

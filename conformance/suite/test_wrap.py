@@ -12,7 +12,7 @@ from conformance import corpus
 from strategies import case_specs
 
 
-@pytest.mark.parametrize("invariant_id", ["WRAP-UNITS", "WRAP-FQNS", "WRAP-EXACTLY-ONCE", "WRAP-STATE-DICT"])
+@pytest.mark.parametrize("invariant_id", ["WRAP-UNITS", "WRAP-FQNS", "WRAP-EXACTLY-ONCE", "WRAP-STATE-DICT", "WRAP-KWARGS"])
 @corpus.examples("WRAP-UNITS", "WRAP-FQNS", "WRAP-EXACTLY-ONCE", "WRAP-STATE-DICT")
 @given(spec=case_specs())
 def test_invariant(invariant_id, spec, engine, conformance):

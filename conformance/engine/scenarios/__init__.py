@@ -106,19 +106,21 @@ def run_scenario(
     rank: int,
     module: str | None = None,
     catch: tuple[type[BaseException], ...] = (Exception,),
+    args: dict | None = None,
 ) -> dict:
     """Run one scenario on one rank and return its result record:
     ``{"rank", "ok": True, "value", "seconds"}`` or
     ``{"rank", "ok": False, "error": {"type", "message", "traceback"}, "seconds"}``.
     ``seconds`` times the scenario function alone. An exception is a record,
-    not a crash; the value must be JSON-able."""
+    not a crash; the value must be JSON-able. ``args``: keyword arguments
+    for the scenario besides the spec (pure data, e.g. a directory)."""
     start = time.perf_counter()
     try:
         sc = get_scenario(name, module)
         # in-process callers may hand the (immutable) spec over as it is
         spec = spec_json if not isinstance(spec_json, str) else case_from_json(spec_json)
         start = time.perf_counter()
-        value = sc.fn(spec)
+        value = sc.fn(spec, **args) if args else sc.fn(spec)
         seconds = time.perf_counter() - start
         if not isinstance(value, dict):
             raise EngineError(f"scenario {name!r} returned {type(value).__name__}, not a dict")
@@ -147,3 +149,6 @@ def json_roundtrip(record: dict, catch: tuple[type[BaseException], ...] = (Excep
 
 # Every driver (and a pool's preload) knows the suite's scenarios.
 from conformance.engine.scenarios import fsdp1, fsdp2, selfcheck, training  # noqa: E402,F401
+from conformance.engine.scenarios import checkpoint  # noqa: E402,F401  (lifecycle: checkpoint)
+# --- training schedules (MP-DTYPES, ACCUM) ---
+from conformance.engine.scenarios import schedule  # noqa: E402,F401

@@ -24,6 +24,14 @@ def repro_script(spec: CaseSpec, violations: list | None = None, title: str = ""
 
         return model_script(spec, violations, title)
     api = getattr(spec.plan, "api", "fsdp1")
+    if getattr(spec, "ckpt", None) is not None:  # lifecycle (checkpoint) cases
+        from conformance.report.repro.checkpoint import ckpt_script
+
+        return ckpt_script(spec, violations, title)
+    if getattr(spec, "schedule", None) is not None:  # --- training schedules (MP-DTYPES, ACCUM) ---
+        from conformance.report.repro.schedule import schedule_script
+
+        return schedule_script(spec, violations, title)
     gen = GENERATORS.get(api)
     # the torch-only generators build, wrap and call; they do not train: a
     # PARITY case replays through the suite

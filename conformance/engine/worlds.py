@@ -1,0 +1,126 @@
+"""Worlds: engines by world size, for cases saved under one world size and
+loaded under another. World size 1 is the driver itself (a one-rank gloo
+group for the length of one run); others are rank pools of the base pool's
+backend, the base pool for its own size, the rest made on first use.
+Multi-phase scenarios (a checkpoint round trip) run here: each phase on its
+world, all in one temporary directory that is always removed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from conformance.engine.errors import EngineError
+from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
+from conformance.engine.scenarios.checkpoint import PHASES
+from conformance.spec import CaseSpec
+
+TMP_PREFIX = "fsdp-conformance-ckpt-"
+
+
+class DriverRank:
+    """World size 1 in this process: a gloo group of one rank, made for each
+    run and destroyed after it (the fake tier's group is given back to it:
+    FakeEngine joins its own again on its next run)."""
+
+    world_size = 1
+
+    def __init__(self, backend: str = "gloo") -> None:
+        self.backend = backend
+
+    def run(self, scenario: str, spec: CaseSpec, *, args: dict | None = None) -> list[dict]:
+        import torch.distributed as dist
+
+        from conformance.engine import fake
+        from conformance.engine.fake import preserve_hypothesis_profile
+
+        sc = get_scenario(scenario)
+        if sc.fault:
+            raise EngineError(f"scenario {scenario!r} hangs or kills its process: run it in a RankPool")
+        if dist.is_initialized():
+            if fake._fake_group is None:
+                raise EngineError(f"a {dist.get_backend()} default process group is already initialised in this process")
+            dist.destroy_process_group()
+            fake._fake_group = None
+        fd, store_path = tempfile.mkstemp(prefix="fsdp-conformance-store-")
+        os.close(fd)
+        os.unlink(store_path)
+        try:
+            dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+            try:
+                with preserve_hypothesis_profile():
+                    record = run_scenario(scenario, spec, rank=0, args=args)
+            finally:
+                dist.destroy_process_group()
+        finally:
+            if os.path.exists(store_path):
+                os.unlink(store_path)
+        return [json_roundtrip(record)]
+
+    def close(self) -> None:
+        pass
+
+
+class Worlds:
+    """``engine(w)`` for w in 1..max; ``run(scenario, spec)`` runs on the
+    spec's save world, a multi-phase scenario phase by phase."""
+
+    def __init__(self, base, *, deadline: float | None = None, phases: dict | None = None) -> None:
+        self.base = base
+        self.tier = getattr(base, "tier", getattr(base, "backend", "gloo"))
+        self.backend = getattr(base, "backend", "gloo")
+        # per example (one phase): checkpoint examples take well under a
+        # second; a hung collective should not cost the base pool's minute
+        self.deadline = deadline if deadline is not None else getattr(base, "deadline", 60.0)
+        self._engines = {getattr(base, "world_size", None): base}
+        self._owned = []
+        self.phases = {**PHASES, **(phases or {})}  # scenario -> (save, load); a test may swap in faults
+        self.dirs_made: list[str] = []  # temporary checkpoint directories (each removed after its example)
+
+    def engine(self, world_size: int):
+        eng = self._engines.get(world_size)
+        if eng is None:
+            if world_size == 1:
+                eng = DriverRank(self.backend)
+            else:
+                from conformance.engine.pool import RankPool
+
+                eng = RankPool(world_size, self.backend, deadline=self.deadline)
+            self._engines[world_size] = eng
+            self._owned.append(eng)
+        return eng
+
+    def run(self, scenario: str, spec: CaseSpec) -> list[dict]:
+        ck = getattr(spec, "ckpt", None)
+        if ck is None:
+            raise EngineError("Worlds runs checkpoint cases (spec.ckpt)")
+        phases = self.phases.get(scenario)
+        if phases is None:
+            return self._run(ck.save_world, scenario, spec)
+        save, load = phases
+        d = tempfile.mkdtemp(prefix=TMP_PREFIX)
+        self.dirs_made.append(d)
+        try:
+            saved = self._run(ck.save_world, save, spec, {"dir": d})
+            first = saved[0]
+            if not all(r.get("ok") for r in saved) or first["value"].get("error") or first["value"].get("skipped"):
+                return saved  # the save side's error (or skip) is the observation
+            loaded = self._run(ck.load_world, load, spec, {"dir": d})
+            for r in loaded:
+                if r.get("ok"):
+                    r["value"]["save"] = first["value"]
+            return loaded
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _run(self, world_size: int, scenario: str, spec: CaseSpec, args: dict | None = None) -> list[dict]:
+        eng = self.engine(world_size)
+        if isinstance(eng, DriverRank):
+            return eng.run(scenario, spec, args=args)
+        return eng.run(scenario, spec, deadline=min(self.deadline, eng.deadline), args=args)
+
+    def close(self) -> None:
+        for eng in self._owned:
+            eng.close()
+        self._owned.clear()

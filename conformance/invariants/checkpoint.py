@@ -1,0 +1,209 @@
+"""Checkpoint invariants: full state dicts (SD-FULL), ties through every load
+path (TIES-KEPT), torch.distributed.checkpoint across plans, APIs and world
+sizes (CKPT-RESHARD) and optimizer state through a save and load
+(OPTIM-STATE)."""
+
+from __future__ import annotations
+
+from conformance.invariants.catalog import ENGINE_FAILURE_TAGS, invariant
+from conformance.observations.checkpoint import CkptObservation
+from conformance.oracle.checkpoint import CkptPrediction
+from conformance.spec import CaseSpec
+from conformance.violation import Violation, set_diff
+
+DOC_DCP_SD = "torch.distributed.checkpoint.state_dict: StateDictOptions, get_model_state_dict / get_optimizer_state_dict / set_state_dict docstrings"
+DOC_DCP = "torch.distributed.checkpoint save / load docstrings (load-time resharding: 'supports loading into a different world size')"
+DOC_FSDP1_SD = "FullyShardedDataParallel.state_dict_type / FullStateDictConfig (offload_to_cpu, rank0_only) / SHARDED_STATE_DICT docstrings"
+DOC_FSDP2 = "fully_shard docstring (parameters are DTensors; meta-device init then to_empty); torch.nn.Module.load_state_dict (assign)"
+
+
+def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
+    """Facts about a checkpoint case that known_failures.toml entries match on."""
+    ck = spec.ckpt
+    load = ck.load_plan or spec.plan
+    tags = {f"api:{spec.plan.api}", f"load-api:{load.api}", f"world:{ck.save_world}", f"load-world:{ck.load_world}",
+            f"optim:{ck.optimizer}", f"way:{ck.full_sd}", f"load:{ck.load_path}"}
+    if spec.plan.api == "fsdp1":
+        tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
+    if load.api == "fsdp1":
+        tags.add(f"load-uop:{str(load.use_orig_params).lower()}")
+    for flag in ("rank0_only", "offload", "ignore_frozen"):
+        if getattr(ck, flag):
+            tags.add(flag)
+    if spec.ties or spec.shared:
+        tags.add("tie")
+    if spec.shared:
+        tags.add("shared-module")
+    if pred is not None:
+        if pred.frozen:
+            tags.add("frozen")
+        if pred.mask_changes:
+            tags.add("mask-change")
+        tags |= {f"shard:{x}" for x in pred.shards}
+    return tags
+
+
+def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
+    return Violation(inv, msg, frozenset(tags | set(extra)))
+
+
+def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str]) -> list[Violation]:
+    """One violation per distinct error (ranks may raise differently)."""
+    out, seen = [], set()
+    for o in obs if isinstance(obs, list) else [obs]:
+        if not o.error or (o.phase, o.error) in seen:
+            continue
+        seen.add((o.phase, o.error))
+        etype = o.error.split(":")[0]
+        where = "rank:0" if o.rank == 0 else "rank:nonzero"
+        out.append(_v(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where))
+    return out
+
+
+@invariant(
+    "SD-FULL",
+    area="checkpoint",
+    api="fsdp1|fsdp2",
+    scenario="ckpt-full",
+    all_ranks=True,
+    statement="A full model state dict (FSDP1 FULL_STATE_DICT incl. rank0_only / offload_to_cpu; get_model_state_dict(full_state_dict=True) incl. cpu_offload) holds exactly the unwrapped model's keys and values as plain tensors (with ignore_frozen_params: no frozen parameter); ranks that rank0_only / cpu_offload leave out get an empty dict.",
+    source=f"{DOC_FSDP1_SD}; {DOC_DCP_SD} (full_state_dict, cpu_offload: 'only the rank0 will get the state_dict', ignore_frozen_params)",
+)
+def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation]:
+    if pred.applicable or obs[0].skipped:
+        return []
+    tags = case_tags(spec, pred)
+    if any(o.error for o in obs):
+        return _raised("SD-FULL", obs, tags)
+    frozen = set(pred.frozen) if spec.ckpt.ignore_frozen else set()
+    want = set(pred.sd_keys) - frozen
+    out = []
+    for o in obs:
+        if pred.rank0_only and o.rank != 0:
+            if o.keys:
+                out.append(_v("SD-FULL", f"rank {o.rank} got {len(o.keys)} keys, expected an empty dict", tags, "kind:nonzero-rank-keys"))
+            continue
+        got = set(o.keys)
+        if got != want:
+            kind = "kind:frozen-kept" if frozen and got - want <= frozen else "kind:keys"
+            out.append(_v("SD-FULL", f"rank {o.rank}: keys {set_diff(got, want)}", tags, kind))
+        if o.wrong_values and o.values_meaningful:
+            out.append(_v("SD-FULL", f"rank {o.rank}: values of {list(o.wrong_values)} differ from the unwrapped model's", tags, "kind:values"))
+        if o.not_plain:
+            out.append(_v("SD-FULL", f"rank {o.rank}: {list(o.not_plain)} are not plain (CPU) tensors", tags, "kind:not-plain"))
+    return out
+
+
+@invariant(
+    "TIES-KEPT",
+    area="checkpoint",
+    api="fsdp1|fsdp2",
+    scenario="ckpt-ties",
+    all_ranks=True,
+    statement="Every load path (load_state_dict incl. assign=True, set_model_state_dict incl. broadcast_from_rank0, meta-device init + to_empty + load) loads the values and leaves tied names sharing one Parameter, with the parameter count unchanged.",
+    source=f"{DOC_DCP_SD} (set_model_state_dict, broadcast_from_rank0); {DOC_FSDP2}; FullyShardedDataParallel param_init_fn",
+)
+def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation]:
+    if pred.applicable or obs[0].skipped:
+        return []
+    tags = case_tags(spec, pred)
+    if any(o.error for o in obs):
+        return _raised("TIES-KEPT", obs, tags)
+    out = []
+    want = {group[0] for group in pred.tied}
+    for o in obs:
+        got = dict(o.ties)
+        broken = sorted(c for c in want if got.get(c) is not True)
+        if broken:
+            out.append(_v("TIES-KEPT", f"rank {o.rank}: tied names of {broken} no longer share one Parameter", tags, "kind:untied"))
+        if o.params_after != o.params_before:
+            out.append(_v("TIES-KEPT", f"rank {o.rank}: {o.params_after} parameters after the load, {o.params_before} before", tags, "kind:param-count"))
+        if o.wrong_values and o.values_meaningful:
+            out.append(_v("TIES-KEPT", f"rank {o.rank}: {list(o.wrong_values)} do not hold the loaded values", tags, "kind:values"))
+    return out
+
+
+@invariant(
+    "CKPT-RESHARD",
+    area="checkpoint",
+    api="fsdp1|fsdp2",
+    scenario="ckpt-roundtrip",
+    statement="State saved with torch.distributed.checkpoint under one API, plan and world size loads under another (FSDP1 sharded <-> FSDP2, other wrap policy / grouping, world size 1, 2, 3) to the same model values, optimizer state and hyperparameters.",
+    source=f"{DOC_DCP}; {DOC_DCP_SD} (get_state_dict / set_state_dict: 'can support different parallelisms, FSDP1, FSDP2'); {DOC_FSDP1_SD}",
+)
+def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation]:
+    if pred.applicable or obs.skipped:
+        return []
+    tags = case_tags(spec, pred)
+    if obs.error:
+        return _raised("CKPT-RESHARD", obs, tags)
+    if not obs.values_meaningful:
+        return []
+    out = []
+    if obs.model_diff:
+        out.append(_v("CKPT-RESHARD", f"model values of {list(obs.model_diff)[:8]} differ from the saved ones", tags, "kind:model"))
+    if obs.optim_diff:
+        out.append(_v("CKPT-RESHARD", f"optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:optim"))
+    if obs.groups_diff:
+        out.append(_v("CKPT-RESHARD", f"param_groups differ from the saved: {list(obs.groups_diff)}", tags, "kind:param-groups"))
+    return out
+
+
+@invariant(
+    "OPTIM-STATE",
+    area="checkpoint",
+    api="fsdp1|fsdp2",
+    scenario="ckpt-roundtrip",
+    statement="After a save and load every parameter that had optimizer state has exactly that state (keys and values), whatever its requires_grad at save and at load, a tied parameter one entry; training continued after the resume matches uninterrupted and single-process training.",
+    source=f"{DOC_DCP_SD} (get_optimizer_state_dict / set_optimizer_state_dict); torch.optim.Optimizer.state_dict / load_state_dict; DESIGN.md OPTIM-STATE",
+)
+def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation]:
+    if pred.applicable or obs.skipped:
+        return []
+    tags = case_tags(spec, pred)
+    if obs.error:
+        tags = tags | _requires_grad_tags(pred)
+        return _raised("OPTIM-STATE", obs, tags)
+    if not obs.values_meaningful:
+        return []
+    out = []
+    alias = {a: group[0] for group in pred.tied for a in group}
+    frozen_save, frozen_load = set(pred.frozen_at_save), set(pred.frozen_at_load)
+
+    def entries(names) -> dict[str, list[str]]:
+        by: dict[str, list[str]] = {}
+        for n in names:
+            by.setdefault(alias.get(n, n), []).append(n)
+        return by
+
+    ref = set(obs.optim_ref)
+    for what, names, kind in (("saved", obs.optim_saved, "save"), ("loaded", obs.optim_loaded, "load")):
+        by = entries(names)
+        for canon in sorted(ref - set(by)):
+            extra = ["at-save:frozen" if canon in frozen_save else "at-save:trainable",
+                     "at-load:frozen" if canon in frozen_load else "at-load:trainable"]
+            out.append(_v("OPTIM-STATE", f"{canon} had optimizer state; the {what} state has none", tags, f"kind:lost-at-{kind}", *extra))
+        for canon in sorted(set(by) - ref):
+            out.append(_v("OPTIM-STATE", f"{canon} has {what} optimizer state; single-process training gave it none", tags, f"kind:extra-at-{kind}"))
+        for canon, ns in sorted(by.items()):
+            if len(ns) > 1:
+                out.append(_v("OPTIM-STATE", f"tied parameter {canon} has {len(ns)} {what} state entries {ns}", tags, "kind:tie-entries"))
+    if obs.optim_ref_diff:
+        out.append(_v("OPTIM-STATE", f"saved optimizer state {list(obs.optim_ref_diff)[:8]} differs from single-process training's", tags, "kind:state-value"))
+    if obs.optim_diff:
+        out.append(_v("OPTIM-STATE", f"loaded optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:state-changed"))
+    if obs.resume_ref_diff:
+        out.append(_v("OPTIM-STATE", f"after the resume {list(obs.resume_ref_diff)[:8]} differ from single-process training", tags, "kind:resume-reference"))
+    if obs.resume_cont_diff:
+        out.append(_v("OPTIM-STATE", f"after the resume {list(obs.resume_cont_diff)[:8]} differ from uninterrupted training", tags, "kind:resume-uninterrupted"))
+    return out
+
+
+def _requires_grad_tags(pred: CkptPrediction) -> set[str]:
+    """For an error at load: some parameter is trainable at load but was
+    frozen throughout the training before the save (no saved state)."""
+    return {"unfrozen-at-load"} if set(pred.frozen_at_save) - set(pred.frozen_at_load) else set()
+
+
+for _id in ("SD-FULL", "TIES-KEPT", "CKPT-RESHARD", "OPTIM-STATE"):
+    ENGINE_FAILURE_TAGS[_id] = case_tags

@@ -1,0 +1,182 @@
+"""MP-DTYPES and ACCUM: mixed precision and gradient accumulation over a
+training schedule (steps, freeze changes, microbatches), both APIs."""
+
+from __future__ import annotations
+
+from conformance.invariants.catalog import invariant
+from conformance.observations.schedule import ScheduleObservation
+from conformance.oracle.schedule import SchedulePrediction
+from conformance.spec import CaseSpec
+from conformance.violation import Violation
+
+DOC_MP2 = "MixedPrecisionPolicy docstring (param_dtype: unsharded parameters and compute; reduce_dtype: gradient reduction, defaults to param_dtype; output_dtype; cast_forward_inputs)"
+DOC_MP1 = "MixedPrecision docstring (param_dtype, reduce_dtype, buffer_dtype: cast in the first forward and kept thereafter, keep_low_precision_grads: gradients in the reduction dtype, else upcast to full precision; cast_forward_inputs, cast_root_forward_inputs)"
+DOC_SYNC = "FullyShardedDataParallel.no_sync docstring (gradients accumulate in module variables, synchronized in the first forward-backward out of the context); FSDPModule.set_requires_gradient_sync docstring (accumulate without communication; reduce_dtype accumulation)"
+
+
+def _smallest_unit_numel(spec: CaseSpec) -> int | None:
+    """FSDP1: the fewest elements one unit's flat parameter holds."""
+    from conformance.oracle import predict_fsdp1
+    from conformance.oracle.graph import ModelGraph
+
+    g = ModelGraph(spec)
+    sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in predict_fsdp1(spec).units if u.managed]
+    return min(sizes) if sizes else None
+
+
+def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> set[str]:
+    """Facts about a schedule case that known_failures.toml entries match on."""
+    s = spec.schedule
+    tags = {f"api:{pred.api}", f"optim:{s.optimizer}", f"param:{pred.compute_dtype}", f"reduce:{pred.reduce_dtype}"}
+    if pred.api == "fsdp1":
+        tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
+        tags.add("policy:none" if spec.plan.policy is None else "policy:some")
+        smallest = _smallest_unit_numel(spec)
+        if smallest is not None and smallest < world_size:
+            tags.add("unit-smaller-than-world")  # a rank's shard of it is empty
+    if any(len(st.microbatches) > 1 and st.sync_every for st in s.steps):
+        tags.add("accumulate-synced")
+    pr = s.precision
+    if pr is not None and pr.keep_low_precision_grads:
+        tags.add("keep-low-precision-grads")
+    if pr is not None and pr.buffer_dtype:
+        tags.add("buffer-dtype")
+    if len({st.frozen for st in s.steps}) > 1:
+        tags.add("freeze-changes")
+    if any(st.frozen for st in s.steps):
+        tags.add("frozen")
+    if any(len(st.microbatches) > 1 and not st.sync_every for st in s.steps):
+        tags.add("no-sync")
+    if any(mb.skip for st in s.steps for mb in st.microbatches):
+        tags.add("skips")
+    if s.first >= 0:
+        tags.add("method-first")
+    return tags
+
+
+def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
+    return Violation(inv, msg, frozenset(tags | set(extra)))
+
+
+# Fragments of torch's error messages -> a tag known failures match on.
+ERRORS = {
+    "_saved_grad_shard": "error:saved-grad-shard",
+    "attempting to assign a gradient with dtype": "error:grad-dtype-mismatch",
+    "expects uniform gradient dtype": "error:mixed-grad-dtypes",
+    "_post_backward_hook_state": "error:post-backward-hook-state",
+    "has no attribute '_unsharded_param'": "error:no-unsharded-param",
+}
+
+
+def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
+    if obs.wrap_error:
+        return [_v(inv, f"wrapping raised {obs.wrap_error}", tags, "kind:raised", "at:wrap")]
+    if obs.step_error:
+        error = obs.step_error.partition(": ")[2].partition(":")[0]  # "step S microbatch M: Type: message"
+        extra = [t for frag, t in ERRORS.items() if frag in obs.step_error]
+        where = "at:optimizer" if "optimizer" in obs.step_error else "at:gradients" if "gradients" in obs.step_error else "at:microbatch"
+        return [_v(inv, f"training raised at {obs.step_error}", tags, "kind:raised", f"error:{error}", where, *extra)]
+    return []
+
+
+@invariant(
+    "MP-DTYPES",
+    area="training",
+    api="fsdp1|fsdp2",
+    scenario="schedule",
+    statement="Under MixedPrecision / MixedPrecisionPolicy, forward computes in param_dtype (parameters and inputs), gradients are reduced in reduce_dtype and end in the parameters' dtype (FSDP1 keep_low_precision_grads: the reduction dtype), buffers keep theirs (FSDP1: buffer_dtype), the output is output_dtype; results match fp32 training within a dtype-aware tolerance; whatever the freeze schedule and whichever forward runs first.",
+    source=f"{DOC_MP2}; {DOC_MP1}",
+)
+def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
+    if pred.applicable:
+        return []
+    tags = case_tags(spec, pred, obs.world_size)
+    out = _raised("MP-DTYPES", obs, tags)
+    if obs.wrap_error:
+        return out
+    for f in obs.forwards:
+        bad_in = [d for d in f.inputs if d != pred.compute_dtype]
+        if bad_in:
+            out.append(_v("MP-DTYPES", f"step {f.step}: {f.path or '<root>'}'s forward got {bad_in[0]} inputs, not {pred.compute_dtype}", tags, "kind:input-dtype"))
+        for name, d in f.params:
+            if d != pred.compute_dtype:
+                out.append(_v("MP-DTYPES", f"step {f.step}: {f.path or '<root>'}.{name} is {d} inside forward, not {pred.compute_dtype}", tags, "kind:compute-dtype"))
+        for name, d in f.buffers:
+            if d != pred.buffer_dtype:
+                out.append(_v("MP-DTYPES", f"step {f.step}: buffer {f.path or '<root>'}.{name} is {d} inside forward, not {pred.buffer_dtype}", tags, "kind:buffer-dtype"))
+    for name, d in obs.buffers_after:
+        if d != pred.buffer_dtype:
+            out.append(_v("MP-DTYPES", f"buffer {name} is {d} after training, not {pred.buffer_dtype}", tags, "kind:buffer-dtype"))
+    for mb in obs.microbatches:
+        bad = sorted({d for _, d in mb.reduces if d != pred.reduce_dtype})
+        if bad:
+            out.append(_v("MP-DTYPES", f"step {mb.step} microbatch {mb.index}: gradients reduced in {bad}, not {pred.reduce_dtype}", tags, "kind:reduce-dtype"))
+        if pred.output_dtype and mb.output_dtype != pred.output_dtype:
+            out.append(_v("MP-DTYPES", f"step {mb.step} microbatch {mb.index}: output is {mb.output_dtype}, not output_dtype {pred.output_dtype}", tags, "kind:output-dtype"))
+    for g in obs.grads:
+        if g.dtype is not None and g.dtype != pred.grad_dtype:
+            out.append(_v("MP-DTYPES", f"step {g.step}: gradient of {g.fqn} is {g.dtype}, not {pred.grad_dtype}", tags, "kind:grad-dtype"))
+    for p in obs.params:
+        if p.dtype != "float32":
+            out.append(_v("MP-DTYPES", f"step {p.step}: {p.fqn} is {p.dtype} outside forward, not its own float32", tags, "kind:param-dtype"))
+    if obs.values_meaningful:
+        out += _values("MP-DTYPES", pred, obs, tags)
+    return _dedupe(out)
+
+
+def _values(inv: str, pred: SchedulePrediction, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
+    out = []
+    tol = pred.tolerance
+    for mb in obs.microbatches:
+        if mb.loss_err > tol:
+            out.append(_v(inv, f"step {mb.step} microbatch {mb.index}: loss differs from single-process training by {mb.loss_err:.3g} (relative; tolerance {tol:g})", tags, "kind:loss"))
+    frozen = dict(enumerate(pred.frozen_by_step))
+    for g in obs.grads:
+        if g.err is not None and g.fqn not in frozen[g.step] and g.err > tol:
+            out.append(_v(inv, f"step {g.step}: gradient of {g.fqn} differs from single-process training by {g.err:.3g} (relative; tolerance {tol:g})", tags, "kind:grad"))
+    if pred.compare_params:
+        for p in obs.params:
+            if p.fqn not in frozen[p.step] and p.err is not None and p.err > tol:
+                out.append(_v(inv, f"step {p.step}: {p.fqn} after the step differs from single-process training by {p.err:.3g} (relative; tolerance {tol:g})", tags, "kind:param"))
+    return out
+
+
+def _dedupe(vs: list[Violation]) -> list[Violation]:
+    """One violation per kind: a wrong dtype shows in every step and module."""
+    seen, out = set(), []
+    for v in vs:
+        kind = next((t for t in v.tags if t.startswith("kind:")), "")
+        if kind not in seen:
+            seen.add(kind)
+            out.append(v)
+    return out
+
+
+@invariant(
+    "ACCUM",
+    area="training",
+    api="fsdp1|fsdp2",
+    scenario="schedule",
+    statement="K microbatches with gradient sync disabled on all but the last (FSDP1 no_sync, FSDP2 set_requires_gradient_sync(False)) give the gradients of one large batch over every rank's data, whichever parameters each microbatch uses: no reduction inside the disabled microbatches, gradients and updates as single-process training, frozen parameters without gradient and unchanged.",
+    source=DOC_SYNC,
+)
+def check_accum(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
+    if pred.applicable:
+        return []
+    tags = case_tags(spec, pred, obs.world_size)
+    out = _raised("ACCUM", obs, tags)
+    if obs.wrap_error:
+        return out
+    for mb in obs.microbatches:
+        if not mb.synced and mb.reduces:
+            out.append(_v("ACCUM", f"step {mb.step} microbatch {mb.index}: gradient sync was disabled, yet {mb.reduces[0][0]} ran", tags, "kind:reduced-unsynced"))
+    frozen = dict(enumerate(pred.frozen_by_step))
+    for g in obs.grads:
+        if g.fqn in frozen[g.step] and not g.none:
+            out.append(_v("ACCUM", f"step {g.step}: frozen {g.fqn} has a gradient", tags, "kind:frozen-grad"))
+    for p in obs.params:
+        if p.fqn in frozen[p.step] and not p.unchanged:
+            out.append(_v("ACCUM", f"step {p.step}: frozen {p.fqn} changed", tags, "kind:frozen-changed"))
+    if obs.values_meaningful:
+        out += _values("ACCUM", pred, obs, tags)
+    return _dedupe(out)

@@ -1,0 +1,130 @@
+"""Strategies for checkpoint cases: a case, the world size it is saved under,
+the plan (another wrap policy or FSDP2 grouping, the other API) and world
+size it is loaded under, the optimizer and its steps, freeze changes, and
+how a full state dict is taken or loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hypothesis import event, strategies as st
+from hypothesis.errors import InvalidArgument
+from hypothesis.strategies import SearchStrategy
+
+from conformance.oracle.checkpoint import predict_ckpt
+from conformance.oracle.graph import ModelGraph
+from conformance.oracle.methods import predict_parity
+from conformance.spec import (
+    CKPT_OPTIMIZERS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan,
+)
+
+from strategies._common import TreeIndex, check_int, ints, maybe, pick, pick_subset
+from strategies.cases import case_specs
+from strategies.methods import _fsdp1_trainable, draw_groups, fsdp2_case_specs
+
+KINDS = ("full", "ties", "reshard", "optim")
+# The base pool's world size first (cheapest), then the driver (1), then 3:
+# 3 does not divide most dimensions and exceeds the smallest (empty shards).
+WORLDS = (2, 1, 3)
+
+
+def _trainable(spec: CaseSpec) -> bool:
+    return not predict_parity(spec).applicable
+
+
+def _bases(api: str, max_modules: int, ties: bool) -> SearchStrategy[CaseSpec]:
+    if api == "fsdp2":
+        base = fsdp2_case_specs(max_modules=max_modules, max_depth=3, methods=False)
+    else:
+        base = case_specs(max_modules=max_modules, max_depth=3, allow_ignored=False, allow_shared=False).filter(_fsdp1_trainable)
+    base = base.filter(_trainable).filter(lambda s: any(True for _ in ModelGraph(s).named_parameters()))
+    if ties:
+        base = base.filter(lambda s: bool(s.ties or s.shared))
+    return base
+
+
+def draw_plan(draw: Any, spec: CaseSpec, api: str) -> WrapPlan:
+    """Another plan for the same tree: FSDP2 groups, or FSDP1 with a
+    ModuleWrapPolicy over some drawn classes (either use_orig_params)."""
+    if api == "fsdp2":
+        groups = draw_groups(draw, dataclasses.replace(spec, plan=WrapPlan(api="fsdp2")), max_groups=3, split_ties=False)
+        return WrapPlan(api="fsdp2", groups=groups)
+    classes = [c.name for c in spec.classes if c.name != spec.tree.cls]
+    chosen = pick_subset(draw, classes, min_size=0, max_size=2)
+    return WrapPlan(api="fsdp1", policy=ModuleWrap(tuple(chosen)) if chosen else None, use_orig_params=maybe(draw, 1))
+
+
+def _fits(spec: CaseSpec) -> bool:
+    try:
+        return not predict_ckpt(spec).applicable and (spec.plan.api == "fsdp2" or _fsdp1_trainable(spec))
+    except Exception:
+        return False
+
+
+@st.composite
+def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
+    api = pick(draw, ("fsdp2", "fsdp1"))
+    spec = draw(bases[api])
+    g = ModelGraph(spec)
+    canon = [pid for _, pid in g.named_parameters()]  # parameter ids: spec FQNs
+    save_world = pick(draw, WORLDS)
+    event(f"api: {api}; world: {save_world}")
+    if kind == "full":
+        way = pick(draw, ("dcp-full", "fsdp1-full")) if api == "fsdp1" else "dcp-full"
+        # offload under FSDP1 on a CPU device breaks ranks (a recorded
+        # finding; a hung rank costs a deadline): drawn now and then
+        offload = maybe(draw, 1) if api == "fsdp2" else draw(ints(11)) == 11
+        ck = CheckpointPlan(
+            save_world=save_world, full_sd=way, offload=offload,
+            rank0_only=way == "fsdp1-full" and maybe(draw, 1),
+            ignore_frozen=way == "dcp-full" and maybe(draw, 1),
+        )
+        return dataclasses.replace(spec, ckpt=ck)
+    if kind == "ties":
+        paths = LOAD_PATHS if api == "fsdp2" else tuple(p for p in LOAD_PATHS if p != "set_model_state_dict-broadcast")
+        path = pick(draw, paths)
+        event(f"load path: {path}")
+        if api == "fsdp1" and not spec.plan.use_orig_params:
+            # with use_orig_params=False FSDP1's parameters are flat: no
+            # per-name Parameter to tie
+            spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, use_orig_params=True))
+        return dataclasses.replace(spec, ckpt=CheckpointPlan(save_world=save_world, load_path=path))
+    load_api = pick(draw, (api, "fsdp2" if api == "fsdp1" else "fsdp1"))
+    load_plan = draw_plan(draw, spec, load_api)
+    load_world = pick(draw, WORLDS)
+    ck = CheckpointPlan(
+        save_world=save_world, load_world=load_world, load_plan=load_plan, optimizer=pick(draw, CKPT_OPTIMIZERS),
+        steps=1 + draw(ints(1)), steps_after=draw(ints(2 if kind == "optim" else 1)),
+    )
+    if kind == "optim":
+        if api == "fsdp2" and maybe(draw, 1):
+            ck = dataclasses.replace(ck, refreeze=tuple(pick_subset(draw, canon, min_size=1, max_size=2)))
+        if maybe(draw, 2):
+            ck = dataclasses.replace(ck, load_frozen=tuple(pick_subset(draw, canon, min_size=0, max_size=len(canon))))
+    out = dataclasses.replace(spec, ckpt=ck)
+    if not _fits(out):
+        # a load plan FSDP1 rejects for the load-time mask: the case's own
+        # plan, use_orig_params=True (mixed units warn, not fail)
+        fallback = spec.plan if load_api == api else WrapPlan(api=load_api, use_orig_params=True)
+        if fallback.api == "fsdp1":
+            fallback = dataclasses.replace(fallback, use_orig_params=True)
+        out = dataclasses.replace(spec, ckpt=dataclasses.replace(ck, load_plan=fallback))
+    event(f"load: {out.ckpt.load_plan.api} on {load_world}; optimizer {ck.optimizer}")
+    if out.ckpt.refreeze or out.ckpt.load_frozen is not None:
+        event("freeze change")
+    return out
+
+
+def checkpoint_specs(kind: str, *, max_modules: int = 8) -> SearchStrategy[CaseSpec]:
+    """Checkpoint cases for one invariant family: ``full`` (SD-FULL: how the
+    full state dict is taken), ``ties`` (TIES-KEPT: a load path; cases with
+    ties or shared modules), ``reshard`` (CKPT-RESHARD: save and load plans
+    and world sizes, optimizer) and ``optim`` (OPTIM-STATE: as reshard, plus
+    requires_grad changes before the save and at the load). Trees have
+    dimensions 1..8, so world sizes 2 and 3 give uneven and empty shards."""
+    if kind not in KINDS:
+        raise InvalidArgument(f"kind={kind!r} must be one of {KINDS}")
+    check_int(max_modules, "max_modules", min_value=1)
+    bases = {api: _bases(api, max_modules, kind == "ties") for api in ("fsdp1", "fsdp2")}
+    return _checkpoint_specs(kind, bases).filter(_fits)

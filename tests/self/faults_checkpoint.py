@@ -1,0 +1,187 @@
+"""Faults for the checkpoint invariants, applied inside the ranks through
+test-only scenarios (a monkeypatch in the driver does not reach a pool's
+rank processes): FSDP / torch.distributed.checkpoint regressions that each
+invariant must turn red, and engine faults (an unwritable checkpoint
+directory, a rank that hangs in the load, a rank that dies in the save)."""
+
+from __future__ import annotations
+
+import os
+import time
+from unittest import mock
+
+from conformance.engine.scenarios import scenario
+from conformance.spec import CaseSpec
+
+FAULTS = {}
+
+
+def fault(name):
+    def add(fn):
+        FAULTS[name] = fn
+        return fn
+
+    return add
+
+
+@fault("full-sd-perturbed")
+def full_sd_perturbed():
+    """The full model state dict gathers one value wrong (a shard offset bug)."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    orig = sd._get_model_state_dict
+
+    def wrong(*a, **k):
+        out = orig(*a, **k)
+        for key in sorted(out)[-1:]:
+            out[key] = out[key] + 1.0
+        return out
+
+    return mock.patch.object(sd, "_get_model_state_dict", wrong)
+
+
+@fault("frozen-not-ignored")
+def frozen_not_ignored():
+    """ignore_frozen_params is dropped on the way to FSDP."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    orig = sd._verify_options
+
+    def verify(model, optims, optim_only, *, submodules=None, options=None):
+        if options is not None and options.ignore_frozen_params:
+            import dataclasses
+
+            options = dataclasses.replace(options, ignore_frozen_params=False)
+        return orig(model, optims, optim_only, submodules=submodules, options=options)
+
+    return mock.patch.object(sd, "_verify_options", verify)
+
+
+@fault("load-assigns")
+def load_assigns():
+    """set_model_state_dict loads with assign=True (new Parameter per name)."""
+    import torch.nn as nn
+
+    orig = nn.Module.load_state_dict
+
+    def load(self, state_dict, strict=True, assign=False):
+        return orig(self, state_dict, strict=strict, assign=True)
+
+    return mock.patch.object(nn.Module, "load_state_dict", load)
+
+
+@fault("load-skips-model")
+def load_skips_model():
+    """dcp.load leaves one model tensor as the fresh model had it."""
+    import torch.distributed.checkpoint as dcp
+
+    orig = dcp.load
+
+    def load(state_dict, *a, **k):
+        model = state_dict.get("model", {})
+        keep = {key: v.clone() for key, v in sorted(model.items())[:1] if hasattr(v, "clone")}
+        out = orig(state_dict, *a, **k)
+        for key, v in keep.items():
+            model[key].copy_(v)
+        return out
+
+    return mock.patch.object(dcp, "load", load)
+
+
+@fault("optim-state-dropped")
+def optim_state_dropped():
+    """set_state_dict forgets the optimizer state of one parameter."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    orig = sd.set_state_dict
+
+    def set_state_dict(model, optimizers, *a, **k):
+        out = orig(model, optimizers, *a, **k)
+        for p in list(optimizers.state)[:1]:
+            optimizers.state.pop(p)
+        return out
+
+    return mock.patch.object(sd, "set_state_dict", set_state_dict)
+
+
+# ---- test-only scenarios ----------------------------------------------------------
+
+
+def _adapter():
+    from conformance.adapters import checkpoint
+
+    return checkpoint
+
+
+@scenario("fault:ckpt-full:full-sd-perturbed", test_only=True)
+def full_perturbed(spec: CaseSpec) -> dict:
+    with FAULTS["full-sd-perturbed"]():
+        return _adapter().observe_full(spec).to_dict()
+
+
+@scenario("fault:ckpt-full:frozen-not-ignored", test_only=True)
+def full_frozen_kept(spec: CaseSpec) -> dict:
+    with FAULTS["frozen-not-ignored"]():
+        return _adapter().observe_full(spec).to_dict()
+
+
+@scenario("fault:ckpt-ties:load-assigns", test_only=True)
+def ties_assign(spec: CaseSpec) -> dict:
+    with FAULTS["load-assigns"]():
+        return _adapter().observe_ties(spec).to_dict()
+
+
+@scenario("fault:ckpt-load:load-skips-model", test_only=True)
+def load_skips(spec: CaseSpec, dir: str) -> dict:
+    with FAULTS["load-skips-model"]():
+        return _adapter().load(spec, dir)
+
+
+@scenario("fault:ckpt-load:optim-state-dropped", test_only=True)
+def load_drops_optim(spec: CaseSpec, dir: str) -> dict:
+    with FAULTS["optim-state-dropped"]():
+        return _adapter().load(spec, dir)
+
+
+@scenario("fault:ckpt-save:unwritable", test_only=True)
+def save_unwritable(spec: CaseSpec, dir: str) -> dict:
+    """The checkpoint path cannot be made: a plain file stands where the
+    directory goes (not a permission: the ranks may run as root)."""
+    import torch.distributed as dist
+
+    from conformance.adapters.checkpoint import ckpt_dir
+
+    if dist.get_rank() == 0:
+        with open(ckpt_dir(dir), "w") as f:
+            f.write("not a directory")
+    dist.barrier()
+    return _adapter().save(spec, dir)
+
+
+@scenario("fault:ckpt-load:hang", test_only=True, fault=True)
+def load_hangs(spec: CaseSpec, dir: str) -> dict:
+    """Rank 1 never starts its load; rank 0 waits in the load's collectives."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        while True:
+            time.sleep(3600)
+    return _adapter().load(spec, dir)
+
+
+@scenario("fault:ckpt-save:dies", test_only=True, fault=True)
+def save_dies(spec: CaseSpec, dir: str) -> dict:
+    """Rank 1 exits while writing its part of the checkpoint."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    orig = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if dist.get_rank() == 1:
+            os._exit(7)
+        return orig(self, plan, planner)
+
+    with mock.patch.object(FileSystemWriter, "write_data", write_data):
+        return _adapter().save(spec, dir)
+

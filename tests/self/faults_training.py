@@ -1,0 +1,157 @@
+"""Faults injected into FSDP's mixed precision and gradient accumulation,
+as context managers, and test-only scenarios that apply one inside a rank
+of the pool (a monkeypatch in the driver does not reach rank processes)."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+from conformance.engine.scenarios import scenario
+from conformance.spec import CaseSpec
+
+FAULTS = {}
+
+
+def fault(name):
+    def add(fn):
+        FAULTS[name] = fn
+        return fn
+
+    return add
+
+
+def _fsdp2_param():
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return _fsdp_param.FSDPParam
+
+
+@fault("fsdp2-reduce-in-param-dtype")
+def fsdp2_reduce_in_param_dtype():
+    """reduce_dtype ignored: gradients reduced in param_dtype."""
+    cls = _fsdp2_param()
+    orig = cls.init_dtype_attrs
+
+    def init(self, mp_policy):
+        orig(self, mp_policy)
+        self.reduce_dtype = None
+
+    return mock.patch.object(cls, "init_dtype_attrs", init)
+
+
+@fault("fsdp2-param-dtype-ignored")
+def fsdp2_param_dtype_ignored():
+    """param_dtype ignored: forward computes in the original dtype."""
+    cls = _fsdp2_param()
+    orig = cls.init_dtype_attrs
+
+    def init(self, mp_policy):
+        orig(self, mp_policy)
+        self.param_dtype = None
+
+    return mock.patch.object(cls, "init_dtype_attrs", init)
+
+
+@fault("fsdp2-sync-ignored")
+def fsdp2_sync_ignored():
+    """set_requires_gradient_sync(False) does nothing: every microbatch reduces."""
+    import torch.distributed.fsdp as fsdp
+
+    return mock.patch.object(fsdp.FSDPModule, "set_requires_gradient_sync", lambda self, *a, **k: None)
+
+
+@fault("fsdp2-unsynced-grads-dropped")
+def fsdp2_unsynced_grads_dropped():
+    """Gradients of microbatches without sync are dropped instead of accumulated."""
+    cls = _fsdp2_param()
+
+    def drop(self):
+        if hasattr(self, "_unsharded_param"):
+            self._unsharded_param.grad = None
+        self.unsharded_accumulated_grad = None
+
+    return mock.patch.object(cls, "to_accumulated_grad_if_needed", drop)
+
+
+@fault("fsdp2-frozen-get-zero-grads")
+def fsdp2_frozen_get_zero_grads():
+    """Frozen parameters of a group that reduced get a (zero) gradient, as if
+    reduce_scatter_unused_params ignored requires_grad."""
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    cls = _fsdp_param_group.FSDPParamGroup
+    orig = cls.post_backward
+
+    def post_backward(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if self.reduce_grads:
+            for fp in self.fsdp_params:
+                if not fp.sharded_param.requires_grad and fp.sharded_param.grad is None:
+                    fp.sharded_param.grad = torch.zeros_like(fp.sharded_param)
+        return out
+
+    return mock.patch.object(cls, "post_backward", post_backward)
+
+
+@fault("fsdp1-buffers-not-cast")
+def fsdp1_buffers_not_cast():
+    """FSDP1 ignores buffer_dtype."""
+    from torch.distributed.fsdp import _runtime_utils
+
+    orig = _runtime_utils._cast_buffers_to_dtype_and_device
+
+    def cast(buffers, buffer_dtypes, device):
+        return orig(buffers, [None] * len(buffer_dtypes), device)
+
+    return mock.patch.object(_runtime_utils, "_cast_buffers_to_dtype_and_device", cast)
+
+
+@fault("fsdp1-grads-not-upcast")
+def fsdp1_grads_not_upcast():
+    """FSDP1 keeps low-precision gradients although keep_low_precision_grads=False."""
+    from torch.distributed.fsdp import _flat_param
+
+    orig = _flat_param.FlatParamHandle.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self._keep_low_precision_grads = True
+
+    return mock.patch.object(_flat_param.FlatParamHandle, "__init__", init)
+
+
+@fault("fsdp1-no-sync-ignored")
+def fsdp1_no_sync_ignored():
+    """FSDP1's no_sync() is a no-op: every microbatch reduces."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return mock.patch.object(FSDP, "no_sync", lambda self: contextlib.nullcontext())
+
+
+def _faulty(name: str):
+    def run(spec: CaseSpec) -> dict:
+        from conformance.adapters import schedule
+
+        with FAULTS[name]():
+            return schedule.observe(spec).to_dict()
+
+    run.__name__ = run.__qualname__ = f"faulty_schedule_{name}".replace("-", "_")
+    return run
+
+
+for _name in FAULTS:
+    scenario(f"fault:schedule:{_name}", test_only=True)(_faulty(_name))
+
+
+# FSDP2 faults of the PARITY tests that ACCUM and MP-DTYPES must catch too.
+def _borrowed():
+    from tests.self.faults_fsdp2 import FAULTS as FSDP2_FAULTS
+
+    for name in ("gradients-doubled",):
+        FAULTS[name] = FSDP2_FAULTS[name]
+        scenario(f"fault:schedule:{name}", test_only=True)(_faulty(name))
+
+
+_borrowed()

@@ -1,0 +1,117 @@
+"""Every checkpoint invariant catches a fault injected inside the ranks, and
+the engine reports an unwritable checkpoint directory, a rank that hangs in
+the load and a rank that dies in the save (HANG / CRASH with stacks), goes
+on, and leaves no temporary checkpoint behind.
+
+Each value test shows the hand-written case holds on unmodified torch, then
+runs it through a test-only scenario that applies one regression inside the
+ranks (tests/self/faults_checkpoint.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from conformance.observations.checkpoint import CkptObservation
+from conformance.runner import FAIL, PASS, clear_cache, evaluate, observations
+from conformance.spec import (
+    CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan,
+)
+
+pytestmark = [pytest.mark.selfcheck, pytest.mark.gloo]
+
+SCENARIO = {"SD-FULL": "ckpt-full", "TIES-KEPT": "ckpt-ties", "CKPT-RESHARD": "ckpt-roundtrip", "OPTIM-STATE": "ckpt-roundtrip"}
+
+
+def lm(ckpt: CheckpointPlan, *, frozen_bias: bool = True) -> CaseSpec:
+    """embed, block (w; proj0 with a bias frozen unless told), head tied to
+    embed.weight; FSDP2 with block as its own group. Dimensions 5 and 3 do
+    not divide evenly over 2 ranks."""
+    block = ModuleSpec("block", "Block", (ParamSpec("w", (3,)),), children=(
+        ModuleSpec("proj0", "Linear", (ParamSpec("weight", (3, 3)), ParamSpec("bias", (3,), not frozen_bias))),
+    ))
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), children=(
+        ModuleSpec("embed", "Embedding", (ParamSpec("weight", (5, 3)),)), block,
+        ModuleSpec("head", "Linear", (ParamSpec("weight", (5, 3)),)),
+    ))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), ties=(TiedParam("head", "weight", "embed.weight"),),
+                    plan=WrapPlan(api="fsdp2", groups=(ShardGroup(("block",)),)), ckpt=ckpt, seed=3)
+
+
+ROUNDTRIP = CheckpointPlan(save_world=2, load_world=2, load_plan=WrapPlan(api="fsdp1", use_orig_params=True), optimizer="Adam", steps=2, steps_after=1)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from conformance.engine.pool import RankPool
+
+    p = RankPool(2, "gloo", deadline=60.0, preload=("conformance.adapters.checkpoint", "tests.self.faults_checkpoint"))
+    p.tier = "gloo"
+    yield p
+    p.close()
+
+
+def worlds(pool, phases=None, deadline=20.0):
+    from conformance.engine.worlds import Worlds
+
+    clear_cache()
+    return Worlds(pool, phases=phases, deadline=deadline)
+
+
+def run(invariant, spec, engine, scenario=None):
+    obs = observations(engine, spec, scenario or SCENARIO[invariant], CkptObservation.from_dict)
+    return evaluate(invariant, spec, obs)
+
+
+def assert_caught(res, kind):
+    assert res.verdict == FAIL, res.describe()
+    assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+VALUES = [
+    ("SD-FULL", lm(CheckpointPlan(full_sd="dcp-full")), "fault:ckpt-full:full-sd-perturbed", None, "kind:values"),
+    ("SD-FULL", lm(CheckpointPlan(full_sd="dcp-full", ignore_frozen=True)), "fault:ckpt-full:frozen-not-ignored", None, "kind:frozen-kept"),
+    ("TIES-KEPT", lm(CheckpointPlan(load_path="set_model_state_dict")), "fault:ckpt-ties:load-assigns", None, "kind:untied"),
+    ("CKPT-RESHARD", lm(ROUNDTRIP), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
+    ("OPTIM-STATE", lm(ROUNDTRIP), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:optim-state-dropped"), "kind:lost-at-load"),
+]
+
+
+@pytest.mark.parametrize("invariant,spec,scenario,phases,kind", VALUES, ids=[f"{v[0]}-{v[2].rsplit(':', 1)[-1] if v[3] is None else v[3][1].rsplit(':', 1)[-1]}" for v in VALUES])
+def test_value_fault_is_caught_inside_the_ranks(invariant, spec, scenario, phases, kind, pool):
+    w = worlds(pool)
+    res = run(invariant, spec, w)
+    assert res.verdict == PASS, res.describe()
+    w = worlds(pool, {"ckpt-roundtrip": phases} if phases else None)
+    assert_caught(run(invariant, spec, w, scenario), kind)
+    assert not any(os.path.exists(d) for d in w.dirs_made)
+
+
+def test_unwritable_checkpoint_dir_is_reported_and_removed(pool):
+    w = worlds(pool, {"ckpt-roundtrip": ("fault:ckpt-save:unwritable", "ckpt-load")})
+    res = run("OPTIM-STATE", lm(ROUNDTRIP), w)
+    assert_caught(res, "phase:save")
+    assert w.dirs_made and not any(os.path.exists(d) for d in w.dirs_made)
+
+
+@pytest.mark.parametrize("phases,verdict", [
+    (("ckpt-save", "fault:ckpt-load:hang"), "HANG"),
+    (("fault:ckpt-save:dies", "ckpt-load"), "CRASH"),
+], ids=["load-hangs-one-rank", "rank-dies-in-save"])
+def test_hang_or_crash_is_reported_and_the_run_goes_on(phases, verdict, pool):
+    from conformance.session import Session
+
+    session = Session()
+    w = worlds(pool, {"ckpt-roundtrip": phases}, deadline=8.0)
+    spec = lm(ROUNDTRIP)
+    with pytest.raises(AssertionError, match=verdict):
+        session.check("CKPT-RESHARD", spec, w, "gloo")
+    tally = session.tally("CKPT-RESHARD", "gloo", "fsdp2")
+    finding = tally.findings[verdict]
+    ranks = finding.engine["ranks"]
+    assert any(r["stack"] for r in ranks), finding.engine  # the stacks are in the report
+    assert not any(os.path.exists(d) for d in w.dirs_made)
+    # the pool was rebuilt: the next example runs
+    assert session.check("CKPT-RESHARD", spec, worlds(pool), "gloo").verdict == PASS

@@ -1,0 +1,109 @@
+"""MP-DTYPES and ACCUM catch faults injected into FSDP's mixed precision and
+gradient accumulation.
+
+Each test shows the hand-written schedule holds on unmodified torch, then
+injects one plausible regression inside the ranks of a gloo pool (through
+the test-only scenarios of tests/self/faults_training.py) and shows the
+invariant turns it into a FAIL of the expected kind.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.observations.schedule import ScheduleObservation
+from conformance.runner import FAIL, PASS, evaluate, observations
+from conformance.spec import (
+    BufferSpec, CaseSpec, ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Precision, Schedule, ScheduleStep,
+    ShardGroup, WrapPlan,
+)
+
+from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenarios in the driver)
+
+pytestmark = pytest.mark.selfcheck
+
+BF16_FP32 = Precision("bfloat16", "float32")
+
+
+def model(plan: WrapPlan, schedule: Schedule, *, frozen_bias: bool = False) -> CaseSpec:
+    """root (scale, a buffer) -> block (w, proj: Linear 3x3) and head
+    (Linear 4x3, uneven over two ranks)."""
+    block = ModuleSpec("block", "Block", (ParamSpec("w", (3,)),), children=(
+        ModuleSpec("proj", "Linear", (ParamSpec("weight", (3, 3)), ParamSpec("bias", (3,), not frozen_bias))),
+    ))
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), (BufferSpec("running", (3,)),), children=(
+        block, ModuleSpec("head", "Linear", (ParamSpec("weight", (4, 3)),)),
+    ))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), plan=plan, schedule=schedule, seed=5)
+
+
+def accumulate(k: int = 3, *, skip_first: tuple[str, ...] = ("head",), frozen: tuple[str, ...] = ()) -> tuple[ScheduleStep, ...]:
+    mbs = (Microbatch(skip_first),) + (Microbatch(),) * (k - 1)
+    return (ScheduleStep(frozen), ScheduleStep(frozen, mbs))
+
+
+FSDP2 = WrapPlan(api="fsdp2", groups=(ShardGroup(("block",)),))
+FSDP1 = WrapPlan(api="fsdp1", policy=CustomWrap(("block",)), use_orig_params=False)
+FSDP1_UOP = WrapPlan(api="fsdp1", policy=CustomWrap(("block",)), use_orig_params=True)
+
+CASES = {
+    # no skips under reduce_dtype: see fsdp2-accumulated-grads-mixed-reduce-dtype
+    "fsdp2-mp": lambda: model(FSDP2, Schedule(accumulate(2, skip_first=()), precision=BF16_FP32)),
+    "fsdp2-accum": lambda: model(FSDP2, Schedule(accumulate(3, frozen=("block.proj.bias",))), frozen_bias=True),
+    "fsdp1-mp": lambda: model(FSDP1, Schedule(accumulate(2), precision=Precision("bfloat16", "float32", buffer_dtype="bfloat16"))),
+    "fsdp1-accum": lambda: model(FSDP1_UOP, Schedule(accumulate(3, skip_first=()))),
+}
+
+FAULTS = [
+    ("MP-DTYPES", "fsdp2-mp", "fsdp2-reduce-in-param-dtype", "kind:reduce-dtype"),
+    ("MP-DTYPES", "fsdp2-mp", "fsdp2-param-dtype-ignored", "kind:compute-dtype"),
+    ("MP-DTYPES", "fsdp2-mp", "gradients-doubled", "kind:grad"),
+    ("MP-DTYPES", "fsdp1-mp", "fsdp1-buffers-not-cast", "kind:buffer-dtype"),
+    ("MP-DTYPES", "fsdp1-mp", "fsdp1-grads-not-upcast", "kind:grad-dtype"),
+    ("ACCUM", "fsdp2-accum", "fsdp2-sync-ignored", "kind:reduced-unsynced"),
+    ("ACCUM", "fsdp2-accum", "fsdp2-unsynced-grads-dropped", "kind:grad"),
+    ("ACCUM", "fsdp2-accum", "fsdp2-frozen-get-zero-grads", "kind:frozen-grad"),
+    ("ACCUM", "fsdp1-accum", "fsdp1-no-sync-ignored", "kind:reduced-unsynced"),
+]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from conformance.engine.pool import RankPool
+
+    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_training",))
+    yield p
+    p.close()
+
+
+def run(invariant: str, spec: CaseSpec, engine, scenario: str = "schedule"):
+    return evaluate(invariant, spec, observations(engine, spec, scenario, ScheduleObservation.from_dict))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cases_hold_on_unmodified_torch(case, pool):
+    spec = CASES[case]()
+    for invariant in ("MP-DTYPES", "ACCUM"):
+        res = run(invariant, spec, pool)
+        assert res.verdict == PASS, res.describe()
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("invariant,case,fault,kind", FAULTS, ids=[f"{f[0]}-{f[2]}" for f in FAULTS])
+def test_fault_is_caught_inside_the_ranks(invariant, case, fault, kind, pool):
+    res = run(invariant, CASES[case](), pool, f"fault:schedule:{fault}")
+    assert res.verdict == FAIL, res.describe()
+    assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+def test_a_torch_without_the_apis_is_a_skip_with_its_reason(monkeypatch):
+    from conformance.adapters import schedule
+
+    assert schedule.missing_api() is None  # torch 2.13 has them all
+
+    def missing():
+        raise ImportError("cannot import name 'MixedPrecisionPolicy'")
+
+    monkeypatch.setattr(schedule, "precision_api", missing)
+    assert "MixedPrecisionPolicy" in schedule.missing_api()
