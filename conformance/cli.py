@@ -482,6 +482,7 @@ def cmd_bench(ns) -> int:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     _need_distributed()
+    from conformance.engine.errors import EngineError
     from conformance.targets import TargetError
 
     if ns.target and os.getcwd() not in sys.path:
@@ -491,6 +492,9 @@ def cmd_bench(ns) -> int:
                   fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json, targets=ns.target or ())
     except TargetError as e:
         raise UsageError(str(e)) from None
+    except (EngineError, bench.BenchError) as e:  # e.g. a spawned rank past its deadline on a loaded machine
+        print(f"fsdp-conformance: bench could not measure: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,6 +11,12 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
 APIS = ("fsdp1", "fsdp2", "checkpoint")
+
+
+class BenchError(RuntimeError):
+    """A measurement that could not complete (a rank failed or timed out)."""
+
+
 # examples per API when --examples is not given: a few seconds each
 DEFAULT_EXAMPLES = {"fsdp1": 500, "fsdp2": 100, "checkpoint": 30, "engines": 200, "models": 20}
 

@@ -10,6 +10,7 @@ import tempfile
 import time
 from typing import Sequence
 
+from conformance.bench import BenchError
 from conformance.engine.fake import FakeEngine
 from conformance.engine.pool import RankPool
 from conformance.spec import CaseSpec
@@ -29,7 +30,7 @@ def _check(records: list[dict], engine: str) -> None:
     bad = [r for r in records if not r.get("ok")]
     if bad:
         err = bad[0]["error"]
-        raise RuntimeError(f"{engine}: rank {bad[0]['rank']} raised {err['type']}: {err['message']}")
+        raise BenchError(f"{engine}: rank {bad[0]['rank']} raised {err['type']}: {err['message']}")
 
 
 def _spawned_rank(rank: int, world_size: int, store: str, scenario: str, spec_json: str, conn) -> None:
@@ -63,7 +64,7 @@ def spawn_example(scenario: str, spec: CaseSpec, world_size: int = 2, deadline: 
             records = []
             for r, (recv, _) in enumerate(pipes):
                 if not recv.poll(deadline):
-                    raise RuntimeError(f"spawn-per-example: rank {r} gave no result in {deadline:g}s")
+                    raise BenchError(f"spawn-per-example: rank {r} gave no result in {deadline:g}s")
                 records.append(json.loads(recv.recv()))
             for p in procs:
                 p.join(deadline)

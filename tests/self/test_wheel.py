@@ -100,15 +100,17 @@ def test_the_installed_wheel_runs_from_another_directory(installed, tmp_path):
 def test_the_plugin_leaves_a_project_that_does_not_ask_alone(installed, tmp_path):
     py, _ = installed
     (tmp_path / "test_mine.py").write_text(
-        "import pytest\n\n\n"
+        "import pytest\n"
+        "from hypothesis import settings\n\n\n"
         "@pytest.fixture\n"
         "def engine():\n"
         "    return 'mine'\n\n\n"
         "def test_mine(engine, request):\n"
         "    assert engine == 'mine'\n"
         "    assert request.config.pluginmanager.has_plugin('fsdp_conformance')\n"
+        "    assert request.config.getoption('--conformance-profile') is None  # the options are there\n"
+        "    assert settings.default.max_examples == 100  # Hypothesis's own, not a conformance profile\n"
     )
     out = _ok(_run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py"], cwd=tmp_path))
     assert "1 passed" in out
     assert not (tmp_path / "reports").exists()
-    assert "--conformance-profile" in _ok(_run([str(py), "-m", "pytest", "--help"], cwd=tmp_path))
