@@ -22,9 +22,11 @@ def fsdp2_unavailable() -> str | None:
     """Why FSDP2 cannot run a forward on this machine's CPU, or None.
 
     torch 2.4's FSDP2 (torch.distributed._composable.fsdp) creates CUDA
-    streams in its lazy init whatever the device: on a machine without a
-    usable GPU its first forward raises. Probed, not assumed from the version:
-    the comm context is built the way fully_shard's lazy init builds it."""
+    streams in its lazy init whatever the device; torch 2.6's makes CPU
+    streams but its forward records events on them, which a CPU Stream cannot:
+    on a machine without a usable GPU the first forward raises. Probed, not
+    assumed from the version: the comm context is built the way fully_shard's
+    lazy init builds it, and an event recorded on its all-gather stream."""
     ctx_cls = None
     for name in ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "torch.distributed._composable.fsdp._fsdp_param_group"):
         try:
@@ -40,6 +42,9 @@ def fsdp2_unavailable() -> str | None:
             ctx.lazy_init(torch.device("cpu"))
         else:
             ctx.init()  # torch 2.4: CUDA streams, unconditionally
+        # the forward records events on those streams: torch 2.6's CPU
+        # Stream has no record_event
+        ctx.all_gather_stream.record_event()
     except Exception as e:  # noqa: BLE001 - any failure means it cannot run here
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return f"FSDP2 in torch {_release()} cannot run on CPU here (its stream setup raised {type(e).__name__}: {first})"

@@ -188,6 +188,24 @@ def test_fsdp2_that_needs_cuda_streams_is_unavailable(monkeypatch):
     assert reason.startswith("FSDP2 in torch ") and "CUDA driver version is insufficient" in reason
 
 
+def test_fsdp2_whose_cpu_streams_cannot_record_events_is_unavailable(monkeypatch):
+    # torch 2.6: CPU streams, but the forward's stream.record_event() fails
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from conformance.adapters import support
+
+    def old_cpu_streams(self, device):
+        self.all_gather_stream = object()
+
+    monkeypatch.setattr(_fsdp_param_group.FSDPCommContext, "lazy_init", old_cpu_streams)
+    support.fsdp2_unavailable.cache_clear()
+    try:
+        reason = support.unavailable("fsdp2", "fsdp2", "fake")
+    finally:
+        support.fsdp2_unavailable.cache_clear()
+    assert "no attribute 'record_event'" in reason
+
+
 def test_session_skips_an_unavailable_api_with_its_reason(monkeypatch):
     from conformance.adapters import support
     from conformance.session import Session
