@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 # shellcheck disable=SC2086  # TORCH_SPEC may be several words ("--pre torch")
 python -m pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} ${TORCH_SPEC:-torch==2.13.0}
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,zoo]"
 python -c "import torch, hypothesis; print('torch', torch.__version__, '| hypothesis', hypothesis.__version__)"
 
 have_browser() { command -v chromium || command -v chromium-browser || command -v google-chrome || command -v google-chrome-stable; }

@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("fake", "gloo", "nccl", "auto")
 
 
@@ -29,8 +28,8 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _pytest(args: list[str]) -> int:
-    return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=ROOT)
+def _pytest(args: list[str], cwd=None) -> int:
+    return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=cwd)
 
 
 def _need_distributed() -> None:
@@ -85,23 +84,23 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 
 
 def cmd_run(ns) -> int:
-    from conformance import profiles
+    from conformance import paths, profiles
 
     try:
         profile = profiles.selected(ns.profile)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    args, report_dir = _conformance_args(ns, profile)
+    args, report_dir = _conformance_args(ns, profile, paths.default_report_dir())
     if ns.seed is not None:
         args.append(f"--hypothesis-seed={ns.seed}")
     live = ns.progress == "live" or (ns.progress == "auto" and sys.stdout.isatty() and not os.environ.get("CI"))
     return _run_pytest(args, report_dir, live)
 
 
-def _conformance_args(ns, profile: str) -> tuple[list[str], Path]:
+def _conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[str], Path]:
     """Validate the options `run` and `hunt` share; the pytest arguments of
     the conformance tests and the report directory."""
-    from conformance import invariants, profiles
+    from conformance import invariants, paths, profiles
     from conformance.report import data
 
     if ns.world_size < 1:
@@ -134,17 +133,20 @@ def _conformance_args(ns, profile: str) -> tuple[list[str], Path]:
                 data.load(b, "baseline")
             except data.ReportError as e:
                 raise UsageError(str(e)) from None
-    tests = ROOT / "tests" / "conformance"
+    tests = paths.SUITE
     if not tests.is_dir():
-        raise UsageError(f"{tests} not found: `run` needs a checkout of fsdp-conformance (pip install -e .)")
-    report_dir = Path(ns.report_dir).resolve()
+        raise UsageError(f"{tests} not found: this installation of fsdp-conformance lacks its conformance suite")
+    report_dir = Path(ns.report_dir or default_report_dir).resolve()
     try:
         report_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"cannot create report directory {report_dir}: {e.strerror}") from None
 
     args = [
-        str(tests), f"--conformance-profile={profile}", f"--tiers={','.join(tiers)}", f"--world-size={ns.world_size}",
+        # the installed suite alone, from any directory: no project's config
+        # or conftest applies (a venv inside a project would find its pyproject)
+        str(tests), f"--rootdir={tests}", "-c", os.devnull, f"--confcutdir={tests}", "-p", "no:cacheprovider",
+        f"--conformance-profile={profile}", f"--tiers={','.join(tiers)}", f"--world-size={ns.world_size}",
         f"--fake-world-size={ns.fake_world_size}", f"--report-dir={report_dir}", "--report=always", "-q", "-rfE",
         "--disable-warnings",
         f"--example-deadline={ns.deadline}",
@@ -168,7 +170,7 @@ def cmd_hunt(ns) -> int:
 
     if not ns.minutes > 0:
         raise UsageError(f"--minutes must be > 0, got {ns.minutes}")
-    args, report_dir = _conformance_args(ns, "hunt")
+    args, report_dir = _conformance_args(ns, "hunt", Path("reports") / "hunt")
 
     def run_round(stop_at: float, save: Path, priors: list[Path]) -> int:
         round_args = args + [f"--stop-at={stop_at}", f"--save-partials={save}"]
@@ -196,7 +198,7 @@ def _run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = Fal
             pass
 
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT if log else None,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
                             start_new_session=True, preexec_fn=_child_setup)
     for s in old:
         signal.signal(s, forward)
@@ -397,6 +399,7 @@ def cmd_repro(ns) -> int:
 
 
 def cmd_compare(ns) -> int:
+    from conformance import paths
     from conformance.report import compare, data
 
     *bases, new_path = ns.reports
@@ -404,16 +407,16 @@ def cmd_compare(ns) -> int:
     try:
         new = data.load(new_path, "report")
         if not bases:
-            bases = compare.default_baselines(new, ROOT / "reports" / "baselines")
+            bases = compare.default_baselines(new, paths.BASELINES)
             if not bases:
                 tiers = ", ".join(f"{t.get('backend')} W={t.get('world_size')}" for t in new.get("run", {}).get("tiers", []))
-                raise UsageError(f"no committed baseline in reports/baselines for torch <= {new.get('torch', {}).get('version')} and {tiers or 'its tiers'}; name BASE.json")
+                raise UsageError(f"no shipped baseline ({paths.shown(paths.BASELINES)}) for torch <= {new.get('torch', {}).get('version')} and {tiers or 'its tiers'}; name BASE.json")
             auto = True
         base = compare.merged([data.load(b, "baseline") for b in bases])
     except data.ReportError as e:
         raise UsageError(str(e)) from None
     if auto:
-        print("baseline: " + ", ".join(_rel(b) for b in bases), file=sys.stderr)
+        print("baseline: " + ", ".join(paths.shown(b) for b in bases), file=sys.stderr)
     c = compare.compare(base, new)
     text = json.dumps(c.to_dict(), indent=1) + "\n" if ns.format == "json" else compare.render(c, ns.format)
     if ns.output and ns.output != "-":
@@ -424,24 +427,30 @@ def cmd_compare(ns) -> int:
     return c.exit_status
 
 
-def _rel(p) -> str:
-    p = Path(p).resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
-
-
 def cmd_bench(ns) -> int:
-    from conformance.bench import bench_fake
+    from conformance import bench
 
-    bench_fake(examples=ns.examples, world_size=ns.world_size, seed=ns.seed)
-    if ns.engines:
-        from conformance.engine.bench import main as engine_bench
-
-        engine_bench(["--examples", str(min(ns.examples, 200))])
+    apis = [a for a in ns.api.split(",") if a] if ns.api != "all" else list(bench.APIS)
+    bad = [a for a in apis if a not in bench.APIS]
+    if bad:
+        raise UsageError(f"unknown API {bad[0]!r}; choose from {', '.join(bench.APIS)} or all")
+    for name in ("examples", "world_size", "fake_world_size"):
+        v = getattr(ns, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    _need_distributed()
+    bench.run(apis, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
+              fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json)
     return 0
 
 
 def cmd_selfcheck(ns) -> int:
-    return _pytest(["tests/self", "-q"])
+    from conformance import paths
+
+    checkout = paths.PACKAGE.parent
+    if not (checkout / "tests" / "self").is_dir():
+        raise UsageError("the suite's own tests (tests/self) are in a checkout of fsdp-conformance, not in the installed package")
+    return _pytest(["tests/self", "-q"], cwd=checkout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--examples", type=int, default=None, help="Hypothesis examples per test (default: the profile's)")
     r.add_argument("--seed", type=int, default=None, help="Hypothesis seed (the ci profile is derandomized)")
     r.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers (default 0: one process)")
-    r.add_argument("--report-dir", default=str(ROOT / "reports" / "latest"), help="where the report goes (default reports/latest)")
-    r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: reports/baselines/ for this torch; 'none')")
+    r.add_argument("--report-dir", default=None, help="where the report goes (default: reports/latest under the current directory)")
+    r.add_argument("--baseline", action="append", help="baseline report for FIXED verdicts (repeatable; default auto: the shipped baselines for this torch; 'none')")
     r.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
     r.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto", help="live progress (a terminal) or pytest's quiet log (CI, pipes)")
     r.add_argument("--database", default=None, help="keep and replay examples in this Hypothesis example database (a directory, github:OWNER/REPO, redis://HOST:PORT)")
@@ -475,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
     h.add_argument("--invariant", action="append", help="invariant ID or area (repeatable); default all")
     h.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers (default 0: one process)")
-    h.add_argument("--report-dir", default=str(ROOT / "reports" / "hunt"), help="where the report goes (default reports/hunt)")
+    h.add_argument("--report-dir", default=None, help="where the report goes (default: reports/hunt under the current directory)")
     h.add_argument("--baseline", action="append", help="baseline report (default auto; 'none')")
     h.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
     h.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
@@ -501,11 +510,14 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("-o", "--output", default="-", help="where the script goes (default: stdout)")
     rp.add_argument("--no-run", action="store_true", help="only write the script")
     rp.set_defaults(fn=cmd_repro)
-    b = sub.add_parser("bench", help="examples/s of the fake-tier FSDP1 checks; --engines adds the pool")
-    b.add_argument("--examples", type=int, default=500)
-    b.add_argument("--world-size", type=int, default=4)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake (issue: engine)")
+    b = sub.add_parser("bench", help="examples/s of the checks per FSDP API next to the time inside FSDP; --engines compares the engines")
+    b.add_argument("--api", default="all", help="fsdp1 (fake tier) | fsdp2 (gloo pool) | all (default), comma-separated")
+    b.add_argument("--examples", type=int, default=None, help="drawn examples per benchmark (default: fsdp1 500, fsdp2 100, engines 200)")
+    b.add_argument("--world-size", type=int, default=2, help="ranks of the gloo pool (default 2)")
+    b.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
+    b.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the drawn cases (default 0)")
+    b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake on the same cases")
+    b.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("selfcheck", help="run the suite's own tests")
     s.set_defaults(fn=cmd_selfcheck)

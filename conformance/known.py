@@ -39,6 +39,9 @@ class KnownFailure:
     summary: str
     repro: str
     upstream: str = ""
+    # why the regression corpus has no case for it (a finding seen on a real
+    # model that no CaseSpec expresses yet, or that no invariant observes yet)
+    no_corpus: str = ""
 
     @property
     def invariants(self) -> set[str]:
@@ -75,6 +78,7 @@ def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
                     summary=entry["summary"].strip(),
                     repro=entry["repro"],
                     upstream=entry.get("upstream", ""),
+                    no_corpus=entry.get("no_corpus", ""),
                 )
             )
         except (KeyError, InvalidSpecifier) as e:

@@ -10,7 +10,7 @@ import torch
 
 from conformance import known as known_mod
 from conformance.invariants import get
-from conformance.observation import Observation
+from conformance.observations import Observation
 from conformance.oracle import predict_fsdp1
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
@@ -49,7 +49,7 @@ class Handler:
 
 
 def _fsdp2_handlers() -> dict[str, Handler]:
-    from conformance.observation_fsdp2 import FSDP2Observation, TrainObservation
+    from conformance.observations import FSDP2Observation, TrainObservation
     from conformance.oracle.fsdp2 import predict_fsdp2
     from conformance.oracle.methods import predict_parity, predict_summon
 

@@ -95,6 +95,7 @@ class Tally:
     verdicts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     findings: dict[str, Finding] = field(default_factory=dict)
+    features: dict[str, int] = field(default_factory=dict)  # examples per case feature (conformance.features)
 
     @property
     def verdict(self) -> str:
@@ -122,6 +123,7 @@ class Tally:
             "examples": self.examples,
             "outcomes": dict(self.verdicts),
             "seconds": round(self.seconds, 3),
+            "features": dict(self.features),
             "findings": [f.to_dict() for f in self.findings.values()],
         }
 
@@ -187,6 +189,25 @@ class Session:
         self._changed()
         return t.findings[kind]
 
+    def _features(self, invariant: str, spec: CaseSpec, engine, tier: str) -> None:
+        """Count the example's case features (and report them to Hypothesis
+        as events: ``--hypothesis-show-statistics``)."""
+        from conformance.features import case_features
+
+        try:
+            feats = case_features(spec, getattr(engine, "world_size", 2))
+        except Exception:  # an oracle that rejects the case: no features, the check says why
+            feats = []
+        t = self.tally(invariant, tier, api_of(invariant, spec))
+        for f in feats:
+            t.features[f] = t.features.get(f, 0) + 1
+            try:
+                from hypothesis import event
+
+                event(f"case: {f}")
+            except Exception:  # outside a Hypothesis test (check, repro)
+                pass
+
     def _record_corpus(self, invariant: str, spec: CaseSpec, tier: str, verdict: str, known: list[str]) -> None:
         """Remember what a corpus case gave (the report tells a finding that
         no longer reproduces, FIXED, from one that was not checked)."""
@@ -212,6 +233,7 @@ class Session:
         from conformance.engine.errors import ExampleFailed
 
         skip_if_unavailable(invariant, spec, tier)
+        self._features(invariant, spec, engine, tier)
         t0 = time.perf_counter()
         try:
             res = check_case(invariant, spec, engine, self.known)

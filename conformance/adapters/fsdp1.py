@@ -24,7 +24,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from conformance.build import Built, build
-from conformance.observation import FROZEN_MARK, FrozenMessage, Observation, UnitObservation
+from conformance.observations import FROZEN_MARK, FrozenMessage, Observation, UnitObservation
 from conformance.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 
 FSDP_PREFIX = "_fsdp_wrapped_module."

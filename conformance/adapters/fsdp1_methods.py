@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from conformance.adapters.fsdp1 import wrap
 from conformance.adapters.fsdp2 import ATOL, RTOL, _err
 from conformance.build import build, call_args, method_callable
-from conformance.observation_fsdp2 import CallObservation, FSDP2Observation
+from conformance.observations import CallObservation, FSDP2Observation
 from conformance.spec import CaseSpec, effective_calls
 
 

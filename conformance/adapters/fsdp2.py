@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from conformance.adapters.fsdp1 import Aliases
 from conformance.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
-from conformance.observation_fsdp2 import (
+from conformance.observations import (
     CallObservation,
     FSDP2Observation,
     GradObservation,

@@ -13,7 +13,7 @@ from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err, full_tensor
 from conformance.build import build, read_attr
-from conformance.observation_fsdp2 import GradObservation, TrainObservation
+from conformance.observations import GradObservation, TrainObservation
 from conformance.spec import CaseSpec, TrainPlan
 
 # Training accumulates rounding differences (reduce-scatter averages in

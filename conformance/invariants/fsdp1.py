@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.invariants.catalog import DOC_FSDP, S000, invariant
-from conformance.observation import FROZEN_MARK, FrozenMessage, Observation
+from conformance.observations import FROZEN_MARK, FrozenMessage, Observation
 from conformance.oracle.fsdp1 import FSDP1Prediction, UnitPrediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
@@ -176,7 +176,11 @@ def check_state_dict(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) ->
     out = []
     got, want = set(obs.state_dict_keys), set(pred.state_dict_keys)
     if got != want:
-        out.append(_v("WRAP-STATE-DICT", f"state_dict keys: {_diff(got, want)}", tags, "kind:state-dict"))
+        # what kind of difference: keys missing, keys extra, FSDP's own flat-parameter keys
+        shape = {"sd:missing"} if want - got else set()
+        shape |= {"sd:extra"} if got - want else set()
+        shape |= {"sd:flat-param"} if any("_flat_param" in k for k in got - want) else set()
+        out.append(_v("WRAP-STATE-DICT", f"state_dict keys: {_diff(got, want)}", tags | shape, "kind:state-dict"))
     if spec.plan.use_orig_params:
         got, want = set(obs.named_parameters), set(pred.named_parameters)
         if got != want:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.invariants.catalog import invariant
-from conformance.observation_fsdp2 import FSDP2Observation
+from conformance.observations import FSDP2Observation
 from conformance.oracle.fsdp2 import TIE_CHECK_SINCE, FSDP2Prediction
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
@@ -32,6 +32,10 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
+    if any(len(g.modules) > 1 and g.reshard and any(_frozen_embedding(spec, m) for m in g.modules) for g in pred.groups):
+        # a list group with a module whose output needs no gradient (the case
+        # looks a frozen Embedding up with constant indices)
+        tags.add("group:multi-frozen-embedding")
     fsdp = set(pred.fsdp_modules)
     if any(_container_base(spec, path) for path in fsdp):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
@@ -49,6 +53,17 @@ def _container_base(spec: CaseSpec, path: str) -> bool:
     except SpecError:
         return False
     return any(c.name == cls and c.base in ("ModuleList", "ModuleDict") for c in spec.classes)
+
+
+def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
+    from conformance.spec import SpecError, module_at
+
+    try:
+        m = module_at(spec.tree, path)
+    except SpecError:  # a path through a shared module's second name
+        return False
+    tied = {t.module for t in spec.ties}
+    return m.cls == "Embedding" and not any(p.requires_grad for p in m.params) and path not in tied
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conformance.invariants.catalog import S004, invariant
 from conformance.invariants.fsdp2 import DOC_FULLY_SHARD, DOC_REGISTER, _v, applies, case_tags
-from conformance.observation_fsdp2 import CallObservation, FSDP2Observation, TrainObservation
+from conformance.observations import CallObservation, FSDP2Observation, TrainObservation
 from conformance.oracle.fsdp2 import CallPrediction, FSDP2Prediction
 from conformance.oracle.methods import ParityPrediction, SummonPrediction
 from conformance.spec import CaseSpec

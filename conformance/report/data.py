@@ -15,7 +15,7 @@ SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
 VERDICTS = ("PASS", "FAIL", "KNOWN", "FIXED", "SKIP")
 FAILING_KINDS = ("FAIL", "HANG", "CRASH", "ERROR")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one (git revision)
 
 
 class ReportError(ValueError):
@@ -30,6 +30,8 @@ def now() -> str:
 
 
 def _git(*args: str) -> str | None:
+    if not (ROOT / ".git").exists():  # an installed package: no checkout of its own
+        return None
     try:
         out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -111,7 +113,9 @@ def merge_tallies(partials: list[dict]) -> dict[tuple[str, str, str], dict]:
             key = (t["invariant"], t["api"], t["tier"])
             cur = out.get(key)
             if cur is None:
-                out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": []}
+                out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": [], "features": {}}
+            for k, v in t.get("features", {}).items():
+                cur["features"][k] = cur["features"].get(k, 0) + v
             cur["examples"] += t["examples"]
             cur["seconds"] += t["seconds"]
             for k, v in t["outcomes"].items():
@@ -259,6 +263,7 @@ def build(
                     "examples": 0,
                     "seconds": 0.0,
                     "outcomes": {},
+                    "features": {},
                     "findings": [],
                 }
                 fail_item = unexplained.get((inv_id, tier))
@@ -266,6 +271,7 @@ def build(
                     row["examples"] = t["examples"]
                     row["seconds"] = round(t["seconds"], 3)
                     row["outcomes"] = t["outcomes"]
+                    row["features"] = t.get("features", {})
                     for f in sorted(t["findings"], key=lambda f: (f["kind"] == "KNOWN", f["key"])):
                         fid = _finding_id(inv_id, key[1], tier, f["key"])
                         row["findings"].append(fid)
@@ -321,6 +327,8 @@ def build(
                 if r["invariant"] in k.invariants and r["verdict"] == "PASS" and any(c["tier"] == r["tier"] for c in checked):
                     r["verdict"] = "FIXED"
                     r["reason"] = f"the corpus case of known failure {k.id} no longer deviates"
+        elif k.no_corpus:
+            st = "unchecked"  # no corpus case (its entry says why): nothing to warn about
         elif examples == 0 or k.id in corpus_findings:
             # a finding with a corpus case is judged by that case alone; this
             # run did not select it
@@ -344,13 +352,16 @@ def build(
             "examples": examples,
         })
 
+    known_status = {k["id"]: k["status"] for k in known_out}
     for c in corpus_runs:
+        # per record: did this invariant show the case's finding? (whether
+        # the finding is fixed is the known failure's status, over every record)
         c["outcome"] = (
             "FAIL" if any(v in FAILING_KINDS for v in c["verdicts"])
             else "reproduced" if c["finding"] and c["finding"] in c["known"]
-            else "fixed" if c["finding"]
             else "PASS"
         )
+        c["finding_status"] = known_status.get(c["finding"]) if c["finding"] else None
     counts = {v: 0 for v in VERDICTS}
     for r in results:
         counts[r["verdict"]] += 1

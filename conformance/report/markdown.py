@@ -54,7 +54,7 @@ def render(report: dict, *, details: bool = True) -> str:
     corpus = report.get("corpus") or []
     if corpus:
         cases = sorted({c["case"] for c in corpus})
-        fixed = sorted({c["finding"] for c in corpus if c.get("outcome") == "fixed"})
+        fixed = sorted({c["finding"] for c in corpus if c.get("finding_status") == "fixed"})
         failed = sorted({c["case"] for c in corpus if c.get("outcome") == "FAIL"})
         lines += ["", f"Regression corpus: {len(cases)} case(s) checked first"
                   + (f"; **FAIL**: {', '.join(failed)}" if failed else "")
@@ -82,4 +82,25 @@ def render(report: dict, *, details: bool = True) -> str:
             lines += ["```python", code.rstrip(), "```", "</details>"]
         if len(findings) > MAX_FINDINGS:
             lines.append(f"\n... and {len(findings) - MAX_FINDINGS} more findings in the JSON report.")
+    return "\n".join(lines) + "\n"
+
+
+def features_table(report: dict) -> str:
+    """How often each case feature was drawn, per test area and tier: the
+    share of examples (conformance.features)."""
+    from conformance.features import FEATURES
+
+    rows: dict[tuple[str, str], dict] = {}
+    for r in report["results"]:
+        if not r["examples"]:
+            continue
+        key = (r.get("area") or r["invariant"], r["tier"])
+        acc = rows.setdefault(key, {"examples": 0, "features": {}})
+        acc["examples"] += r["examples"]
+        for f, n in r.get("features", {}).items():
+            acc["features"][f] = acc["features"].get(f, 0) + n
+    lines = ["| area | tier | examples | " + " | ".join(FEATURES) + " |", "| --- | --- | ---: |" + " ---: |" * len(FEATURES)]
+    for (area, tier), acc in sorted(rows.items()):
+        cells = [f"{100 * acc['features'].get(f, 0) / acc['examples']:.0f}%" for f in FEATURES]
+        lines.append(f"| {area} | {tier} | {acc['examples']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

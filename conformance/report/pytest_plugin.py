@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance import paths
 from conformance.report import data, write
 
 PLUGIN_NAME = "fsdp-conformance-report"
@@ -33,7 +34,7 @@ NEEDS_RANKS_REASON = "needs several real ranks: not run on the fake tier"
 def item_invariants(item) -> tuple[list[str], str | None]:
     """(invariant IDs, tier) a conformance test item checks: its
     ``invariant_id`` parameter, else (a test that checks several per example)
-    every invariant of its module's area (tests/conformance/test_<area>.py)."""
+    every invariant of its module's area (conformance/suite/test_<area>.py)."""
     cs = getattr(item, "callspec", None)
     params = cs.params if cs is not None else {}
     tier = params.get("engine")
@@ -66,7 +67,7 @@ class ReportPlugin:
         self.worker = getattr(config, "workerinput", {}).get("workerid")
         self.is_worker = self.worker is not None
         self.uses_xdist = not self.is_worker and getattr(config.option, "dist", "no") not in (None, "no")
-        self.report_dir = Path(config.getoption("--report-dir"))
+        self.report_dir = Path(config.getoption("--report-dir") or paths.default_report_dir(config.rootpath))
         self.partial_dir = self.report_dir / PARTIAL
         self.mode = config.getoption("--report")
         self.session = None
@@ -101,8 +102,13 @@ class ReportPlugin:
             settings.register_profile(f"{name}-max{n}", parent=settings.get_profile(name), max_examples=n)
             settings.load_profile(f"{name}-max{n}")
         if not self.is_worker and self.mode != "never":
-            shutil.rmtree(self.partial_dir, ignore_errors=True)
             self._load_baselines()
+        # a run that does not ask for conformance (a project that merely has
+        # the package installed) keeps its own files and signal handling
+        if not getattr(config, "_fsdp_conformance_requested", True):
+            return
+        if not self.is_worker and self.mode != "never":
+            shutil.rmtree(self.partial_dir, ignore_errors=True)
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -120,21 +126,33 @@ class ReportPlugin:
         raise KeyboardInterrupt("SIGTERM")
 
     def _load_baselines(self) -> None:
+        """The baselines named on the command line, now (a bad one is a usage
+        error); 'auto' ones when the report is built (they need torch)."""
         opts = self.config.getoption("--baseline") or ["auto"]
         if "none" in opts:
             return
-        paths = []
         for o in opts:
-            if o == "auto":
-                paths += [p for p in auto_baselines(tier_info(self.config)) if p.exists()]
-            else:
-                paths.append(Path(o))
-        for p in paths:
-            try:
-                self._baselines.append(data.load(p, "baseline"))
-            except data.ReportError as e:
-                raise pytest.UsageError(str(e)) from None
-            self._baseline_paths.append(_rel(p))
+            if o != "auto":
+                self._add_baseline(Path(o))
+
+    def _add_baseline(self, p: Path) -> None:
+        try:
+            self._baselines.append(data.load(p, "baseline"))
+        except data.ReportError as e:
+            raise pytest.UsageError(str(e)) from None
+        self._baseline_paths.append(paths.shown(p))
+
+    def _load_auto_baselines(self) -> None:
+        opts = self.config.getoption("--baseline") or ["auto"]
+        if "auto" not in opts or "none" in opts or getattr(self, "_auto_loaded", False):
+            return
+        self._auto_loaded = True
+        for p in auto_baselines(tier_info(self.config)):
+            if p.exists():
+                try:
+                    self._add_baseline(p)
+                except pytest.UsageError as e:  # a shipped baseline that does not load: say so, go on
+                    print(f"fsdp-conformance: {e}", file=sys.stderr)
 
     # ---- the session (the `conformance` fixture) ------------------------------
 
@@ -283,6 +301,7 @@ class ReportPlugin:
         parts = self.partials()
         if not self.wants_report(parts):
             return None
+        self._load_auto_baselines()
         from hypothesis import settings
 
         prof = settings.default
@@ -378,22 +397,16 @@ class ReportPlugin:
         tr.write_line(f"report: {self.report_dir / write.FILES['json']} (+ summary.md, junit.xml, report.html)")
 
 
-def _rel(p: Path) -> str:
-    try:
-        return str(Path(p).resolve().relative_to(data.ROOT))
-    except ValueError:
-        return str(p)
-
-
 def auto_baselines(tiers: list[dict], torch_version: str | None = None) -> list[Path]:
     """The committed baselines for this torch release and each tier's backend
-    and world size: reports/baselines/torch-<release>-<backend>-w<W>.json."""
+    and world size: <package>/baselines/torch-<release>-<backend>-w<W>.json
+    (reports/baselines in a checkout)."""
     if torch_version is None:
         import torch
 
         torch_version = torch.__version__
     release = torch_version.split("+")[0]
-    return [data.ROOT / "reports" / "baselines" / f"torch-{release}-{t['backend']}-w{t['world_size']}.json" for t in tiers]
+    return [paths.BASELINES / f"torch-{release}-{t['backend']}-w{t['world_size']}.json" for t in tiers]
 
 
 def _failure_line(report) -> str:

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from conformance.observation_fsdp2 import FSDP2Observation, TrainObservation
+from conformance.observations import FSDP2Observation, TrainObservation
 from conformance.runner import FAIL, PASS, evaluate, observations
 from conformance.spec import (
     CaseSpec, ClassSpec, CustomWrap, ForwardMethod, MethodCall, MethodStep, ModuleSpec, ParamSpec, ShardGroup,

@@ -1,12 +1,8 @@
-"""Engine throughput on the same specs: spawn-per-example, the pool, the fake tier.
-
-    python -m conformance.engine.bench [--examples N] [--scenario NAME] [--world-size W]
-"""
+"""Engine throughput on the same specs: spawn-per-example, the pool, the fake
+tier (``fsdp-conformance bench --engines``)."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -17,11 +13,6 @@ from typing import Sequence
 from conformance.engine.fake import FakeEngine
 from conformance.engine.pool import RankPool
 from conformance.spec import CaseSpec
-
-
-def default_scenario() -> str:
-    """fsdp1 once its adapter exists, echo before."""
-    return "fsdp1" if importlib.util.find_spec("conformance.adapters.fsdp1") is not None else "echo"
 
 
 def default_specs(n: int) -> list[CaseSpec]:
@@ -99,7 +90,7 @@ def bench_engines(
     (lazy imports) are timed apart, as is the fake tier's warm-up."""
     if not specs:
         raise ValueError("bench_engines needs at least one spec")
-    scenario = scenario or default_scenario()
+    scenario = scenario or "fsdp1"
 
     # (a) a fresh W-process gloo group per example, as MultiProcessTestCase does
     spawn_specs = list(specs[: max(1, spawn_examples)])
@@ -165,18 +156,12 @@ def bench_engines(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m conformance.engine.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--examples", type=int, default=200)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--scenario", default=None, help="default: fsdp1 if its adapter exists, else echo")
-    p.add_argument("--spawn-examples", type=int, default=3)
-    a = p.parse_args(argv)
-    result = bench_engines(
-        default_specs(a.examples), a.world_size, scenario=a.scenario, spawn_examples=a.spawn_examples
-    )
-    print(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+def show(res: dict) -> None:
+    p, f, s = res["pool"], res["fake"], res["spawn_per_example"]
+    print(f"engines, scenario {res['scenario']}, world size {res['world_size']}:")
+    print(f"  spawn per example: {s['examples_per_s']:.2f} examples/s ({s['examples']} examples)")
+    print(f"  gloo pool: {p['examples_per_s']:.1f} examples/s (startup {p['startup_seconds']:.1f} s, "
+          f"overhead {p['overhead_ms_per_example']:.1f} ms per example, {100 * p['overhead_fraction']:.0f}%)")
+    print(f"  fake tier: {f['examples_per_s']:.1f} examples/s")
+    r = res["ratios"]
+    print(f"  pool / spawn {r['pool_over_spawn']:.1f}x, fake / pool {r['fake_over_pool']:.1f}x")

@@ -1,5 +1,5 @@
-"""What FSDP2 (and the FSDP1 forward-method workaround, and training under
-either API) did with one case on one rank: pure data."""
+"""What FSDP2 (and the FSDP1 forward-method workaround, which reports in the
+same shape) did with one case on one rank: pure data."""
 
 from __future__ import annotations
 
@@ -104,46 +104,6 @@ class FSDP2Observation:
             c.pop("max_diff")
         for gr in d["grads"]:
             gr.pop("max_diff")
-        return d
-
-
-@dataclass(frozen=True)
-class TrainObservation:
-    """PARITY: a few optimizer steps against single-process training."""
-
-    api: str
-    rank: int
-    world_size: int
-    backend: str
-    torch_version: str
-    wrap_error: str | None = None
-    step_error: str | None = None
-    losses: tuple[float, ...] = ()
-    ref_losses: tuple[float, ...] = ()
-    losses_close: bool | None = None
-    params: tuple[GradObservation, ...] = ()  # close: final value equals the reference's; unchanged: equals the initial
-    frozen_grads_none: tuple[tuple[str, bool], ...] = ()
-    seconds: float = 0.0
-
-    @property
-    def values_meaningful(self) -> bool:
-        return self.backend != "fake"
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainObservation":
-        d = dict(d)
-        d["params"] = tuple(GradObservation(**x) for x in d.get("params", ()))
-        return cls(**_tup(d))
-
-    def comparable(self) -> dict:
-        d = self.to_dict()
-        for k in ("rank", "seconds", "losses", "ref_losses"):
-            d.pop(k)
-        for p in d["params"]:
-            p.pop("max_diff")
         return d
 
 

@@ -1,33 +1,15 @@
-"""Benchmark of the fake-tier FSDP1 checks: examples per second, and the share
-of time spent inside FSDP's own wrapping. Figures, not timed tests."""
+"""FSDP1 on the fake tier: examples per second of the auto-wrap checks, and the
+share of time spent inside FSDP's own wrapping (``fsdp-conformance bench --api fsdp1``)."""
 
 from __future__ import annotations
 
 import time
 
-from hypothesis import HealthCheck, Phase, given, settings
-
+from conformance.bench import draw
 from conformance.invariants import CATALOG
 from conformance.known import load
 from conformance.runner import evaluate, observations
 from conformance.spec import walk
-
-
-def draw_specs(n: int, seed: int, max_modules: int = 24) -> tuple[list, float]:
-    """n CaseSpecs from the suite's strategy, and the seconds drawing took."""
-    from strategies import case_specs
-
-    out: list = []
-
-    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(spec=case_specs(max_modules=max_modules))
-    def collect(spec):
-        out.append(spec)
-
-    t0 = time.perf_counter()
-    collect()
-    return out, time.perf_counter() - t0
 
 
 def _measure(engine, specs, scenario: str, invariants: list, known) -> dict:
@@ -55,13 +37,16 @@ def _measure(engine, specs, scenario: str, invariants: list, known) -> dict:
     }
 
 
-def bench_fake(examples: int = 500, world_size: int = 4, seed: int = 0) -> dict:
+def bench(examples: int = 500, world_size: int = 4, seed: int = 0) -> dict:
     """Both FSDP1 scenarios on the same drawn cases: structure (what 8 of the
     9 FSDP1 invariants read) and full (with state_dict(), for WRAP-STATE-DICT).
     Time inside FSDP = its constructor, plus state_dict() in the full one."""
     from conformance.engine.fake import FakeEngine
+    from strategies import case_specs
 
-    specs, draw_s = draw_specs(examples, seed)
+    t0 = time.perf_counter()
+    specs = draw(case_specs(max_modules=24), examples, seed)
+    draw_s = time.perf_counter() - t0
     engine = FakeEngine(world_size=world_size)
     known = load()
     # the auto-wrap invariants (FWD-SUMMON and PARITY observe other scenarios)
@@ -71,16 +56,23 @@ def bench_fake(examples: int = 500, world_size: int = 4, seed: int = 0) -> dict:
         "structure": _measure(engine, specs, "fsdp1-structure", structural, known),
         "full": _measure(engine, specs, "fsdp1", fsdp1, known),
     }
+    res["structure"]["invariants"] = len(structural)
+    res["full"]["invariants"] = len(fsdp1)
     engine.close()
     n = len(specs)
     sizes = [sum(1 for _ in walk(s.tree)) for s in specs]
-    res.update(examples=n, modules_mean=sum(sizes) / n, modules_max=max(sizes), draw_ms=1000 * draw_s / n)
-    print(f"fake tier, FSDP1, world size {world_size}: {n} drawn examples, trees of {res['modules_mean']:.1f} modules on average (max {res['modules_max']})")
+    res.update(examples=n, world_size=world_size, modules_mean=sum(sizes) / n, modules_max=max(sizes),
+               draw_ms=1000 * draw_s / n, draw_s=draw_s)
+    return res
+
+
+def show(res: dict) -> None:
+    n = res["examples"]
+    print(f"fake tier, FSDP1, world size {res['world_size']}: {n} drawn examples, trees of {res['modules_mean']:.1f} modules on average (max {res['modules_max']})")
     print(f"  drawing (Hypothesis): {res['draw_ms']:.2f} ms per example")
-    for name, label, count in (("structure", "structure scenario", len(structural)), ("full", "full scenario (+state_dict)", len(fsdp1))):
+    for name, label in (("structure", "structure scenario"), ("full", "full scenario (+state_dict)")):
         r = res[name]
-        with_draw = n / (r["total_s"] + draw_s)
-        print(f"  {label}: {r['examples_per_s']:.0f} examples/s checking {count} invariants each ({with_draw:.0f}/s counting drawing); "
+        with_draw = n / (r["total_s"] + res["draw_s"])
+        print(f"  {label}: {r['examples_per_s']:.0f} examples/s checking {r['invariants']} invariants each ({with_draw:.0f}/s counting drawing); "
               f"per example observe {r['observe_ms']:.2f} ms (inside FSDP {r['fsdp_ms']:.2f} ms), oracle+checks {r['check_ms']:.2f} ms; "
               f"inside FSDP {100 * r['fsdp_share']:.0f}%, suite overhead {100 * (1 - r['fsdp_share']):.0f}%")
-    return res

@@ -8,7 +8,7 @@ import textwrap
 from conformance.build import SCALE, SHIFT
 from conformance.oracle.fsdp2 import shard_order
 from conformance.oracle.graph import ModelGraph
-from conformance.report.repro import class_code, model_lines
+from conformance.report.repro.common import class_code, model_lines
 from conformance.spec import CaseSpec, effective_calls, walk
 
 # The case's forward and helpers, as conformance/build.py defines them.

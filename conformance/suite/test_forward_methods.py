@@ -13,7 +13,7 @@ from hypothesis import given, settings
 
 from conformance import corpus
 from strategies.methods import fsdp2_case_specs, summon_specs
-from tests.conformance.budget import examples
+from conformance.suite.budget import examples
 
 FSDP2_METHODS = ["FWD-ALLGATHER", "FWD-PARITY", "FWD-RESHARD", "FWD-NOOP", "FWD-MISSING", "FWD-NESTED", "FWD-ISOLATION"]
 

@@ -4,7 +4,9 @@ A scenario is ``fn(spec: CaseSpec) -> dict`` (JSON-able). It runs inside a
 rank whose default process group is initialised (pool, torchrun) or in the
 driver over the fake process group. Register one with ``@scenario("name")`` in
 any importable module; the driver must have imported that module, and ranks
-import it by name on first use.
+import it by name on first use. The suite's own scenarios live one module per
+FSDP API (fsdp1, fsdp2), training under either API (training), and the
+engine's self-checks (selfcheck); importing this package registers them all.
 
 Test-only scenarios (``test_only=True``) exist to exercise the engine's fault
 handling; ``fault=True`` marks the ones that hang or kill their process, which
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -143,114 +144,5 @@ def json_roundtrip(record: dict, catch: tuple[type[BaseException], ...] = (Excep
         return {"rank": record["rank"], "ok": False, "error": error_record(e), "seconds": record["seconds"]}
 
 
-# ---- helpers for scenarios -------------------------------------------------
-
-
-def _device():
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-# ---- the real scenarios ----------------------------------------------------
-
-
-def _observation_comparable(value: dict) -> Any:
-    from conformance.observation import Observation
-
-    return Observation.from_dict(value).comparable()
-
-
-@scenario("fsdp1", comparable=_observation_comparable, preload=("conformance.adapters.fsdp1",))
-def fsdp1(spec: CaseSpec) -> dict:
-    """Wrap the case with FSDP1 and observe it (conformance.adapters.fsdp1)."""
-    from conformance.adapters import fsdp1 as adapter
-
-    return adapter.observe(spec).to_dict()
-
-
-@scenario("fsdp1-structure", comparable=_observation_comparable, preload=("conformance.adapters.fsdp1",))
-def fsdp1_structure(spec: CaseSpec) -> dict:
-    """As fsdp1, without state_dict() (the invariants that do not read it)."""
-    from conformance.adapters import fsdp1 as adapter
-
-    return adapter.observe(spec, with_state_dict=False).to_dict()
-
-
-# ---- test-only scenarios: exercise the engine itself ------------------------
-
-
-@scenario("echo", test_only=True)
-def echo(spec: CaseSpec) -> dict:
-    """Rank, world size and seed, after an all_reduce that proves the group works."""
-    import torch
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    t = torch.tensor([float(rank + 1)], device=_device())
-    dist.all_reduce(t)
-    return {
-        "rank": rank,
-        "world_size": dist.get_world_size(),
-        "seed": spec.seed,
-        "rank_sum": int(t.item()),
-        "pid": os.getpid(),
-    }
-
-
-@scenario("raise", test_only=True)
-def raise_(spec: CaseSpec) -> dict:
-    """Every rank raises: an error record, not a crash."""
-    import torch.distributed as dist
-
-    raise ValueError(f"scenario 'raise' raised on rank {dist.get_rank()} (seed {spec.seed})")
-
-
-@scenario("sleep_forever", test_only=True, fault=True)
-def sleep_forever(spec: CaseSpec) -> dict:
-    """Rank 0 waits in a barrier that no other rank joins; the others sleep."""
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0 and dist.get_world_size() > 1:
-        dist.barrier()
-    while True:
-        time.sleep(3600)
-
-
-@scenario("exit_mid_collective", test_only=True, fault=True)
-def exit_mid_collective(spec: CaseSpec) -> dict:
-    """Rank 1 calls os._exit(3) while rank 0 waits in an all_reduce."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_rank() == 1:
-        time.sleep(0.2)  # let rank 0 enter the collective first
-        os._exit(3)
-    t = torch.ones(1, device=_device())
-    dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "sum": float(t.item())}
-
-
-@scenario("segfault", test_only=True, fault=True)
-def segfault(spec: CaseSpec) -> dict:
-    """Rank 1 dies of SIGSEGV while rank 0 waits in an all_reduce."""
-    import signal
-
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_rank() == 1:
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGSEGV)
-        time.sleep(10)  # not reached: faulthandler dumps, then the default action
-    t = torch.ones(1, device=_device())
-    dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "sum": float(t.item())}
-
-
-# FSDP2, forward methods and training parity register themselves here, so
-# that every driver (and a pool's preload) knows them.
-from conformance.engine import scenarios_fsdp2  # noqa: E402,F401
+# Every driver (and a pool's preload) knows the suite's scenarios.
+from conformance.engine.scenarios import fsdp1, fsdp2, selfcheck, training  # noqa: E402,F401

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 from conformance import corpus
 from strategies.methods import fsdp2_case_specs
-from tests.conformance.budget import examples
+from conformance.suite.budget import examples
 
 STRUCTURE = ["FSDP2-GROUPS", "FSDP2-FROZEN", "FSDP2-TIES"]
 

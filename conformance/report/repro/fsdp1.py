@@ -1,10 +1,13 @@
-"""Standalone, torch-only reproduction scripts for a CaseSpec and its violations."""
+"""Standalone, torch-only reproduction scripts for FSDP1 cases: build the case,
+wrap it with FullyShardedDataParallel, print what FSDP did next to what the
+spec says it must do."""
 
 from __future__ import annotations
 
 import textwrap
 
 from conformance.oracle import predict_fsdp1
+from conformance.report.repro.common import class_code, class_ref, model_lines
 from conformance.spec import (
     CaseSpec,
     CustomWrap,
@@ -12,11 +15,7 @@ from conformance.spec import (
     ModuleWrap,
     SizeBasedWrap,
     TransformerWrap,
-    join,
-    walk,
 )
-
-_TORCH = {"Module": "nn.Module", "Sequential": "nn.Sequential", "ModuleList": "nn.ModuleList", "ModuleDict": "nn.ModuleDict"}
 
 _OBSERVE = '''
 def show_pre_wrap_simulation():
@@ -88,9 +87,9 @@ def _policy_code(spec: CaseSpec, var: dict[str, str]) -> str:
     if pol is None:
         return "policy = None"
     if isinstance(pol, ModuleWrap):
-        return f"policy = ModuleWrapPolicy({{{', '.join(_cls(c) for c in pol.classes)}}})"
+        return f"policy = ModuleWrapPolicy({{{', '.join(class_ref(c) for c in pol.classes)}}})"
     if isinstance(pol, TransformerWrap):
-        return f"policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{', '.join(_cls(c) for c in pol.classes)}}})"
+        return f"policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{', '.join(class_ref(c) for c in pol.classes)}}})"
     if isinstance(pol, SizeBasedWrap):
         return f"policy = functools.partial(size_based_auto_wrap_policy, min_num_params={pol.min_num_params})"
     targets = "[" + ", ".join(var[t] for t in pol.targets) + "]"
@@ -108,45 +107,6 @@ def _policy_code(spec: CaseSpec, var: dict[str, str]) -> str:
     )
 
 
-def _cls(name: str) -> str:
-    return {"Linear": "nn.Linear", "Embedding": "nn.Embedding", "LayerNorm": "nn.LayerNorm"}.get(name, _TORCH.get(name, name))
-
-
-def model_lines(spec: CaseSpec) -> tuple[list[str], dict[str, str]]:
-    """Torch-only statements that build the case's module tree (shared
-    modules and ties included), and the variable of each spec path."""
-    var = {path: f"m{i}" for i, (path, _) in enumerate(walk(spec.tree))}
-    lines = ["torch.manual_seed(0)"]
-    for path, m in walk(spec.tree):
-        v = var[path]
-        if m.cls == "Linear":
-            w = m.params[0].shape
-            ctor = f"nn.Linear({w[1]}, {w[0]}, bias={len(m.params) == 2})"
-        elif m.cls == "Embedding":
-            ctor = f"nn.Embedding{tuple(m.params[0].shape)}"
-        elif m.cls == "LayerNorm":
-            ctor = f"nn.LayerNorm({m.params[0].shape[0]})"
-        else:
-            ctor = f"{_cls(m.cls)}()"
-        lines.append(f"{v} = {ctor}  # {path or '<root>'}")
-        if path:
-            parent = var[path.rpartition('.')[0]]
-            lines.append(f"{parent}.add_module({m.name!r}, {v})")
-        for p in m.params:
-            if m.cls not in ("Linear", "Embedding", "LayerNorm"):
-                lines.append(f"{v}.register_parameter({p.name!r}, nn.Parameter(torch.randn{tuple(p.shape)!r}))")
-            if not p.requires_grad:
-                lines.append(f"{v}.{p.name}.requires_grad_(False)")
-        for b in m.buffers:
-            lines.append(f"{v}.register_buffer({b.name!r}, torch.randn{tuple(b.shape)!r})")
-    for s in spec.shared:
-        lines.append(f"{var[s.parent]}.add_module({s.name!r}, {var[s.source]})  # shared module")
-    for t in spec.ties:
-        src_path, _, src_name = t.source.rpartition(".")
-        lines.append(f"setattr({var[t.module]}, {t.name!r}, {var[src_path]}.{src_name})  # tied parameter")
-    return lines, var
-
-
 def build_code(spec: CaseSpec) -> str:
     """Source of `build()` returning (model, policy, kwargs), torch-only."""
     lines, var = model_lines(spec)
@@ -158,18 +118,6 @@ def build_code(spec: CaseSpec) -> str:
         kw.append("ignored_states=[" + ", ".join(f"m0.get_parameter({f!r})" for f in spec.plan.ignored_params) + "]")
     lines.append(f"return m0, policy, dict({', '.join(kw)})")
     return "def build():\n" + textwrap.indent("\n".join(lines), "    ") + "\n"
-
-
-def class_code(spec: CaseSpec) -> str:
-    out = []
-    done = set(_TORCH)
-    pending = list(spec.classes)
-    while pending:
-        c = next(c for c in pending if c.base in done)
-        pending.remove(c)
-        done.add(c.name)
-        out.append(f"class {c.name}({_cls(c.base)}):\n    pass\n")
-    return "\n\n".join(out)
 
 
 def expected_text(spec: CaseSpec) -> str:
@@ -187,56 +135,6 @@ def expected_text(spec: CaseSpec) -> str:
             if t.below_lca:
                 lines.append(f"  an error: tied {t.fqn} would live in unit {t.unit or '<root>'}, below the common ancestor {t.lca or '<root>'}")
     return "\n".join(lines)
-
-
-# API -> fn(spec, violations, title) -> script: a torch-only generator for
-# cases of that API (FSDP1's is below; another API registers its own).
-GENERATORS: dict = {}
-
-
-def repro_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
-    """The standalone repro script of a case: torch-only where a generator
-    exists for its API, else one that replays the case through this suite."""
-    api = getattr(spec.plan, "api", "fsdp1")
-    gen = GENERATORS.get(api)
-    # the torch-only generators build, wrap and call; they do not train: a
-    # PARITY case replays through the suite
-    if gen is not None and getattr(spec, "train", None) is None:
-        return gen(spec, violations, title)
-    return suite_script(spec, violations, title)
-
-
-def suite_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
-    """A script that replays the case with fsdp-conformance installed (for an
-    API that has no torch-only generator yet): checks ``title``'s invariant,
-    or every invariant of the case's API, on the fake tier or $BACKEND."""
-    import torch
-
-    head = [
-        f"# fsdp-conformance reproduction{': ' + title if title else ''} ({spec.plan.api})",
-        f"# found with torch {torch.__version__}",
-        f"# no torch-only generator for API {spec.plan.api!r} yet: this script replays the case through fsdp-conformance",
-    ]
-    head += [f"# {v}" for v in violations or ()]
-    head.append("# run: python repro.py   (BACKEND=gloo WORLD_SIZE=2 python repro.py for a rank pool)")
-    inv = title if title and title.upper() == title and " " not in title else ""
-    body = f'''
-import os
-import sys
-import tempfile
-
-from conformance.cli import main
-
-CASE = {spec.to_json()!r}
-INVARIANT = {inv!r}
-
-if __name__ == "__main__":
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        f.write(CASE)
-    args = ["check", f.name, "--backend", os.environ.get("BACKEND", "fake"), "--world-size", os.environ.get("WORLD_SIZE", "4")]
-    sys.exit(main(args + (["--invariant", INVARIANT] if INVARIANT else [])))
-'''
-    return "\n".join(head) + "\n" + body
 
 
 def fsdp1_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
@@ -270,15 +168,3 @@ def fsdp1_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     )
     parts = ["\n".join(head), imports, class_code(spec), build_code(spec), f"EXPECTED = {expected_text(spec)!r}\n", _OBSERVE]
     return "\n\n".join(p for p in parts if p.strip()).rstrip() + "\n"
-
-
-GENERATORS["fsdp1"] = fsdp1_script
-
-
-def _fsdp2_script(spec, violations=None, title=""):
-    from conformance.report.repro_fsdp2 import fsdp2_script
-
-    return fsdp2_script(spec, violations, title)
-
-
-GENERATORS["fsdp2"] = _fsdp2_script

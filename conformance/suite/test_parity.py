@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 from conformance import corpus
 from strategies.methods import training_specs
-from tests.conformance.budget import examples
+from conformance.suite.budget import examples
 
 
 @pytest.mark.parametrize("invariant_id", ["PARITY"])

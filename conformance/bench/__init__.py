@@ -1,0 +1,55 @@
+"""``fsdp-conformance bench``: the one way to measure the suite's speed, as
+printed figures (never timed tests). One module per FSDP API (fsdp1: the
+fake tier's auto-wrap checks; fsdp2: FSDP2, forward methods and training on
+the gloo pool) and the engines compared on the same cases (engines)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
+
+APIS = ("fsdp1", "fsdp2")
+# examples per API when --examples is not given: a few seconds each
+DEFAULT_EXAMPLES = {"fsdp1": 500, "fsdp2": 100, "engines": 200}
+
+
+def draw(strategy, n: int, seed: int = 0) -> list:
+    """``n`` values of ``strategy``, the same ones for the same seed."""
+    out: list = []
+
+    @hseed(seed)
+    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(value):
+        out.append(value)
+
+    collect()
+    return out
+
+
+def run(apis=APIS, *, engines: bool = False, examples: int | None = None, world_size: int = 2,
+        fake_world_size: int = 4, seed: int = 0, json_path: str | None = None) -> dict:
+    """Run the benchmarks of ``apis`` (and the engines), print their figures,
+    return them (and write them as JSON to ``json_path``)."""
+    results: dict = {}
+    if "fsdp1" in apis:
+        from conformance.bench import fsdp1
+
+        results["fsdp1"] = fsdp1.bench(examples or DEFAULT_EXAMPLES["fsdp1"], fake_world_size, seed)
+        fsdp1.show(results["fsdp1"])
+    if "fsdp2" in apis:
+        from conformance.bench import fsdp2
+
+        results["fsdp2"] = fsdp2.bench(examples or DEFAULT_EXAMPLES["fsdp2"], world_size, seed)
+        fsdp2.show(results["fsdp2"])
+    if engines:
+        from conformance.bench import engines as eng
+
+        results["engines"] = eng.bench_engines(eng.default_specs(examples or DEFAULT_EXAMPLES["engines"]), world_size)
+        eng.show(results["engines"])
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+    return results

@@ -1,0 +1,88 @@
+"""Test-only scenarios that exercise the engine itself (a working group, an
+error record, hangs and dying ranks); ``fault=True`` marks the ones the
+in-process fake tier refuses to run."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from conformance.engine.scenarios import scenario
+from conformance.spec import CaseSpec
+
+
+def _device():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@scenario("echo", test_only=True)
+def echo(spec: CaseSpec) -> dict:
+    """Rank, world size and seed, after an all_reduce that proves the group works."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    t = torch.tensor([float(rank + 1)], device=_device())
+    dist.all_reduce(t)
+    return {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "seed": spec.seed,
+        "rank_sum": int(t.item()),
+        "pid": os.getpid(),
+    }
+
+
+@scenario("raise", test_only=True)
+def raise_(spec: CaseSpec) -> dict:
+    """Every rank raises: an error record, not a crash."""
+    import torch.distributed as dist
+
+    raise ValueError(f"scenario 'raise' raised on rank {dist.get_rank()} (seed {spec.seed})")
+
+
+@scenario("sleep_forever", test_only=True, fault=True)
+def sleep_forever(spec: CaseSpec) -> dict:
+    """Rank 0 waits in a barrier that no other rank joins; the others sleep."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0 and dist.get_world_size() > 1:
+        dist.barrier()
+    while True:
+        time.sleep(3600)
+
+
+@scenario("exit_mid_collective", test_only=True, fault=True)
+def exit_mid_collective(spec: CaseSpec) -> dict:
+    """Rank 1 calls os._exit(3) while rank 0 waits in an all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.2)  # let rank 0 enter the collective first
+        os._exit(3)
+    t = torch.ones(1, device=_device())
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": float(t.item())}
+
+
+@scenario("segfault", test_only=True, fault=True)
+def segfault(spec: CaseSpec) -> dict:
+    """Rank 1 dies of SIGSEGV while rank 0 waits in an all_reduce."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(10)  # not reached: faulthandler dumps, then the default action
+    t = torch.ones(1, device=_device())
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": float(t.item())}

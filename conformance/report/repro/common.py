@@ -1,0 +1,59 @@
+"""What every API's repro script shares: torch-only code that builds a case's
+module tree (shared modules and ties included) and its classes."""
+
+from __future__ import annotations
+
+from conformance.spec import CaseSpec, walk
+
+_TORCH = {"Module": "nn.Module", "Sequential": "nn.Sequential", "ModuleList": "nn.ModuleList", "ModuleDict": "nn.ModuleDict"}
+
+
+def class_ref(name: str) -> str:
+    return {"Linear": "nn.Linear", "Embedding": "nn.Embedding", "LayerNorm": "nn.LayerNorm"}.get(name, _TORCH.get(name, name))
+
+
+def model_lines(spec: CaseSpec) -> tuple[list[str], dict[str, str]]:
+    """Torch-only statements that build the case's module tree (shared
+    modules and ties included), and the variable of each spec path."""
+    var = {path: f"m{i}" for i, (path, _) in enumerate(walk(spec.tree))}
+    lines = ["torch.manual_seed(0)"]
+    for path, m in walk(spec.tree):
+        v = var[path]
+        if m.cls == "Linear":
+            w = m.params[0].shape
+            ctor = f"nn.Linear({w[1]}, {w[0]}, bias={len(m.params) == 2})"
+        elif m.cls == "Embedding":
+            ctor = f"nn.Embedding{tuple(m.params[0].shape)}"
+        elif m.cls == "LayerNorm":
+            ctor = f"nn.LayerNorm({m.params[0].shape[0]})"
+        else:
+            ctor = f"{class_ref(m.cls)}()"
+        lines.append(f"{v} = {ctor}  # {path or '<root>'}")
+        if path:
+            parent = var[path.rpartition('.')[0]]
+            lines.append(f"{parent}.add_module({m.name!r}, {v})")
+        for p in m.params:
+            if m.cls not in ("Linear", "Embedding", "LayerNorm"):
+                lines.append(f"{v}.register_parameter({p.name!r}, nn.Parameter(torch.randn{tuple(p.shape)!r}))")
+            if not p.requires_grad:
+                lines.append(f"{v}.{p.name}.requires_grad_(False)")
+        for b in m.buffers:
+            lines.append(f"{v}.register_buffer({b.name!r}, torch.randn{tuple(b.shape)!r})")
+    for s in spec.shared:
+        lines.append(f"{var[s.parent]}.add_module({s.name!r}, {var[s.source]})  # shared module")
+    for t in spec.ties:
+        src_path, _, src_name = t.source.rpartition(".")
+        lines.append(f"setattr({var[t.module]}, {t.name!r}, {var[src_path]}.{src_name})  # tied parameter")
+    return lines, var
+
+
+def class_code(spec: CaseSpec) -> str:
+    out = []
+    done = set(_TORCH)
+    pending = list(spec.classes)
+    while pending:
+        c = next(c for c in pending if c.base in done)
+        pending.remove(c)
+        done.add(c.name)
+        out.append(f"class {c.name}({class_ref(c.base)}):\n    pass\n")
+    return "\n\n".join(out)
