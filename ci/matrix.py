@@ -72,6 +72,16 @@ def _run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> 
             raise
 
 
+def install_suite(release: str, venv: Path, log: Path, timeout: float) -> None:
+    """The suite, editable, into the venv (its entry points: the pytest plugin),
+    with torch pinned: pip must not replace the release under test."""
+    pin = venv / "torch-pin.txt"
+    pin.write_text(f"torch=={release}\n")
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-cache-dir", "--no-compile"]
+    if _run(pip + ["-c", str(pin), "-e", str(ROOT)], log, timeout) != 0:
+        raise NotRun(f"pip install the suite: {_last_line(log.read_text())}")
+
+
 def install(release: str, venv: Path, log: Path, python: str, timeout: float) -> str:
     """A venv with torch==release and the suite; returns torch.__version__."""
     if _run([python, "-m", "venv", str(venv)], log, 300) != 0:
@@ -80,10 +90,7 @@ def install(release: str, venv: Path, log: Path, python: str, timeout: float) ->
     pip = [py, "-m", "pip", "install", "-q", "--no-cache-dir", "--no-compile"]  # no .pyc for all of torch: minutes on 2 cores
     if _run(pip + [f"torch=={release}"], log, timeout) != 0:
         raise NotRun(f"pip install torch=={release}: {_last_line(log.read_text())}")
-    pin = venv / "torch-pin.txt"
-    pin.write_text(f"torch=={release}\n")  # the suite's install must not replace this torch
-    if _run(pip + ["-c", str(pin), "-e", str(ROOT)], log, timeout) != 0:
-        raise NotRun(f"pip install the suite: {_last_line(log.read_text())}")
+    install_suite(release, venv, log, timeout)
     proc = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise NotRun(f"import torch: {_last_line(proc.stderr)}")
@@ -178,7 +185,9 @@ def run_release(release: str, args) -> None:
             if args.keep_venvs:
                 _wait_for_installer(venv)
             version = kept_venv(release, venv) if args.keep_venvs else None
-            if version is None:
+            if version is not None:
+                install_suite(release, venv, log, args.install_timeout)  # the suite may have changed since
+            else:
                 shutil.rmtree(venv, ignore_errors=True)
                 print(f"{release}: installing (log {log})", flush=True)
                 version = install(release, venv, log, args.python, args.install_timeout)

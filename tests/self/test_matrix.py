@@ -221,7 +221,7 @@ def test_the_bare_already_wrapped_assertion_of_older_torch_gets_its_words(tmp_pa
     # _recursive_wrap, no message; 2.13 says "Child module ... is already wrapped"
     from conformance.adapters.fsdp1 import error_text
     from conformance.invariants.fsdp1 import error_tags
-    from conformance.observation import FrozenMessage, Observation
+    from conformance.observations.fsdp1 import FrozenMessage, Observation
 
     # a module of its own: pytest would give a test module's assert a message
     (tmp_path / "old_wrap.py").write_text("def _recursive_wrap(child):\n    assert not isinstance(child, int)\n")
