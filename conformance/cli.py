@@ -359,7 +359,17 @@ def cmd_check(ns) -> int:
     from conformance.models import NOT_FOR_MODELS
 
     selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
-    return _check(spec, [i for i in selected if spec.plan.api in i.api.split("|")], ns.backend, ns.world_size)
+    return _check(spec, [i for i in selected if spec.plan.api in i.api.split("|") and _applicable(i, spec)], ns.backend, ns.world_size)
+
+
+def _applicable(inv, spec) -> bool:
+    """The lifecycle invariants need their part of the case (a checkpoint
+    plan, a training schedule); a case without it has nothing for them."""
+    if inv.scenario.startswith("ckpt"):
+        return getattr(spec, "ckpt", None) is not None
+    if inv.scenario == "schedule":
+        return getattr(spec, "schedule", None) is not None
+    return True
 
 
 def _check(spec, selected, backend: str, world_size: int) -> int:
@@ -416,7 +426,7 @@ def cmd_repro(ns) -> int:
         except invariants.UnknownInvariant as e:
             raise UsageError(str(e)) from None
     else:
-        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|")
+        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|") and _applicable(i, spec)
                     and not (hasattr(spec, "target") and i.id == "FWD-SUMMON")]
     lines = [v["message"] if isinstance(v, dict) else str(v) for v in (finding or {}).get("violations", [])]
     title = inv_id or Path(ns.spec).stem

@@ -87,7 +87,11 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
             continue
         got = set(o.keys)
         if got != want:
-            kind = "kind:frozen-kept" if frozen and got - want <= frozen else "kind:keys"
+            # which frozen names were kept: only second names of tied / shared
+            # parameters (their first name dropped), or any
+            second_names = {a for group in pred.tied for a in group[1:]}
+            extra = got - want
+            kind = ("kind:frozen-alias-kept" if extra <= second_names else "kind:frozen-kept") if frozen and extra <= frozen else "kind:keys"
             out.append(_v("SD-FULL", f"rank {o.rank}: keys {set_diff(got, want)}", tags, kind))
         if o.wrong_values and o.values_meaningful:
             out.append(_v("SD-FULL", f"rank {o.rank}: values of {list(o.wrong_values)} differ from the unwrapped model's", tags, "kind:values"))
