@@ -176,6 +176,34 @@ def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor)
     return float((a - b).abs().max() / (1.0 + b.abs().max())) if a.numel() else 0.0
 
 
+_SIDE: dict[int, object] = {}
+
+
+def _side_group():
+    """A gloo group beside the default one, for the suite's own agreement
+    between ranks: its all-reduce never pairs up with one of FSDP's
+    collectives on the default group. Created once per rank process, by every
+    rank at the same point (the first schedule it runs)."""
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _SIDE:
+        _SIDE.clear()
+        _SIDE[key] = dist.new_group(backend="gloo")
+    return _SIDE[key]
+
+
+def any_rank_failed(failed: bool) -> bool:
+    """Whether this rank or any other failed at the same point of the
+    schedule. Every rank asks after each phase that can raise on some ranks
+    only (a sharded parameter's gradient lives on one rank), before the
+    suite's next collective: a rank that raised has left the example, and
+    a collective of the suite's own would then wait for it forever."""
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    dist.all_reduce(flag, group=_side_group())
+    return bool(flag.item())
+
+
 class Runner:
     """One schedule on one rank: the FSDP model, the reference, their optimizers."""
 
@@ -287,6 +315,7 @@ class Runner:
             self.set_skip(mb.skip)
             where = f"step {si} microbatch {k}"
             rec = ReduceRecorder()
+            failed = None
             try:
                 if self.api == "fsdp2":
                     self.model.set_requires_gradient_sync(sync)
@@ -305,8 +334,8 @@ class Runner:
                             if isinstance(m, FSDPModule):
                                 m.reshard()
             except Exception as e:
-                obs["step_error"] = f"{where}: {_err(e)}"
-                raise _Stop from e
+                failed = e
+            self.agree(obs, where, failed)
             ref_fn = self.ref.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.ref.model, self.spec, s.first)
             losses = [(ref_fn(data(self.spec, si, k, r)) ** 2).sum() for r in range(self.world)]
             total = sum(losses) / self.world
@@ -316,11 +345,12 @@ class Runner:
             obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(out.dtype),
                                                       float((loss.detach() - mine).abs() / (1 + mine.abs()))))
         self.set_skip(())
+        failed = None
         try:
             self._record_grads(si, obs)
         except Exception as e:
-            obs["step_error"] = f"step {si} gradients: {_err(e)}"
-            raise _Stop from e
+            failed = e
+        self.agree(obs, f"step {si} gradients", failed)
         try:
             if self.spec.schedule.precision is not None and self.spec.schedule.precision.keep_low_precision_grads:
                 for p in self.model.parameters():  # a full-precision optimizer needs full-precision gradients
@@ -328,19 +358,41 @@ class Runner:
                         p.grad = p.grad.to(p.dtype)
             self.opt.step()
         except Exception as e:
-            obs["step_error"] = f"step {si} optimizer: {_err(e)}"
-            raise _Stop from e
+            failed = e
+        self.agree(obs, f"step {si} optimizer", failed)
         self.ropt.step()
         # FSDP1 use_orig_params=True with keep_low_precision_grads: summon_full_params
         # with low-precision gradients present raises on the ranks that hold a
         # gradient shard only (the others wait in its all-gather); they were read above
         self.opt.zero_grad(set_to_none=True)
-        after = self.full_values()
+        after = self.values(obs, f"step {si} values")
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
         for f in self.names:
             obs["params"].append(ValueSeen(si, f, _name(after[f].dtype), False, False, _err_rel(after[f], ref[f], ref[f]),
                                            bool(torch.equal(after[f], start[f]))))
         return after
+
+    def agree(self, obs: dict, where: str, failed: BaseException | None) -> None:
+        """Record this rank's failure at ``where``; stop every rank (_Stop)
+        if any rank failed there (see any_rank_failed)."""
+        if failed is not None:
+            obs["step_error"] = f"{where}: {_err(failed)}"
+        if any_rank_failed(failed is not None):
+            if failed is None:
+                obs["peer_failed"] = where
+            raise _Stop from failed
+
+    def values(self, obs: dict, where: str) -> dict[str, torch.Tensor]:
+        """full_values, its failure recorded like a step's (summon_full_params
+        can raise on some ranks only: those then stop here while the others
+        wait in its all-gather, a hang inside FSDP)."""
+        failed, out = None, {}
+        try:
+            out = self.full_values()
+        except Exception as e:
+            failed = e
+        self.agree(obs, where, failed)
+        return out
 
     def _record_grads(self, si: int, obs: dict) -> None:
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
@@ -370,13 +422,18 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
                 backend=str(dist.get_backend()), torch_version=torch.__version__)
     t0 = time.perf_counter()
     run = Runner(spec)
+    failed = None
     try:
         run.wrap()
     except Exception as e:
-        return ScheduleObservation(**base, wrap_error=_err(e), seconds=time.perf_counter() - t0)
-    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None}
+        failed = e
+    # (every rank creates the side group here, before FSDP can disagree)
+    if any_rank_failed(failed is not None):
+        return ScheduleObservation(**base, wrap_error=_err(failed) if failed else None, peer_failed=None if failed else "wrap",
+                                   seconds=time.perf_counter() - t0)
+    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None, "peer_failed": None}
     try:
-        values = run.full_values()
+        values = run.values(obs, "initial values")
         for si in range(len(spec.schedule.steps)):
             values = run.step(si, obs, values)
     except _Stop:
@@ -384,7 +441,7 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     buffers = tuple((run.aliases.canon_of_module.get(id(m), "?") + "." + n if run.aliases.canon_of_module.get(id(m)) else n, _name(b.dtype))
                     for m in run.built.modules.values() for n, b in m._buffers.items() if b is not None)
     return ScheduleObservation(
-        **base, step_error=obs["step_error"], forwards=tuple(run.recorder.seen.values()),
+        **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], forwards=tuple(run.recorder.seen.values()),
         microbatches=tuple(obs["microbatches"]), grads=tuple(obs["grads"]) + tuple(obs["flat"]), params=tuple(obs["params"]),
         buffers_after=buffers, seconds=time.perf_counter() - t0,
     )

@@ -58,6 +58,9 @@ class ScheduleObservation:
     torch_version: str
     wrap_error: str | None = None
     step_error: str | None = None  # "step S microbatch M: Type: message"
+    # where this rank stopped because another rank failed there (it raised
+    # nothing itself): the ranks then disagree on step_error or wrap_error
+    peer_failed: str | None = None
     forwards: tuple[ForwardSeen, ...] = ()
     microbatches: tuple[MicrobatchSeen, ...] = ()
     grads: tuple[ValueSeen, ...] = ()  # () where FSDP exposes no per-parameter gradient
@@ -82,7 +85,7 @@ class ScheduleObservation:
     def comparable(self) -> dict:
         """What every rank must agree on (errors differ by rank's data)."""
         d = self.to_dict()
-        for k in ("rank", "seconds"):
+        for k in ("rank", "seconds", "peer_failed"):
             d.pop(k)
         for mb in d["microbatches"]:
             mb.pop("loss_err")

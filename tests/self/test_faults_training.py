@@ -97,6 +97,21 @@ def test_fault_is_caught_inside_the_ranks(invariant, case, fault, kind, pool):
     assert any(kind in v.tags for v in res.violations), res.describe()
 
 
+@pytest.mark.gloo
+@pytest.mark.parametrize("fault,where", [("rank1-post-backward-raises", "step 0 microbatch 0"), ("rank1-optimizer-raises", "step 0 optimizer")])
+def test_one_rank_failing_is_a_disagreement_not_a_hang(fault, where, pool):
+    """A rank that raises leaves the example; the others must not wait for it
+    in a collective of the suite's own (summon_full_params, all-gathers):
+    the result is the ranks' disagreement, well before the pool's deadline."""
+    spec = CASES["fsdp1-accum"]()
+    obs = observations(pool, spec, f"fault:schedule:{fault}", ScheduleObservation.from_dict)
+    by_rank = {o.rank: o for o in obs}
+    assert by_rank[1].step_error.startswith(f"{where}: RuntimeError: injected"), by_rank[1]
+    assert by_rank[0].step_error is None and by_rank[0].peer_failed == where, by_rank[0]
+    res = evaluate("ACCUM", spec, obs)
+    assert res.verdict == FAIL and any(v.invariant == "RANKS-AGREE" for v in res.violations), res.describe()
+
+
 def test_a_torch_without_the_apis_is_a_skip_with_its_reason(monkeypatch):
     from conformance.adapters import schedule
 
