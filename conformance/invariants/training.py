@@ -51,6 +51,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("skips")
     if s.first >= 0:
         tags.add("method-first")
+    if spec.ties:
+        tags.add("tied")
     return tags
 
 
@@ -68,15 +70,33 @@ ERRORS = {
 }
 
 
+def error_tags(obs: ScheduleObservation) -> set[str]:
+    """What one rank raised, as tags: where, the exception type, ERRORS."""
+    if obs.wrap_error:
+        return {"at:wrap"}
+    if not obs.step_error:
+        return set()
+    error = obs.step_error.partition(": ")[2].partition(":")[0]  # "step S microbatch M: Type: message"
+    where = "at:optimizer" if "optimizer" in obs.step_error else "at:gradients" if "gradients" in obs.step_error else "at:microbatch"
+    return {f"error:{error}", where, *(t for frag, t in ERRORS.items() if frag in obs.step_error)}
+
+
 def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
     if obs.wrap_error:
-        return [_v(inv, f"wrapping raised {obs.wrap_error}", tags, "kind:raised", "at:wrap")]
+        return [_v(inv, f"wrapping raised {obs.wrap_error}", tags, "kind:raised", *error_tags(obs))]
     if obs.step_error:
-        error = obs.step_error.partition(": ")[2].partition(":")[0]  # "step S microbatch M: Type: message"
-        extra = [t for frag, t in ERRORS.items() if frag in obs.step_error]
-        where = "at:optimizer" if "optimizer" in obs.step_error else "at:gradients" if "gradients" in obs.step_error else "at:microbatch"
-        return [_v(inv, f"training raised at {obs.step_error}", tags, "kind:raised", f"error:{error}", where, *extra)]
+        return [_v(inv, f"training raised at {obs.step_error}", tags, "kind:raised", *error_tags(obs))]
     return []
+
+
+def ranks_tags(spec: CaseSpec, pred: SchedulePrediction, obs: list[ScheduleObservation]) -> set[str]:
+    """A rank disagreement on a schedule (runner's RANKS-AGREE): the case's
+    tags and what each rank raised (a failure that depends on which rank's
+    shard holds a parameter makes the ranks disagree)."""
+    tags = case_tags(spec, pred, obs[0].world_size)
+    for o in obs:
+        tags |= error_tags(o)
+    return tags
 
 
 @invariant(
