@@ -345,6 +345,11 @@ class Runner:
             obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(out.dtype),
                                                       float((loss.detach() - mine).abs() / (1 + mine.abs()))))
         self.set_skip(())
+        if self.pred.reference_zero_grads:  # FSDP1's FlatParameters: see SchedulePrediction
+            for f in self.pred.unused_in_used_unit[si]:
+                p = read_attr(self.ref.model, f)
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         failed = None
         try:
             self._record_grads(si, obs)

@@ -157,8 +157,20 @@ def _values(inv: str, pred: SchedulePrediction, obs: ScheduleObservation, tags: 
     if pred.compare_params:
         for p in obs.params:
             if p.fqn not in frozen[p.step] and p.err is not None and p.err > tol:
-                out.append(_v(inv, f"step {p.step}: {p.fqn} after the step differs from single-process training by {p.err:.3g} (relative; tolerance {tol:g})", tags, "kind:param"))
+                out.append(_param_violation(inv, pred, p, tol, tags))
     return out
+
+
+def _param_violation(inv: str, pred: SchedulePrediction, p, tol: float, tags: set[str]) -> Violation:
+    """kind:param; kind:unused-param where FSDP1 (use_orig_params=True) gave
+    the parameter a zero gradient in this or an earlier step where it was
+    unused while its unit was not (the optimizer state then differs too)."""
+    msg = f"step {p.step}: {p.fqn} after the step differs from single-process training by {p.err:.3g} (relative; tolerance {tol:g})"
+    if not pred.reference_zero_grads:
+        unused = [i for i, zero in enumerate(pred.unused_in_used_unit[: p.step + 1]) if p.fqn in zero]
+        if unused:
+            return _v(inv, f"{msg}; unused in step {unused[0]} while its FSDP unit's other parameters were used", tags, "kind:unused-param")
+    return _v(inv, msg, tags, "kind:param")
 
 
 def _dedupe(vs: list[Violation]) -> list[Violation]:

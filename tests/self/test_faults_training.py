@@ -52,6 +52,10 @@ CASES = {
     "fsdp2-accum": lambda: model(FSDP2, Schedule(accumulate(3, frozen=("block.proj.bias",))), frozen_bias=True),
     "fsdp1-mp": lambda: model(FSDP1, Schedule(accumulate(2), precision=Precision("bfloat16", "float32", buffer_dtype="bfloat16"))),
     "fsdp1-accum": lambda: model(FSDP1_UOP, Schedule(accumulate(3, skip_first=()))),
+    # a step that skips block.proj while block's unit runs: the FlatParameter
+    # gives proj a zero gradient, and Adam steps it (the reference models it;
+    # seed 22 found the unmodelled reference failing)
+    "fsdp1-flat-unused": lambda: model(FSDP1, Schedule((ScheduleStep(), ScheduleStep((), (Microbatch(("block.proj",)),))), optimizer="Adam")),
 }
 
 FAULTS = [
