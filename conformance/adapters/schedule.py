@@ -213,6 +213,11 @@ class Runner:
         self.api = spec.plan.api
         self.uop = spec.plan.use_orig_params
         self.built, self.ref = build(spec), build(spec)
+        # the reference again, computing in the compute dtype (parameters and
+        # inputs cast, single process): how far rounding alone moves this
+        # case's results from fp32 training (None: nothing to round)
+        self.low_dtype = None if self.pred.compute_dtype == "float32" else _dtype(self.pred.compute_dtype)
+        self.low = build(spec) if self.low_dtype is not None else None
         self.aliases = a1.Aliases(self.built.model)
         self.names = list(self.pred.trainable)  # every canonical FQN
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)
@@ -289,9 +294,13 @@ class Runner:
             p.requires_grad_(f not in frozen)
         for f in self.names:
             read_attr(self.ref.model, f).requires_grad_(f not in frozen)
+            if self.low is not None:
+                read_attr(self.low.model, f).requires_grad_(f not in frozen)
 
     def set_skip(self, skip: tuple[str, ...]) -> None:
-        for built in (self.built, self.ref):
+        for built in (self.built, self.ref, self.low):
+            if built is None:
+                continue
             for path, mod in built.modules.items():
                 mod.__dict__["_case_skip"] = {c.rpartition(".")[2] for c in skip if c.rpartition(".")[0] == path}
 
@@ -307,6 +316,9 @@ class Runner:
         with torch.no_grad():  # the reference restarts from FSDP's values: each step is compared on its own
             for f, v in start.items():
                 read_attr(self.ref.model, f).copy_(v.float())
+                if self.low is not None:
+                    read_attr(self.low.model, f).data = v.to(self.low_dtype)
+        noise = [0.0]  # this step's rounding noise (see rounding_noise)
         self.opt.zero_grad(set_to_none=True)
         self.ropt.zero_grad(set_to_none=True)
         in_dtype = _dtype(self.pred.input_dtype)
@@ -342,6 +354,7 @@ class Runner:
             if total.requires_grad:
                 total.backward()
             mine = losses[self.rank].detach()
+            noise += self._low_losses(si, k, losses)
             obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(out.dtype),
                                                       float((loss.detach() - mine).abs() / (1 + mine.abs()))))
         self.set_skip(())
@@ -365,6 +378,12 @@ class Runner:
         except Exception as e:
             failed = e
         self.agree(obs, f"step {si} optimizer", failed)
+        if self.low is not None:
+            noise += [_err_rel(read_attr(self.low.model, f).grad, read_attr(self.ref.model, f).grad, read_attr(self.ref.model, f))
+                      for f in self.names]
+            for p in self.low.model.parameters():
+                p.grad = None
+        obs["noise"].append(max(noise))
         self.ropt.step()
         # FSDP1 use_orig_params=True with keep_low_precision_grads: summon_full_params
         # with low-precision gradients present raises on the ranks that hold a
@@ -376,6 +395,20 @@ class Runner:
             obs["params"].append(ValueSeen(si, f, _name(after[f].dtype), False, False, _err_rel(after[f], ref[f], ref[f]),
                                            bool(torch.equal(after[f], start[f]))))
         return after
+
+    def _low_losses(self, si: int, k: int, losses: list[torch.Tensor]) -> list[float]:
+        """One microbatch of the low-precision reference (every rank's data,
+        gradients accumulated like the reference's); its losses' errors
+        against the fp32 reference's."""
+        if self.low is None:
+            return []
+        s = self.spec.schedule
+        fn = self.low.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.low.model, self.spec, s.first)
+        low = [(fn(data(self.spec, si, k, r).to(self.low_dtype)).float() ** 2).sum() for r in range(self.world)]
+        total = sum(low) / self.world
+        if total.requires_grad:
+            total.backward()
+        return [float((a.detach() - b.detach()).abs() / (1 + b.detach().abs())) for a, b in zip(low, losses)]
 
     def agree(self, obs: dict, where: str, failed: BaseException | None) -> None:
         """Record this rank's failure at ``where``; stop every rank (_Stop)
@@ -436,7 +469,7 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     if any_rank_failed(failed is not None):
         return ScheduleObservation(**base, wrap_error=_err(failed) if failed else None, peer_failed=None if failed else "wrap",
                                    seconds=time.perf_counter() - t0)
-    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None, "peer_failed": None}
+    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None, "peer_failed": None, "noise": []}
     try:
         values = run.values(obs, "initial values")
         for si in range(len(spec.schedule.steps)):
@@ -446,7 +479,7 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     buffers = tuple((run.aliases.canon_of_module.get(id(m), "?") + "." + n if run.aliases.canon_of_module.get(id(m)) else n, _name(b.dtype))
                     for m in run.built.modules.values() for n, b in m._buffers.items() if b is not None)
     return ScheduleObservation(
-        **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], forwards=tuple(run.recorder.seen.values()),
+        **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], rounding_noise=tuple(obs["noise"]), forwards=tuple(run.recorder.seen.values()),
         microbatches=tuple(obs["microbatches"]), grads=tuple(obs["grads"]) + tuple(obs["flat"]), params=tuple(obs["params"]),
         buffers_after=buffers, seconds=time.perf_counter() - t0,
     )

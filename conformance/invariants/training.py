@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conformance.invariants.catalog import invariant
 from conformance.observations.schedule import ScheduleObservation
-from conformance.oracle.schedule import SchedulePrediction
+from conformance.oracle.schedule import SchedulePrediction, step_tolerance
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
 
@@ -146,18 +146,22 @@ def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObser
 
 def _values(inv: str, pred: SchedulePrediction, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
     out = []
-    tol = pred.tolerance
+
+    def tol(step: int) -> float:
+        noise = obs.rounding_noise[step] if step < len(obs.rounding_noise) else 0.0
+        return step_tolerance(pred, noise)
+
     for mb in obs.microbatches:
-        if mb.loss_err > tol:
-            out.append(_v(inv, f"step {mb.step} microbatch {mb.index}: loss differs from single-process training by {mb.loss_err:.3g} (relative; tolerance {tol:g})", tags, "kind:loss"))
+        if mb.loss_err > tol(mb.step):
+            out.append(_v(inv, f"step {mb.step} microbatch {mb.index}: loss differs from single-process training by {mb.loss_err:.3g} (relative; tolerance {tol(mb.step):.3g})", tags, "kind:loss"))
     frozen = dict(enumerate(pred.frozen_by_step))
     for g in obs.grads:
-        if g.err is not None and g.fqn not in frozen[g.step] and g.err > tol:
-            out.append(_v(inv, f"step {g.step}: gradient of {g.fqn} differs from single-process training by {g.err:.3g} (relative; tolerance {tol:g})", tags, "kind:grad"))
+        if g.err is not None and g.fqn not in frozen[g.step] and g.err > tol(g.step):
+            out.append(_v(inv, f"step {g.step}: gradient of {g.fqn} differs from single-process training by {g.err:.3g} (relative; tolerance {tol(g.step):.3g})", tags, "kind:grad"))
     if pred.compare_params:
         for p in obs.params:
-            if p.fqn not in frozen[p.step] and p.err is not None and p.err > tol:
-                out.append(_param_violation(inv, pred, p, tol, tags))
+            if p.fqn not in frozen[p.step] and p.err is not None and p.err > tol(p.step):
+                out.append(_param_violation(inv, pred, p, tol(p.step), tags))
     return out
 
 
@@ -165,7 +169,7 @@ def _param_violation(inv: str, pred: SchedulePrediction, p, tol: float, tags: se
     """kind:param; kind:unused-param where FSDP1 (use_orig_params=True) gave
     the parameter a zero gradient in this or an earlier step where it was
     unused while its unit was not (the optimizer state then differs too)."""
-    msg = f"step {p.step}: {p.fqn} after the step differs from single-process training by {p.err:.3g} (relative; tolerance {tol:g})"
+    msg = f"step {p.step}: {p.fqn} after the step differs from single-process training by {p.err:.3g} (relative; tolerance {tol:.3g})"
     if not pred.reference_zero_grads:
         unused = [i for i, zero in enumerate(pred.unused_in_used_unit[: p.step + 1]) if p.fqn in zero]
         if unused:
