@@ -53,6 +53,12 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("method-first")
     if spec.ties:
         tags.add("tied")
+    if pred.compute_dtype != "float32":
+        tags.add("param-dtype-low")
+    from conformance.oracle.schedule import used_params
+
+    if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
+        tags.add("forward-only")  # a microbatch whose loss needs no gradient: no backward
     return tags
 
 
