@@ -13,6 +13,7 @@ from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err, full_tensor
 from conformance.build import build, read_attr
+from conformance.adapters.support import placed
 from conformance.observations import GradObservation, TrainObservation
 from conformance.spec import CaseSpec, TrainPlan
 
@@ -62,7 +63,7 @@ def observe(spec: CaseSpec) -> TrainObservation:
     api = spec.plan.api
     base = dict(api=api, rank=dist.get_rank(), world_size=dist.get_world_size(),
                 backend=str(dist.get_backend()), torch_version=torch.__version__)
-    built, ref = build(spec), build(spec)
+    built, ref = placed(build(spec)), placed(build(spec))
     aliases = a1.Aliases(built.model)
     initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
     frozen = {f for f, p in ref.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
