@@ -36,10 +36,19 @@ def _stable(losses: list[float], model: nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+# Adam's step is scale-free: with the default eps (1e-8) a gradient that is
+# zero in exact arithmetic but rounding noise (the weight of a LayerNorm over
+# one element, seed 66) moves its parameter by a whole lr, in a direction
+# the noise picks, so two correct summation orders end lr apart. eps=1e-3
+# keeps gradients well above 1e-3 normalised as Adam does, and turns a
+# 1e-7 noise gradient into a 1e-4 lr step, inside the tolerance.
+ADAM_EPS = 1e-3
+
+
 def _optimizer(plan: TrainPlan, params) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if plan.optimizer == "Adam":
-        return torch.optim.Adam(params, lr=plan.lr)
+        return torch.optim.Adam(params, lr=plan.lr, eps=ADAM_EPS)
     return torch.optim.SGD(params, lr=plan.lr, momentum=0.9)
 
 
