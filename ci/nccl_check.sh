@@ -81,7 +81,7 @@ spec2 = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2"))
 open(f"{sys.argv[1]}/repro_fsdp2.py", "w").write(fsdp2_script(spec2, title="nccl check"))
 EOF
 for api in fsdp1 fsdp2; do
-  FSDP_REPRO_BACKEND=$BACKEND timeout --kill-after=10 60 "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
+  FSDP_REPRO_BACKEND=$BACKEND timeout --kill-after=10 45 "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
     --standalone "$WORK/repro_$api.py"
   echo "== repro $api exit code $?"
 done
