@@ -18,6 +18,7 @@ from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err as _err2
 from conformance.adapters.fsdp2 import full_tensor
 from conformance.build import BATCH, Built, build, method_callable, read_attr
+from conformance.adapters.support import on_rank_device, placed
 from conformance.observations.schedule import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
 from conformance.oracle.schedule import predict_schedule
 from conformance.spec import CaseSpec, Precision, module_at, walk
@@ -107,7 +108,7 @@ def data(spec: CaseSpec, step: int, micro: int, rank: int) -> torch.Tensor:
     """The input of one rank's microbatch: differs by rank and microbatch, so
     that a lost or doubled contribution changes the gradient."""
     gen = torch.Generator().manual_seed(spec.seed * 7919 + step * 613 + micro * 31 + rank)
-    return 0.5 * torch.randn(BATCH, generator=gen)
+    return on_rank_device(0.5 * torch.randn(BATCH, generator=gen))
 
 
 class ReduceRecorder:
@@ -212,12 +213,12 @@ class Runner:
         self.pred = predict_schedule(spec)
         self.api = spec.plan.api
         self.uop = spec.plan.use_orig_params
-        self.built, self.ref = build(spec), build(spec)
+        self.built, self.ref = placed(build(spec)), placed(build(spec))
         # the reference again, computing in the compute dtype (parameters and
         # inputs cast, single process): how far rounding alone moves this
         # case's results from fp32 training (None: nothing to round)
         self.low_dtype = None if self.pred.compute_dtype == "float32" else _dtype(self.pred.compute_dtype)
-        self.low = build(spec) if self.low_dtype is not None else None
+        self.low = placed(build(spec)) if self.low_dtype is not None else None
         self.aliases = a1.Aliases(self.built.model)
         self.names = list(self.pred.trainable)  # every canonical FQN
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)
