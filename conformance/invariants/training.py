@@ -4,6 +4,7 @@ training schedule (steps, freeze changes, microbatches), both APIs."""
 from __future__ import annotations
 
 from conformance.invariants.catalog import invariant
+from conformance.invariants.fsdp2 import backend_tag
 from conformance.observations.schedule import ScheduleObservation
 from conformance.oracle.schedule import SchedulePrediction
 from conformance.spec import CaseSpec
@@ -108,7 +109,7 @@ def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violatio
 def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
     if pred.applicable:
         return []
-    tags = case_tags(spec, pred, obs.world_size)
+    tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
     out = _raised("MP-DTYPES", obs, tags)
     if obs.wrap_error:
         return out
