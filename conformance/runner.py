@@ -99,7 +99,12 @@ def _ranks_agree(obs: list) -> list[Violation]:
         fields = sorted(k for k in first if first[k] != mine.get(k))
         if fields:
             detail = "; ".join(f"{k}: rank {obs[0].rank} {first[k]!r} vs rank {o.rank} {mine.get(k)!r}" for k in fields)
-            out.append(Violation("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", frozenset({"kind:ranks", f"api:{obs[0].api}"})))
+            # the backend and the fields: a rank-local value verdict (losses_close) that a
+            # backend's wrong collective splits is not a structural disagreement
+            tags = {"kind:ranks", f"api:{obs[0].api}", *(f"differs:{k}" for k in fields)}
+            if getattr(obs[0], "backend", None):
+                tags.add(f"backend:{obs[0].backend}")
+            out.append(Violation("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", frozenset(tags)))
     return out
 
 

@@ -182,7 +182,7 @@ def _dedupe(vs: list[Violation]) -> list[Violation]:
 def check_accum(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
     if pred.applicable:
         return []
-    tags = case_tags(spec, pred, obs.world_size)
+    tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
     out = _raised("ACCUM", obs, tags)
     if obs.wrap_error:
         return out
