@@ -103,7 +103,13 @@ def _ranks_agree(obs: list, tags: set | frozenset = frozenset()) -> list[Violati
         fields = sorted(k for k in first if first[k] != mine.get(k))
         if fields:
             detail = "; ".join(f"{k}: rank {obs[0].rank} {first[k]!r} vs rank {o.rank} {mine.get(k)!r}" for k in fields)
-            out.append(Violation("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", frozenset({"kind:ranks", f"api:{obs[0].api}", *tags, *(f"differs:{k}" for k in fields)})))
+            # the case's tags, the backend and the fields: a rank-local value verdict
+            # (losses_close) that a backend's wrong collective splits is not a
+            # structural disagreement
+            vtags = {"kind:ranks", f"api:{obs[0].api}", *tags, *(f"differs:{k}" for k in fields)}
+            if getattr(obs[0], "backend", None):
+                vtags.add(f"backend:{obs[0].backend}")
+            out.append(Violation("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", frozenset(vtags)))
     return out
 
 

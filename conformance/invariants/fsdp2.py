@@ -50,6 +50,13 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
     return tags
 
 
+def backend_tag(obs) -> str:
+    """The process group's backend, for the invariants that compare values with
+    the reference (PARITY, MP-DTYPES, ACCUM, FSDP2-FROZEN, FWD-PARITY): a known failure
+    of one backend's collectives must not mask the others'."""
+    return f"backend:{obs.backend}"
+
+
 def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
     """The module at ``path`` is an Embedding whose parameters are all frozen:
     its output needs no gradient (the indices never do)."""
@@ -127,7 +134,7 @@ def check_groups(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
 def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
     if not applies(pred) or not pred.frozen:
         return []
-    tags = case_tags(spec, pred)
+    tags = case_tags(spec, pred) | {backend_tag(obs)}
     if obs.wrap_error:
         return [_v("FSDP2-FROZEN", f"fully_shard raised {obs.wrap_error}", tags, "kind:raised")]
     out = [_v("FSDP2-FROZEN", f"warned: {w!r}", tags, "kind:warned") for w in obs.warnings if "requires_grad" in w]

@@ -4,7 +4,7 @@ summon_full_params workaround) and training parity under both APIs."""
 from __future__ import annotations
 
 from conformance.invariants.catalog import S004, invariant
-from conformance.invariants.fsdp2 import DOC_FULLY_SHARD, DOC_REGISTER, _v, applies, case_tags
+from conformance.invariants.fsdp2 import DOC_FULLY_SHARD, DOC_REGISTER, _v, applies, backend_tag, case_tags
 from conformance.observations import CallObservation, FSDP2Observation, TrainObservation
 from conformance.oracle.fsdp2 import CallPrediction, FSDP2Prediction
 from conformance.oracle.methods import ParityPrediction, SummonPrediction
@@ -112,7 +112,7 @@ def check_allgather(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation
 def check_parity(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
     if not applies(pred) or obs.wrap_error:
         return []
-    base = case_tags(spec, pred)
+    base = case_tags(spec, pred) | {backend_tag(obs)}
     out = []
     for c, o in _paired(pred, obs):
         if not c.in_promise:
@@ -304,7 +304,7 @@ def check_summon(spec: CaseSpec, pred: SummonPrediction, obs: FSDP2Observation) 
 def check_training(spec: CaseSpec, pred: ParityPrediction, obs: TrainObservation) -> list[Violation]:
     if pred.applicable:
         return []
-    tags = {f"api:{pred.api}", f"optim:{spec.train.optimizer if spec.train else 'SGD'}"}
+    tags = {f"api:{pred.api}", f"optim:{spec.train.optimizer if spec.train else 'SGD'}", backend_tag(obs)}
     if pred.api == "fsdp1":
         from conformance.invariants.fsdp1 import case_tags as fsdp1_tags
 

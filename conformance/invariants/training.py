@@ -4,6 +4,7 @@ training schedule (steps, freeze changes, microbatches), both APIs."""
 from __future__ import annotations
 
 from conformance.invariants.catalog import invariant
+from conformance.invariants.fsdp2 import backend_tag
 from conformance.observations.schedule import ScheduleObservation
 from conformance.oracle.schedule import SchedulePrediction, step_tolerance
 from conformance.spec import CaseSpec
@@ -134,7 +135,7 @@ def ranks_tags(spec: CaseSpec, pred: SchedulePrediction, obs: list[ScheduleObser
 def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
     if pred.applicable:
         return []
-    tags = case_tags(spec, pred, obs.world_size)
+    tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
     out = _raised("MP-DTYPES", obs, tags)
     if obs.wrap_error:
         return out
@@ -223,7 +224,7 @@ def _dedupe(vs: list[Violation]) -> list[Violation]:
 def check_accum(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
     if pred.applicable:
         return []
-    tags = case_tags(spec, pred, obs.world_size)
+    tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
     out = _raised("ACCUM", obs, tags)
     if obs.wrap_error:
         return out

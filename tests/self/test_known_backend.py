@@ -1,0 +1,72 @@
+"""The value-comparing invariants tag their violations with the process
+group's backend, so a known failure of one backend's collectives
+(fsdp2-gloo-reduce-scatter-avg-sums: torch 2.8.0's gloo reduce_scatter sums
+for ReduceOp.AVG) matches there and nowhere else. That the invariants put
+the tag on real violations: tests/self/test_faults_fsdp2.py (values in a gloo
+pool)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conformance import known
+from conformance.violation import Violation
+
+pytestmark = pytest.mark.selfcheck
+
+FINDING = "fsdp2-gloo-reduce-scatter-avg-sums"
+
+
+def _finding() -> known.KnownFailure:
+    return next(k for k in known.load() if k.id == FINDING)
+
+
+def _retag(v: Violation, backend: str) -> Violation:
+    tags = {t for t in v.tags if not t.startswith("backend:")} | {f"backend:{backend}"}
+    return dataclasses.replace(v, tags=frozenset(tags))
+
+
+@pytest.mark.parametrize("invariant,tags,matched", [
+    ("MP-DTYPES", {"api:fsdp2", "reduce:float32", "kind:grad"}, True),
+    ("MP-DTYPES", {"api:fsdp2", "reduce:bfloat16", "kind:param"}, True),
+    ("MP-DTYPES", {"api:fsdp2", "reduce:float16", "kind:grad"}, False),  # SUM then divide: right on 2.8.0
+    ("MP-DTYPES", {"api:fsdp1", "reduce:float32", "kind:grad"}, False),
+    ("MP-DTYPES", {"api:fsdp2", "reduce:float32", "kind:grad-dtype"}, False),
+    ("ACCUM", {"api:fsdp2", "reduce:float32", "kind:grad", "no-sync"}, True),
+    ("ACCUM", {"api:fsdp2", "reduce:float32", "kind:reduced-unsynced"}, False),
+    ("RANKS-AGREE", {"api:fsdp2", "kind:ranks", "differs:losses_close"}, True),
+    ("RANKS-AGREE", {"api:fsdp2", "kind:ranks", "differs:params"}, False),  # a structural disagreement stays a FAIL
+    ("PARITY", {"api:fsdp1", "kind:param"}, False),
+    ("PARITY", {"api:fsdp2", "kind:raised"}, False),
+    ("FSDP2-FROZEN", {"api:fsdp2", "kind:frozen-grad"}, False),
+    ("FWD-PARITY", {"api:fsdp2", "kind:output"}, False),
+])
+def test_the_finding_matches_only_gloo_value_mismatches(invariant, tags, matched):
+    k = _finding()
+    v = Violation(invariant, "m", frozenset(tags | {"backend:gloo"}))
+    assert k.matches_tags(v) is matched
+    assert k.matches(v, "2.8.0+cu128") is matched and not k.matches(v, "2.9.1+cu128")  # the measured range
+    assert not k.matches_tags(_retag(v, "nccl"))
+    assert not k.matches_tags(Violation(invariant, "m", frozenset(tags)))  # no backend tag (an older baseline): no match
+
+
+class _Obs:
+    """The part of a rank's observation that the rank-agreement check reads."""
+
+    def __init__(self, rank, **fields):
+        self.rank, self.api, self.backend, self._fields = rank, "fsdp2", "gloo", fields
+
+    def comparable(self) -> dict:
+        return dict(self._fields)
+
+
+def test_a_rank_disagreement_names_its_fields_and_backend():
+    from conformance.runner import _ranks_agree
+
+    (v,) = _ranks_agree([_Obs(0, losses_close=False, params=1), _Obs(1, losses_close=True, params=1)])
+    assert {"kind:ranks", "api:fsdp2", "backend:gloo", "differs:losses_close"} <= v.tags and "differs:params" not in v.tags
+    assert _finding().matches_tags(v)
+    (v,) = _ranks_agree([_Obs(0, losses_close=False, params=1), _Obs(1, losses_close=True, params=2)])
+    assert "differs:params" in v.tags  # matched too (the subset rule): the message still names both fields
