@@ -95,7 +95,7 @@ def wrap_targets(g: ModelGraph, plan: WrapPlan, ignored_nodes: set[str], ignored
         claimed: set[str] = set(ignored_params)
         for n in candidates:
             remainder = [p for p in g.subtree_params(n) if p not in claimed]
-            if sum(g.numel(p) for p in remainder) >= pol.min_num_params and not g.isinstance_of(n, SIZE_EXCLUDE_WRAP):
+            if sum(g.numel(p) for p in remainder) >= pol.min_num_params and not g.is_torch(n, SIZE_EXCLUDE_WRAP):
                 wrapped.add(n)
                 claimed.update(remainder)
         return wrapped

@@ -97,8 +97,9 @@ def predict_parity(spec) -> ParityPrediction:
             # ancestor; training is not promised for a case it must reject
             why = "a tied parameter's unit is below its users' common ancestor (rejected, TIES)"
         for u in p1.units:
-            cls = g.nodes[g.resolve_module(u.path)].cls
-            if cls in TORCH_CONTAINERS and not why:
+            nid = g.resolve_module(u.path)
+            cls = g.nodes[nid].cls
+            if g.is_torch(nid, TORCH_CONTAINERS, exact=True) and not why:
                 # FSDP1 warns that it will not all-gather for a container the
                 # case iterates rather than calls
                 why = f"unit {u.path} is torch's {cls}, whose forward never runs"

@@ -1,0 +1,91 @@
+"""Classes are identified by qualified name (module.QualName), never by a
+bare __name__ two classes may share: PEFT's lora.Linear wraps torch's
+nn.Linear under the same name. The graph, the strategies, the oracle, the
+adapters and the repro script must all tell them apart (the suite bug this
+guards against: KeyError 'Linear' in the rank on the LoRA Llama zoo model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.model_case import ModelCase
+from conformance.oracle import predict_fsdp1
+from conformance.runner import PASS, evaluate, observations
+from conformance.spec import ModuleWrap, TransformerWrap, WrapPlan
+from conformance.targets import TargetError, base_graph, check_case
+
+pytestmark = pytest.mark.selfcheck
+
+TARGET = "tests.self.same_name_target:target"
+OWN = "tests.self.same_name_target.Linear"
+TORCH = "torch.nn.modules.linear.Linear"
+ROOT = Path(__file__).resolve().parents[2]
+OWN_UNITS = ["blocks.0.attn", "blocks.1.attn", ""]
+TORCH_UNITS = ["blocks.0.attn.base_layer", "blocks.0.attn.lora_A", "blocks.0.attn.lora_B", "blocks.0.mlp",
+               "blocks.1.attn.base_layer", "blocks.1.attn.lora_A", "blocks.1.attn.lora_B", "blocks.1.mlp", "head", ""]
+
+
+def test_the_graph_holds_both_classes_by_qualified_name():
+    g = base_graph(TARGET)
+    assert {OWN, TORCH} <= set(g.class_ids())
+    assert g.resolve_class(OWN) == OWN and g.resolve_class("Block") == "tests.self.same_name_target.Block"
+    with pytest.raises(KeyError, match="ambiguous"):
+        g.resolve_class("Linear")
+
+
+def test_a_bare_shared_name_is_rejected_naming_both_classes():
+    with pytest.raises(TargetError, match=r"'Linear'.*ambiguous.*same_name_target\.Linear.*torch\.nn\.modules\.linear\.Linear"):
+        check_case(ModelCase(TARGET, plan=WrapPlan("fsdp1", ModuleWrap(("Linear",)))))
+
+
+def test_strategies_draw_each_class_by_its_id():
+    from strategies.targets import _model
+
+    classes = _model(TARGET).classes
+    assert classes[0] == OWN  # the target's wrap class first
+    assert TORCH in classes and "Linear" not in classes
+
+
+@pytest.mark.parametrize(("cls", "units"), [(OWN, OWN_UNITS), (TORCH, TORCH_UNITS)])
+def test_the_oracle_wraps_only_the_named_class(cls, units):
+    for pol in (ModuleWrap((cls,)), TransformerWrap((cls,))):
+        assert [u.path for u in predict_fsdp1(ModelCase(TARGET, plan=WrapPlan("fsdp1", pol))).units] == units
+
+
+@pytest.mark.fake
+@pytest.mark.parametrize("cls", [OWN, TORCH])
+@pytest.mark.parametrize("invariant", ["WRAP-UNITS", "WRAP-FQNS", "WRAP-STATE-DICT"])
+def test_fsdp1_wraps_each_same_named_class_as_the_oracle_says(fake_engine, cls, invariant):
+    from conformance.observations import Observation
+
+    case = ModelCase(TARGET, frozen=("blocks.0.attn.base_layer.weight",), plan=WrapPlan("fsdp1", ModuleWrap((cls,)), True))
+    res = evaluate(invariant, case, observations(fake_engine, case, "fsdp1", Observation.from_dict))
+    assert res.verdict == PASS, res.describe()
+
+
+@pytest.mark.fake
+def test_drawn_cases_on_the_target_are_green():
+    from conformance import check_model
+
+    run = check_model(TARGET, invariants=["WRAP-UNITS", "WRAP-FQNS", "FROZEN-ERROR"], tiers=("fake",), examples=6, seed=0)
+    assert run.checked and run.ok, run.summary() + "\n" + "\n".join(f["message"] for f in run.failures)
+
+
+def test_the_repro_script_rebuilds_the_policy_by_qualified_name(tmp_path):
+    from conformance.report.repro import repro_script
+
+    case = ModelCase(TARGET, plan=WrapPlan("fsdp1", ModuleWrap(("Block",))))  # a bare name unique in the model
+    own = ModelCase(TARGET, plan=WrapPlan("fsdp1", ModuleWrap((OWN,))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for c, want in ((own, OWN_UNITS), (case, ["blocks.0", "blocks.1", ""])):
+        path = tmp_path / "repro.py"
+        path.write_text(repro_script(c))
+        out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        units = [line.split("'")[1] for line in out.stdout.splitlines() if line.startswith("FSDP unit ")]
+        assert sorted(units) == sorted(u or "<root>" for u in want), out.stdout
