@@ -594,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake on the same cases")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     b.add_argument("--target", action="append", default=None, metavar="TARGET",
-                   help="a real model ('package.module:attr', repeatable): per API, fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
+                   help="a real model ('package.module:attr', repeatable): per API (--api fsdp1 and/or fsdp2), fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("selfcheck", help="run the suite's own tests; --mutants: the suite's mutation score")
     s.set_defaults(fn=cmd_selfcheck)
