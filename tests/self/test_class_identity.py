@@ -89,3 +89,21 @@ def test_the_repro_script_rebuilds_the_policy_by_qualified_name(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         units = [line.split("'")[1] for line in out.stdout.splitlines() if line.startswith("FSDP unit ")]
         assert sorted(units) == sorted(u or "<root>" for u in want), out.stdout
+
+
+# ---- torch's own classes by identity: size_based_auto_wrap_policy's force-leaf type ----
+
+
+@pytest.mark.fake
+@pytest.mark.parametrize("min_num_params", [1, 64, 300])
+def test_size_policy_never_wraps_inside_multihead_attention(fake_engine, min_num_params):
+    """force_leaf_modules (nn.MultiheadAttention by default): "their
+    children will never be wrapped"; the oracle knows the type by identity."""
+    from conformance.observations import Observation
+    from conformance.spec import SizeBasedWrap
+
+    case = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp1", SizeBasedWrap(min_num_params)))
+    units = [u.path for u in predict_fsdp1(case).units]
+    assert not any(".attn" in u for u in units), units
+    res = evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", Observation.from_dict))
+    assert res.verdict == PASS, res.describe()
