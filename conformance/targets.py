@@ -247,7 +247,7 @@ def check_case(case) -> None:
         try:
             g.resolve_class(c)
         except ClassLookupError as e:
-            raise _fail(ref, f"the wrap policy names class {c!r}: {e}") from None
+            raise _fail(ref, f"the wrap policy's class {c!r} {e}") from None
     for p in getattr(pol, "targets", ()):
         if p not in paths:
             raise _fail(ref, f"the wrap policy names module {p!r}, not a module of the model")
@@ -308,7 +308,7 @@ def check_target(ref: str, *, wrap_classes: tuple[str, ...] | None = None) -> Ta
         try:
             g.resolve_class(c)
         except ClassLookupError as e:
-            raise _fail(ref, f"wrap class {c!r}: {e}") from None
+            raise _fail(ref, f"wrap class {c!r} {e}") from None
     return target
 
 

@@ -61,10 +61,12 @@ class _Model:
         # classes by id (module.QualName): two classes may share a __name__
         not_units = {g.torch_class_id(c) for c in _NOT_UNITS} | {g.nodes[""].ids[0]}
         seen = [c for c in g.class_ids() if c not in not_units]
-        try:
-            self.wrap_classes = [g.resolve_class(c) for c in self.target.wrap_classes]
-        except KeyError as e:  # check_target says the same, naming the target
-            raise InvalidArgument(f"target {ref!r}: {e}") from None
+        self.wrap_classes = []
+        for c in self.target.wrap_classes:
+            try:
+                self.wrap_classes.append(g.resolve_class(c))
+            except KeyError as e:  # check_target says the same
+                raise InvalidArgument(f"target {ref!r}: wrap class {c!r} {e}") from None
         own = [c for c in self.wrap_classes if c in seen]
         # the target's wrap candidates first (the simplest draw), then the rest
         self.classes = own + [c for c in seen if c not in own]

@@ -251,10 +251,11 @@ class ModelGraph:
     def resolve_class(self, name: str) -> str:
         """The id of the model's class ``name`` names: its id, or a bare
         __name__ only one of the model's classes has.
-        ClassLookupError (naming the candidates) otherwise."""
+        ClassLookupError (its message goes after the name; an ambiguous
+        name's names the candidates) otherwise."""
         cid = self._resolve(name)
         if cid is None:
-            raise ClassLookupError(f"no module of the model is a {name!r}")
+            raise ClassLookupError("is not a class of any module of the model")
         return cid
 
     def _resolve(self, name: str) -> str | None:
@@ -263,7 +264,7 @@ class ModelGraph:
             return name
         hits = [cid for cid, short in names.items() if short == name]
         if len(hits) > 1:
-            raise ClassLookupError(f"class name {name!r} is ambiguous: {', '.join(hits)}; name one by its qualified name")
+            raise ClassLookupError(f"is ambiguous: {', '.join(hits)} share the name; name one by its qualified name (module.QualName)")
         return hits[0] if hits else None
 
     def is_torch(self, nid: str, names: tuple[str, ...], exact: bool = False) -> bool:
