@@ -18,7 +18,7 @@ from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err, _group_states, _grads, _ties, count_collectives, fsdp2_api
 from conformance.adapters.training import RTOL as TRAIN_RTOL
 from conformance.adapters.training import ATOL as TRAIN_ATOL
-from conformance.adapters.training import _final, _optimizer
+from conformance.adapters.training import _final, _optimizer, _stable
 from conformance.build import build
 from conformance.model_case import ModelCase
 from conformance.observations import CallObservation, FSDP2Observation, GradObservation, RegistrationObservation, TrainObservation
@@ -191,5 +191,6 @@ def observe_train(case: ModelCase) -> TrainObservation:
     losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=TRAIN_RTOL, atol=TRAIN_ATOL))
     return TrainObservation(
         **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
-        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), seconds=time.perf_counter() - t0,
+        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())),
+        ref_stable=_stable(ref_losses, ref.model), seconds=time.perf_counter() - t0,
     )

@@ -3,6 +3,7 @@ training of the same model on the same data."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -19,6 +20,19 @@ from conformance.spec import CaseSpec, TrainPlan
 # Training accumulates rounding differences (reduce-scatter averages in
 # another order than one process sums): looser than a single forward.
 RTOL, ATOL = 1e-3, 1e-5
+# A reference whose loss grows past this factor (or stops being finite) has
+# diverged: from there rounding differences between two summation orders
+# grow without bound, so no tolerance can judge parity and the values are
+# not compared (errors and frozen gradients still are).
+DIVERGED = 1e3
+
+
+def _stable(losses: list[float], model: nn.Module) -> bool:
+    if not losses or not all(math.isfinite(v) for v in losses):
+        return False
+    if max(abs(v) for v in losses) > DIVERGED * max(abs(losses[0]), 1.0):
+        return False
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def _optimizer(plan: TrainPlan, params) -> torch.optim.Optimizer:
@@ -91,7 +105,8 @@ def observe(spec: CaseSpec) -> TrainObservation:
     losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL))
     return TrainObservation(
         **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
-        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), seconds=time.perf_counter() - t0,
+        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())),
+        ref_stable=_stable(ref_losses, ref.model), seconds=time.perf_counter() - t0,
     )
 
 
