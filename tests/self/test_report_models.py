@@ -61,3 +61,29 @@ def test_compare_matches_model_rows_with_model_rows():
     base, new = _build(_session("PASS")), _build(_session("FAIL"))
     c = compare.compare(base, new)
     assert [ch.key for ch in c.regressions] == [f"WRAP-UNITS on {TARGET} (fsdp1, fake)"]
+
+
+def test_a_synthetic_corpus_case_makes_no_model_row_fixed():
+    """A known failure whose (synthetic) corpus case no longer deviates
+    turns the synthetic PASS row FIXED; the model's own PASS row stays PASS."""
+    s = _session("PASS")
+    s.corpus[("case-x", "WRAP-UNITS", "fake")] = {"case": "case-x", "finding": "old-bug-fixed", "case_tier": "fake",
+                                                  "invariant": "WRAP-UNITS", "tier": "fake", "verdicts": {"PASS": 1}, "known": []}
+    import dataclasses
+
+    from packaging.specifiers import SpecifierSet
+
+    fixed = dataclasses.replace(KNOWN[1], id="old-bug-fixed", torch=SpecifierSet(">=2.0"))
+    report = data.build(partials=[s.to_dict()], run=RUN, catalog=CATALOG, known=[*KNOWN, fixed], environment=ENV)
+    verdicts = {(r["invariant"], r["model"]): r["verdict"] for r in report["results"]}
+    assert verdicts[("WRAP-UNITS", None)] == "FIXED" and verdicts[("WRAP-UNITS", TARGET)] == "PASS"
+
+
+def test_run_target_that_cannot_be_used_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "conformance.cli", "run", "--tiers", "fake", "--target", "no_such_module:target",
+                           "--report-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "target 'no_such_module:target': cannot import" in lines[0], proc.stderr
