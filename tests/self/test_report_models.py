@@ -79,11 +79,15 @@ def test_a_synthetic_corpus_case_makes_no_model_row_fixed():
     assert verdicts[("WRAP-UNITS", None)] == "FIXED" and verdicts[("WRAP-UNITS", TARGET)] == "PASS"
 
 
-def test_run_target_that_cannot_be_used_is_one_line_and_exit_2(tmp_path):
-    import subprocess
+def test_run_target_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    import os
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "conformance.cli", "run", "--tiers", "fake", "--target", "no_such_module:target",
-                           "--report-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "target 'no_such_module:target': cannot import" in lines[0], proc.stderr
+    from conformance import cli
+
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # run --target sets it for its pytest child
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["run", "--tiers", "fake", "--target", "no_such_module:target", "--report-dir", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "target 'no_such_module:target': cannot import" in lines[0], lines
