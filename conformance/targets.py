@@ -197,7 +197,36 @@ def base_graph(ref: str):
     A target's structure must not depend on the seed; its values do."""
     from conformance.oracle.graph import ModelGraph
 
-    return ModelGraph(make_model(ref, 0))
+    model = make_model(ref, 0)
+    g = ModelGraph(model)
+    g.not_called = modules_not_called(ref, model)
+    return g
+
+
+def modules_not_called(ref: str, model) -> frozenset[str]:
+    """Canonical paths of the modules (root excluded) whose forward the
+    model's forward never runs on the target's inputs, found with forward
+    pre-hooks on an unsharded model. Empty when forward fails (check_target
+    reports that)."""
+    import torch
+
+    called: set[int] = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(**dict(cached_target(ref).inputs(0)))
+    except Exception:
+        return frozenset()
+    finally:
+        for h in handles:
+            h.remove()
+    seen: set[int] = set()
+    out = []
+    for path, m in model.named_modules():
+        if path and id(m) not in seen and id(m) not in called:
+            out.append(path)
+        seen.add(id(m))
+    return frozenset(out)
 
 
 def graph_of(case):

@@ -120,6 +120,8 @@ def _unsupported(methods, calls, g: ModelGraph, order: list[ShardGroup]) -> str:
             cls = g.nodes[m].cls
             if g.is_torch(m, TORCH_CONTAINERS, exact=True):
                 return f"fully_shard on torch's own {cls} at {m or '<root>'}: its forward is not how the case calls it"
+            if m in g.not_called:
+                return f"fully_shard on {m}, whose forward the model's forward never runs (its parameters are read without calling it)"
     first = calls[0]
     if True:
         if first.method != -1:

@@ -49,6 +49,12 @@ class ModelGraph:
         self.nodes: dict[str, Node] = {}
         self.param_info: dict[str, ParamInfo] = {}
         self._torch_ids: dict[str, str] = {}  # torch.nn class name -> its id in this graph
+        # Node ids of modules whose forward the model's own forward never
+        # runs (nn.MultiheadAttention reads out_proj.weight without calling
+        # out_proj): a fact about a live model found by running it
+        # (conformance.targets.base_graph); FSDP gathers a unit's parameters
+        # only when its forward runs. Empty for a CaseSpec.
+        self.not_called: frozenset[str] = frozenset()
         if isinstance(source, CaseSpec):
             self.spec = source
             self._from_spec(source)

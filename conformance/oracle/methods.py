@@ -103,6 +103,10 @@ def predict_parity(spec) -> ParityPrediction:
                 # FSDP1 warns that it will not all-gather for a container the
                 # case iterates rather than calls
                 why = f"unit {u.path} is torch's {cls}, whose forward never runs"
+            elif nid in g.not_called and not why:
+                # a real model reads the unit's parameters without calling it
+                # (MultiheadAttention's out_proj): nothing all-gathers them
+                why = f"unit {u.path}'s forward never runs in the model's forward"
         return ParityPrediction("fsdp1", why, frozen, trainable, p1, None)
     p2 = predict_fsdp2(spec, torch.__version__)
     why = p2.supported

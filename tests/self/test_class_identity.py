@@ -107,3 +107,28 @@ def test_size_policy_never_wraps_inside_multihead_attention(fake_engine, min_num
     assert not any(".attn" in u for u in units), units
     res = evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", Observation.from_dict))
     assert res.verdict == PASS, res.describe()
+
+
+@pytest.mark.fake
+def test_a_unit_whose_forward_never_runs_is_outside_the_parity_promise(fake_engine):
+    """MultiheadAttention reads out_proj.weight without calling out_proj: a
+    policy that makes out_proj a unit (ModuleWrap(nn.Linear) matches its
+    NonDynamicallyQuantizableLinear) leaves nothing to all-gather it. The
+    graph knows which modules the model's forward never calls; training
+    there is not promised (PARITY passes without comparing), as for a
+    container unit; the structure invariants still run."""
+    from conformance.observations import Observation, TrainObservation
+    from conformance.oracle.methods import predict_parity
+    from conformance.spec import TrainPlan
+
+    g = base_graph("tests.self.mha_target:target")
+    assert g.not_called == {"blocks", "blocks.0.attn.out_proj", "blocks.1.attn.out_proj"}  # the ModuleList too
+    case = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp1", ModuleWrap((TORCH,)), True), train=TrainPlan("SGD", 1))
+    assert "forward never runs" in predict_parity(case).applicable
+    assert evaluate("PARITY", case, observations(fake_engine, case, "train", TrainObservation.from_dict)).verdict == PASS
+    assert evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", Observation.from_dict)).verdict == PASS
+    from conformance.oracle.fsdp2 import predict_fsdp2
+    from conformance.spec import ShardGroup
+
+    fsdp2 = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp2", groups=(ShardGroup(("blocks.0.attn.out_proj",)),)))
+    assert "never runs" in predict_fsdp2(fsdp2, "2.13.0").supported
