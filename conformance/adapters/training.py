@@ -14,6 +14,7 @@ from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err, full_tensor
 from conformance.build import build, read_attr
+from conformance.adapters.support import placed
 from conformance.observations import GradObservation, TrainObservation
 from conformance.spec import CaseSpec, TrainPlan
 
@@ -35,10 +36,19 @@ def _stable(losses: list[float], model: nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+# Adam's step is scale-free: with the default eps (1e-8) a gradient that is
+# zero in exact arithmetic but rounding noise (the weight of a LayerNorm over
+# one element, seed 66) moves its parameter by a whole lr, in a direction
+# the noise picks, so two correct summation orders end lr apart. eps=1e-3
+# keeps gradients well above 1e-3 normalised as Adam does, and turns a
+# 1e-7 noise gradient into a 1e-4 lr step, inside the tolerance.
+ADAM_EPS = 1e-3
+
+
 def _optimizer(plan: TrainPlan, params) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if plan.optimizer == "Adam":
-        return torch.optim.Adam(params, lr=plan.lr)
+        return torch.optim.Adam(params, lr=plan.lr, eps=ADAM_EPS)
     return torch.optim.SGD(params, lr=plan.lr, momentum=0.9)
 
 
@@ -76,7 +86,7 @@ def observe(spec: CaseSpec) -> TrainObservation:
     api = spec.plan.api
     base = dict(api=api, rank=dist.get_rank(), world_size=dist.get_world_size(),
                 backend=str(dist.get_backend()), torch_version=torch.__version__)
-    built, ref = build(spec), build(spec)
+    built, ref = placed(build(spec)), placed(build(spec))
     aliases = a1.Aliases(built.model)
     initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
     frozen = {f for f, p in ref.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
