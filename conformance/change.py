@@ -11,6 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from conformance.report.data import row_label
+
 INSTALLED = "installed"
 
 
@@ -24,7 +26,7 @@ def _changed_messages(base: dict, new: dict) -> list[str]:
     """Findings of the same row and kind whose message differs: the same
     deviation, reported in other words (or on another smallest case)."""
     def by_key(report):
-        return {(f["invariant"], f["api"], f["tier"], f["key"]): f for f in report.get("findings", [])}
+        return {(row_label(f), f["api"], f["tier"], f["key"]): f for f in report.get("findings", [])}
 
     b, n = by_key(base), by_key(new)
     out = []
@@ -45,7 +47,7 @@ def regression_repros(comparison, new: dict, new_dir: Path, new_source: str | No
     out = []
     for ch in comparison.regressions:
         for f in new.get("findings", []):
-            if (f["invariant"], f["api"], f["tier"]) != (ch.invariant, ch.api, ch.tier) or f["kind"] == "KNOWN":
+            if (row_label(f), f["api"], f["tier"]) != (ch.invariant, ch.api, ch.tier) or f["kind"] == "KNOWN":
                 continue
             repro = str((new_dir / f["repro"]).resolve()) if f.get("repro") else None
             if repro is None:

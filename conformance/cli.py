@@ -94,6 +94,7 @@ def cmd_run(ns) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     args, report_dir = _conformance_args(ns, profile, paths.default_report_dir())
+    args += _target_args(ns.target)
     if ns.seed is not None:
         args.append(f"--hypothesis-seed={ns.seed}")
     live = ns.progress == "live" or (ns.progress == "auto" and sys.stdout.isatty() and not os.environ.get("CI"))
@@ -169,6 +170,27 @@ def _conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[
         args += ["-p", "no:xdist"]
     args += ns.pytest_args or []
     return args, report_dir
+
+
+# --- run --target (issue 8): real models beside the synthetic cases ---
+def _target_args(targets: list[str] | None) -> list[str]:
+    """pytest arguments for ``run --target``: each target checked up front
+    (bad input: one line, exit 2, before pytest starts), importable from
+    the current directory as `fsdp-conformance model` finds it."""
+    if not targets:
+        return []
+    from conformance.targets import TargetError, check_target
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)  # the pytest child's
+    for t in targets:
+        try:
+            check_target(t)
+        except TargetError as e:
+            raise UsageError(str(e)) from None
+    return [f"--target={t}" for t in targets]
+# --- end run --target ---
 
 
 def _use_fsdp_source(path: str | None) -> dict | None:
@@ -547,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="import FSDP (torch/distributed/fsdp/, FSDP1 and FSDP2) from this source tree over the installed torch")
     r.add_argument("--database", default=None, help="keep and replay examples in this Hypothesis example database (a directory, github:OWNER/REPO, redis://HOST:PORT)")
     r.add_argument("--replay", action="store_true", help="draw nothing: only the regression corpus and the database's examples")
+    r.add_argument("--target", action="append", default=None, metavar="TARGET",
+                   help="also check a real model ('package.module:attr', repeatable): its rows stand beside the synthetic ones")
     r.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     r.set_defaults(fn=cmd_run)
     h = sub.add_parser("hunt", help="keep drawing fresh examples until the time is up; keep the finds in an example database")
@@ -594,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--engines", action="store_true", help="also spawn-per-example vs pool vs fake on the same cases")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     b.add_argument("--target", action="append", default=None, metavar="TARGET",
-                   help="a real model ('package.module:attr', repeatable): per API, fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
+                   help="a real model ('package.module:attr', repeatable): per API (--api fsdp1 and/or fsdp2), fsdp1 on the fake tier and fsdp2 on the gloo pool (default 20 examples)")
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("selfcheck", help="run the suite's own tests; --mutants: the suite's mutation score")
     s.set_defaults(fn=cmd_selfcheck)

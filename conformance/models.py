@@ -141,7 +141,7 @@ def check_model(
                     notes = "\n".join(getattr(e, "__notes__", []))
                     run.failures.append({"invariant": inv.id, "tier": tier, "message": f"{e}\n{notes}".strip() if isinstance(e, AssertionError) else f"{type(e).__name__}: {e}\n{notes}".strip()})
                 if progress is not None:
-                    tallies = [t for (i, tr, _), t in session.tallies.items() if i == inv.id and tr == tier]
+                    tallies = [t for (i, tr, *_), t in session.tallies.items() if i == inv.id and tr == tier]
                     verdict = "FAIL" if len(run.failures) > failed else ("KNOWN" if any(t.verdict == "KNOWN" for t in tallies) else "PASS")
                     n = sum(t.examples for t in tallies)
                     progress(f"{inv.id:18} {tier:5} {verdict:5} {n:3} examples {time.perf_counter() - t_inv:7.1f}s")

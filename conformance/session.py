@@ -58,6 +58,13 @@ def api_of(invariant: str, spec: CaseSpec | None = None) -> str:
     return inv.api if inv is not None else "?"
 
 
+def model_of(spec) -> str:
+    """The real model an example ran on (a ModelCase's target,
+    "package.module:attr"); "" for a synthetic case. A model's examples
+    get rows of their own beside the synthetic ones."""
+    return getattr(spec, "target", None) or ""
+
+
 @dataclass
 class Finding:
     """One distinct deviation seen for one invariant on one tier: the smallest
@@ -95,6 +102,7 @@ class Tally:
     invariant: str
     tier: str
     api: str = "fsdp1"
+    model: str = ""  # a real model's target; "" for the synthetic cases
     examples: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
@@ -124,6 +132,7 @@ class Tally:
             "invariant": self.invariant,
             "api": self.api,
             "tier": self.tier,
+            "model": self.model or None,
             "examples": self.examples,
             "outcomes": dict(self.verdicts),
             "seconds": round(self.seconds, 3),
@@ -156,7 +165,7 @@ def _in_final_replay() -> bool:
 class Session:
     def __init__(self, repro_dir: Path | None = None, known_path: Path = known_mod.DEFAULT_PATH):
         self.known = known_mod.load(known_path)
-        self.tallies: dict[tuple[str, str, str], Tally] = {}
+        self.tallies: dict[tuple[str, str, str, str], Tally] = {}  # (invariant, tier, api, model)
         self.repro_dir = repro_dir
         self.on_change: Callable[[], None] | None = None  # called after every example (reports throttle it)
         self.corpus: dict[tuple[str, str, str], dict] = {}  # (case, invariant, tier) -> outcome of a corpus case
@@ -165,12 +174,12 @@ class Session:
         # size 2) cannot show a rank-dependent deviation, so they check nothing
         self._one_rank_tiers: set[str] = set()
 
-    def tally(self, invariant: str, tier: str, api: str | None = None) -> Tally:
+    def tally(self, invariant: str, tier: str, api: str | None = None, model: str = "") -> Tally:
         api = api or api_of(invariant)
-        return self.tallies.setdefault((invariant, tier, api), Tally(invariant, tier, api))
+        return self.tallies.setdefault((invariant, tier, api, model), Tally(invariant, tier, api, model))
 
     def record(self, res: CaseResult, tier: str, seconds: float) -> None:
-        t = self.tally(res.invariant, tier, api_of(res.invariant, res.spec))
+        t = self.tally(res.invariant, tier, api_of(res.invariant, res.spec), model_of(res.spec))
         t.examples += 1
         t.seconds += seconds
         t.verdicts[res.verdict] = t.verdicts.get(res.verdict, 0) + 1
@@ -187,7 +196,7 @@ class Session:
     def record_failure(self, invariant: str, spec: CaseSpec, tier: str, seconds: float, kind: str, message: str, engine: dict | None = None) -> Finding:
         """An example that gave no verdict: HANG / CRASH from the engine, or
         ERROR (the scenario raised inside a rank)."""
-        t = self.tally(invariant, tier, api_of(invariant, spec))
+        t = self.tally(invariant, tier, api_of(invariant, spec), model_of(spec))
         t.examples += 1
         t.seconds += seconds
         t.verdicts[kind] = t.verdicts.get(kind, 0) + 1
@@ -205,7 +214,7 @@ class Session:
             feats = case_features(spec, getattr(engine, "world_size", 2))
         except Exception:  # an oracle that rejects the case: no features, the check says why
             feats = []
-        t = self.tally(invariant, tier, api_of(invariant, spec))
+        t = self.tally(invariant, tier, api_of(invariant, spec), model_of(spec))
         for f in feats:
             t.features[f] = t.features.get(f, 0) + 1
             try:
@@ -303,7 +312,7 @@ class Session:
 
     def unused_known(self) -> list[known_mod.KnownFailure]:
         """Known failures for this torch whose invariant ran but never matched."""
-        ran = {inv for inv, _, _ in self.tallies}
+        ran = {key[0] for key in self.tallies}
         hit = {f.known_failure for t in self.tallies.values() for f in t.findings.values() if f.known_failure}
         return [
             k for k in self.known

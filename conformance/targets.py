@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from conformance.build import Built
+from conformance.oracle.graph import ClassLookupError
 
 Inputs = Callable[[int], Mapping[str, Any]]  # seed -> keyword arguments
 
@@ -38,7 +39,9 @@ class Target:
     loss: forward's output -> a scalar tensor; None: ``output.loss`` when the
         output has one, else the sum of the output.
     methods: the forward methods users call (e.g. ``generate``).
-    wrap_classes: class names that are natural wrap units (decoder layers).
+    wrap_classes: classes that are natural wrap units (decoder layers), by
+        name, or by qualified name ``module.QualName`` where two classes of
+        the model share a name (PEFT's lora.Linear and torch's nn.Linear).
     trainable_patterns: "train only what matches" presets (LoRA: ("lora_",);
         BitFit: ("bias",)); a parameter trains when its FQN contains any of them.
     """
@@ -143,7 +146,7 @@ def _first_line(e: BaseException) -> str:
 def build_target(case):
     """A ModelCase's model, as conformance.build.Built: the target's factory
     at the case's seed with its freeze mask; modules by canonical path,
-    classes by name (every class in the modules' MROs)."""
+    classes by the names a policy may use for them (classes_by_name)."""
     model = make_model(case.target, case.seed)
     apply_freeze(model, case.frozen)
     modules: dict[str, Any] = {}
@@ -153,20 +156,27 @@ def build_target(case):
 
 
 def classes_by_name(model) -> dict[str, type]:
-    """Class name -> class, for every nn.Module class in the model's modules'
-    MROs whose name is unambiguous (two classes of one name are left out)."""
+    """Every nn.Module class in the model's modules' MROs under the names
+    ModelGraph.resolve_class accepts for it: its id ``module.QualName``,
+    and its bare name where no other class of the model has that name (two
+    classes of one name, PEFT's lora.Linear and torch's nn.Linear, are
+    reachable only by their ids)."""
     import torch.nn as nn
 
-    out: dict[str, type] = {}
-    clash: set[str] = set()
+    from conformance.oracle.graph import class_id
+
+    by_id: dict[str, type] = {}
     for m in model.modules():
         for k in type(m).__mro__:
             if isinstance(k, type) and issubclass(k, nn.Module):
-                if k.__name__ in out and out[k.__name__] is not k:
-                    clash.add(k.__name__)
-                out.setdefault(k.__name__, k)
-    for name in clash:
-        del out[name]
+                by_id.setdefault(class_id(k), k)
+    out = dict(by_id)
+    short: dict[str, list[type]] = {}
+    for k in by_id.values():
+        short.setdefault(k.__name__, []).append(k)
+    for name, ks in short.items():
+        if len(ks) == 1 and name not in out:
+            out[name] = ks[0]
     return out
 
 
@@ -188,7 +198,36 @@ def base_graph(ref: str):
     A target's structure must not depend on the seed; its values do."""
     from conformance.oracle.graph import ModelGraph
 
-    return ModelGraph(make_model(ref, 0))
+    model = make_model(ref, 0)
+    g = ModelGraph(model)
+    g.not_called = modules_not_called(ref, model)
+    return g
+
+
+def modules_not_called(ref: str, model) -> frozenset[str]:
+    """Canonical paths of the modules (root excluded) whose forward the
+    model's forward never runs on the target's inputs, found with forward
+    pre-hooks on an unsharded model. Empty when forward fails (check_target
+    reports that)."""
+    import torch
+
+    called: set[int] = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(**dict(cached_target(ref).inputs(0)))
+    except Exception:
+        return frozenset()
+    finally:
+        for h in handles:
+            h.remove()
+    seen: set[int] = set()
+    out = []
+    for path, m in model.named_modules():
+        if path and id(m) not in seen and id(m) not in called:
+            out.append(path)
+        seen.add(id(m))
+    return frozenset(out)
 
 
 def graph_of(case):
@@ -230,14 +269,15 @@ def check_case(case) -> None:
     ref = case.target
     fqns = {a for pid in g.param_info for a in g.aliases(pid)}
     paths = set(g.module_path.values())  # canonical: what the adapters look modules up by
-    classes = set(g.class_names())
     for f in case.frozen:
         if f not in fqns:
             raise _fail(ref, f"the freeze mask names {f!r}, not a parameter of the model")
     pol = case.plan.policy
     for c in getattr(pol, "classes", ()):
-        if c not in classes:
-            raise _fail(ref, f"the wrap policy names class {c!r}, which no module of the model is")
+        try:
+            g.resolve_class(c)
+        except ClassLookupError as e:
+            raise _fail(ref, f"the wrap policy's class {c!r} {e}") from None
     for p in getattr(pol, "targets", ()):
         if p not in paths:
             raise _fail(ref, f"the wrap policy names module {p!r}, not a module of the model")
@@ -293,10 +333,12 @@ def check_target(ref: str, *, wrap_classes: tuple[str, ...] | None = None) -> Ta
                 fn(**method_kwargs(target, mc, 0))
         except Exception as e:
             raise _fail(ref, f"method {mc.name}() raised {type(e).__name__}: {_first_line(e)}") from None
-    classes = set(base_graph(ref).class_names())
+    g = base_graph(ref)
     for c in (target.wrap_classes if wrap_classes is None else wrap_classes):
-        if c not in classes:
-            raise _fail(ref, f"wrap class {c!r} is not a class of any module of the model")
+        try:
+            g.resolve_class(c)
+        except ClassLookupError as e:
+            raise _fail(ref, f"wrap class {c!r} {e}") from None
     return target
 
 

@@ -228,7 +228,7 @@ def _fsdp1_trainable(spec: CaseSpec) -> bool:
     # rather than calling it, so FSDP never all-gathers for it (outside what
     # FSDP promises; the ranks then fail on their own shards and hang).
     g = ModelGraph(spec)
-    containers = any(g.nodes[g.resolve_module(u.path)].cls in TORCH_CONTAINERS for u in pred.units)
+    containers = any(g.is_torch(g.resolve_module(u.path), TORCH_CONTAINERS, exact=True) for u in pred.units)
     return "tie:cross-unit" not in case_tags(spec, pred) and not pred.shared_modules and not containers
 
 

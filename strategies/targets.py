@@ -57,10 +57,17 @@ class _Model:
         self.factory_frozen = tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid))
         self.modules = [p for p, nid in g.named_modules() if p]  # canonical, root excluded
         with_params = {p for p in self.modules if g.subtree_params(g.resolve_module(p))}
-        self.unit_modules = [p for p in self.modules if p in with_params and g.nodes[g.resolve_module(p)].cls not in TORCH_CONTAINERS]
-        root_cls = g.nodes[""].cls
-        seen = [c for c in g.class_names() if c not in _NOT_UNITS and c != root_cls]
-        own = [c for c in self.target.wrap_classes if c in seen]
+        self.unit_modules = [p for p in self.modules if p in with_params and not g.is_torch(g.resolve_module(p), TORCH_CONTAINERS, exact=True)]
+        # classes by id (module.QualName): two classes may share a __name__
+        not_units = {g.torch_class_id(c) for c in _NOT_UNITS} | {g.nodes[""].ids[0]}
+        seen = [c for c in g.class_ids() if c not in not_units]
+        self.wrap_classes = []
+        for c in self.target.wrap_classes:
+            try:
+                self.wrap_classes.append(g.resolve_class(c))
+            except KeyError as e:  # check_target says the same
+                raise InvalidArgument(f"target {ref!r}: wrap class {c!r} {e}") from None
+        own = [c for c in self.wrap_classes if c in seen]
         # the target's wrap candidates first (the simplest draw), then the rest
         self.classes = own + [c for c in seen if c not in own]
         numels = sorted({sum(g.numel(p) for p in g.subtree_params(g.resolve_module(m))) for m in self.modules} - {0})
@@ -168,7 +175,7 @@ def shard_groups(draw, target: str) -> tuple[ShardGroup, ...]:
     reshard_after_forward None / True / False; sometimes the root's own."""
     m = _model(target)
     g = m.graph
-    preferred = [p for p in m.unit_modules if any(g.isinstance_of(g.resolve_module(p), (c,)) for c in m.target.wrap_classes)]
+    preferred = [p for p in m.unit_modules if g.isinstance_of(g.resolve_module(p), tuple(m.wrap_classes))]
     pool = preferred or m.unit_modules
     rafs = st.sampled_from((None, True, False))
     groups = []

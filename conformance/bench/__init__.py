@@ -46,7 +46,7 @@ def run(apis=APIS, *, engines: bool = False, examples: int | None = None, world_
         from conformance.bench import models
 
         for t in targets:
-            results[t] = models.bench(t, examples or DEFAULT_EXAMPLES["models"], world_size, fake_world_size, seed)
+            results[t] = models.bench(t, examples or DEFAULT_EXAMPLES["models"], world_size, fake_world_size, seed, apis=apis)
             models.show(results[t])
         if json_path:
             Path(json_path).write_text(json.dumps(results, indent=1) + "\n")

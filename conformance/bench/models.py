@@ -11,7 +11,10 @@ import time
 from conformance.bench import draw
 
 
-def bench(target: str, examples: int = 20, world_size: int = 2, fake_world_size: int = 4, seed: int = 0) -> dict:
+def bench(target: str, examples: int = 20, world_size: int = 2, fake_world_size: int = 4, seed: int = 0,
+          apis=("fsdp1", "fsdp2")) -> dict:
+    """Per API of ``apis`` (fsdp1, fsdp2; --api): examples/s of drawn model
+    cases next to the time inside FSDP."""
     from hypothesis import strategies as st
 
     from conformance.engine.fake import FakeEngine
@@ -30,6 +33,11 @@ def bench(target: str, examples: int = 20, world_size: int = 2, fake_world_size:
         "fsdp1": ("fake", fake_world_size, "WRAP-UNITS", [i for i, v in CATALOG.items() if v.scenario in ("fsdp1-structure", "fsdp1")]),
         "fsdp2": ("gloo", world_size, "FWD-PARITY", [i for i, v in CATALOG.items() if v.scenario == "fsdp2"]),
     }
+    runs = {api: r for api, r in runs.items() if api in apis}
+    if not runs:
+        from conformance.bench import BenchError
+
+        raise BenchError(f"a model is measured per API fsdp1 / fsdp2, not {', '.join(apis)}")
     for api, (tier, ws, inv, same) in runs.items():
         cases = draw(model_cases(target, apis=st.just(api)), examples, seed)
         engine = FakeEngine(world_size=ws) if tier == "fake" else RankPool(ws, "gloo", 300.0)

@@ -68,7 +68,7 @@ def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
     except KeyError:
         return False
     node = g.nodes[nid]
-    return node.cls == "Embedding" and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
+    return g.is_torch(nid, ("Embedding",), exact=True) and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
 
 def _container_base(spec: CaseSpec, path: str) -> bool:
     from conformance.spec import SpecError, module_at

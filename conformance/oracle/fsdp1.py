@@ -17,8 +17,13 @@ from conformance.spec import (
     TransformerWrap,
 )
 
-# size_based_auto_wrap_policy's documented defaults
+# size_based_auto_wrap_policy's documented defaults (torch.nn classes)
 SIZE_EXCLUDE_WRAP = ("ModuleList", "ModuleDict")
+# "module types to keep as leaves, i.e. their children will never be
+# wrapped" (force_leaf_modules): the policy never recurses into one, so
+# neither it nor anything below it becomes a unit; its parameters stay with
+# the unit above. Only real models have one (synthetic trees do not draw it).
+SIZE_FORCE_LEAF = ("MultiheadAttention",)
 
 
 @dataclass(frozen=True)
@@ -93,9 +98,12 @@ def wrap_targets(g: ModelGraph, plan: WrapPlan, ignored_nodes: set[str], ignored
         # excluded container types.
         wrapped: set[str] = set()
         claimed: set[str] = set(ignored_params)
+        leaves = {m for n in candidates if g.is_torch(n, SIZE_FORCE_LEAF) for m in g.subtree(n)}
         for n in candidates:
+            if n in leaves:
+                continue
             remainder = [p for p in g.subtree_params(n) if p not in claimed]
-            if sum(g.numel(p) for p in remainder) >= pol.min_num_params and not g.isinstance_of(n, SIZE_EXCLUDE_WRAP):
+            if sum(g.numel(p) for p in remainder) >= pol.min_num_params and not g.is_torch(n, SIZE_EXCLUDE_WRAP):
                 wrapped.add(n)
                 claimed.update(remainder)
         return wrapped

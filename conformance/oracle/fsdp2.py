@@ -118,8 +118,10 @@ def _unsupported(methods, calls, g: ModelGraph, order: list[ShardGroup]) -> str:
                     return f"fully_shard([...]) with {b} inside {a or '<root>'}: the list form is for disjoint modules"
         for m in grp.modules:
             cls = g.nodes[m].cls
-            if cls in TORCH_CONTAINERS:
+            if g.is_torch(m, TORCH_CONTAINERS, exact=True):
                 return f"fully_shard on torch's own {cls} at {m or '<root>'}: its forward is not how the case calls it"
+            if m in g.not_called:
+                return f"fully_shard on {m}, whose forward the model's forward never runs (its parameters are read without calling it)"
     first = calls[0]
     if True:
         if first.method != -1:
@@ -315,7 +317,7 @@ class _Sim:
     def call_child(self, nid: str) -> None:
         if nid in self.member:
             self.nested = True
-        if self.g.nodes[nid].cls in TORCH_CONTAINERS:
+        if self.g.is_torch(nid, TORCH_CONTAINERS, exact=True):
             for _, c in self.g.nodes[nid].children:  # build.call_child runs their children
                 self.call_child(c)
         else:

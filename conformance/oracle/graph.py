@@ -1,6 +1,13 @@
 """ModelGraph: a module graph as pure data (classes, parameters, buffers,
 shared modules and ties), built from a CaseSpec or from any live nn.Module,
-with the traversals nn.Module defines, computed without torch.distributed."""
+with the traversals nn.Module defines, computed without torch.distributed.
+
+Classes are identified by class ids: in a CaseSpec its own class names (the
+spec is one namespace: "Linear" is torch's nn.Linear, drawn names are
+unique); in a live module the qualified name ``module.QualName``, because
+two classes may share a ``__name__`` (PEFT's ``lora.Linear`` and torch's
+``nn.Linear``). A policy may name a class by its id or, where only one class
+of the model has it, by its bare name (``resolve_class``)."""
 
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ class Node:
     params: list[tuple[str, str]] = field(default_factory=list)  # (attr name, param id)
     buffers: list[str] = field(default_factory=list)  # persistent buffers (state_dict keys)
     children: list[tuple[str, str]] = field(default_factory=list)  # (attr name, node id)
-    mro: tuple[str, ...] = ()  # class names, the class first, nn.Module last
+    mro: tuple[str, ...] = ()  # class names (__name__), the class first, nn.Module last: for people
+    ids: tuple[str, ...] = ()  # the same classes' ids (unambiguous): for lookups
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,13 @@ class ModelGraph:
         self.spec: CaseSpec | None = None
         self.nodes: dict[str, Node] = {}
         self.param_info: dict[str, ParamInfo] = {}
+        self._torch_ids: dict[str, str] = {}  # torch.nn class name -> its id in this graph
+        # Node ids of modules whose forward the model's own forward never
+        # runs (nn.MultiheadAttention reads out_proj.weight without calling
+        # out_proj): a fact about a live model found by running it
+        # (conformance.targets.base_graph); FSDP gathers a unit's parameters
+        # only when its forward runs. Empty for a CaseSpec.
+        self.not_called: frozenset[str] = frozenset()
         if isinstance(source, CaseSpec):
             self.spec = source
             self._from_spec(source)
@@ -56,9 +71,10 @@ class ModelGraph:
     # -- construction ---------------------------------------------------------
     def _from_spec(self, spec: CaseSpec) -> None:
         for path, m in walk(spec.tree):
+            mro = tuple(class_ancestry(spec, m.cls))
             self.nodes[path] = Node(
                 m.cls, [(p.name, join(path, p.name)) for p in m.params], [b.name for b in m.buffers],
-                mro=tuple(class_ancestry(spec, m.cls)),
+                mro=mro, ids=mro,
             )
             for p in m.params:
                 self.param_info[join(path, p.name)] = ParamInfo(tuple(p.shape), p.requires_grad)
@@ -98,8 +114,8 @@ class ModelGraph:
         visit(model, "", (id(model),))
         for path, m in order:
             non_persistent = getattr(m, "_non_persistent_buffers_set", set())
-            mro = tuple(k.__name__ for k in type(m).__mro__ if _is_module_class(k))
-            node = Node(type(m).__name__, mro=mro)
+            mro = [k for k in type(m).__mro__ if _is_module_class(k)]
+            node = Node(type(m).__name__, mro=tuple(k.__name__ for k in mro), ids=tuple(class_id(k) for k in mro))
             for name, p in m._parameters.items():
                 if p is not None:
                     node.params.append((name, par_id[id(p)]))
@@ -109,6 +125,7 @@ class ModelGraph:
             self.nodes[path] = node
 
     def _index(self) -> None:
+        self._names_by_id = {cid: short for node in self.nodes.values() for cid, short in zip(node.ids, node.mro)}
         self._module_names = self._named_modules()
         self.module_path: dict[str, str] = {}  # node id -> canonical path
         self._module_aliases: dict[str, list[str]] = {}
@@ -224,11 +241,58 @@ class ModelGraph:
         return out
 
     def isinstance_of(self, nid: str, classes: tuple[str, ...]) -> bool:
-        return bool(set(self.nodes[nid].mro) & set(classes))
+        """The module derives from one of ``classes`` (ids, or names
+        resolve_class accepts; a name no class of the model has matches
+        nothing, an ambiguous one raises ClassLookupError)."""
+        return bool(set(self.nodes[nid].ids) & {self._resolve(c) for c in classes})
 
-    def class_names(self) -> list[str]:
-        """Every class name in the model's modules' MROs, first seen first."""
-        return list(dict.fromkeys(c for node in self.nodes.values() for c in node.mro))
+    def class_ids(self) -> list[str]:
+        """Every class id in the model's modules' MROs, first seen first."""
+        return list(dict.fromkeys(c for node in self.nodes.values() for c in node.ids))
+
+    def class_name(self, cid: str) -> str:
+        """The class's __name__ (what people read)."""
+        return self._class_names()[cid]
+
+    def resolve_class(self, name: str) -> str:
+        """The id of the model's class ``name`` names: its id, or a bare
+        __name__ only one of the model's classes has.
+        ClassLookupError (its message goes after the name; an ambiguous
+        name's names the candidates) otherwise."""
+        cid = self._resolve(name)
+        if cid is None:
+            raise ClassLookupError("is not a class of any module of the model")
+        return cid
+
+    def _resolve(self, name: str) -> str | None:
+        names = self._class_names()
+        if name in names:
+            return name
+        hits = [cid for cid, short in names.items() if short == name]
+        if len(hits) > 1:
+            raise ClassLookupError(f"is ambiguous: {', '.join(hits)} share the name; name one by its qualified name (module.QualName)")
+        return hits[0] if hits else None
+
+    def is_torch(self, nid: str, names: tuple[str, ...], exact: bool = False) -> bool:
+        """The module's class is (exact) or derives from one of torch.nn's
+        classes ``names`` (e.g. "ModuleList"): by identity, never by a name
+        a user class may share."""
+        ids = {self.torch_class_id(n) for n in names}
+        node = self.nodes[nid]
+        return (node.ids[0] in ids) if exact else bool(ids & set(node.ids))
+
+    def torch_class_id(self, name: str) -> str:
+        """The id torch.nn.<name> has in this graph."""
+        if self.spec is not None:
+            return name
+        if name not in self._torch_ids:
+            import torch.nn as nn
+
+            self._torch_ids[name] = class_id(getattr(nn, name))
+        return self._torch_ids[name]
+
+    def _class_names(self) -> dict[str, str]:
+        return self._names_by_id
 
     def numel(self, pid: str) -> int:
         return self.param_info[pid].numel
@@ -277,6 +341,18 @@ class ModelGraph:
             for pid, info in self.param_info.items() if pid in pf
         }
         return {"modules": modules, "params": params, "state_dict": self.state_dict_keys()}
+
+
+class ClassLookupError(KeyError):
+    """A class name that names no class of the model, or several."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def class_id(k: type) -> str:
+    """A class's unambiguous id: ``module.QualName``."""
+    return f"{k.__module__}.{k.__qualname__}"
 
 
 def _is_module_class(k: type) -> bool:

@@ -97,11 +97,16 @@ def predict_parity(spec) -> ParityPrediction:
             # ancestor; training is not promised for a case it must reject
             why = "a tied parameter's unit is below its users' common ancestor (rejected, TIES)"
         for u in p1.units:
-            cls = g.nodes[g.resolve_module(u.path)].cls
-            if cls in TORCH_CONTAINERS and not why:
+            nid = g.resolve_module(u.path)
+            cls = g.nodes[nid].cls
+            if g.is_torch(nid, TORCH_CONTAINERS, exact=True) and not why:
                 # FSDP1 warns that it will not all-gather for a container the
                 # case iterates rather than calls
                 why = f"unit {u.path} is torch's {cls}, whose forward never runs"
+            elif nid in g.not_called and not why:
+                # a real model reads the unit's parameters without calling it
+                # (MultiheadAttention's out_proj): nothing all-gathers them
+                why = f"unit {u.path}'s forward never runs in the model's forward"
         return ParityPrediction("fsdp1", why, frozen, trainable, p1, None)
     p2 = predict_fsdp2(spec, torch.__version__)
     why = p2.supported

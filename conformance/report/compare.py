@@ -1,9 +1,12 @@
 """Baseline compare: regressions, fixes, changes, and invariants new or
-removed between two reports (rows matched by invariant, API and tier)."""
+removed between two reports (rows matched by invariant, API, tier and, for
+a real model's rows, the model)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from conformance.report.data import row_label
 
 BAD = ("FAIL",)
 GOOD = ("PASS", "FIXED")
@@ -81,8 +84,8 @@ def _finding_names(report: dict, row: dict) -> set[str]:
 
 def compare(base: dict, new: dict) -> Comparison:
     c = Comparison(base, new)
-    brows = {(r["invariant"], r["api"], r["tier"]): r for r in base.get("results", [])}
-    nrows = {(r["invariant"], r["api"], r["tier"]): r for r in new.get("results", [])}
+    brows = {(row_label(r), r["api"], r["tier"]): r for r in base.get("results", [])}
+    nrows = {(row_label(r), r["api"], r["tier"]): r for r in new.get("results", [])}
     btiers = {k[2] for k in brows}
     if not new.get("complete", True):
         c.notes.append(f"NEW is incomplete ({new.get('status')}): missing rows may only not have run yet")

@@ -112,13 +112,14 @@ def _size(spec: dict) -> tuple[int, int]:
     return (count(tree) if isinstance(tree, dict) else 0, len(json.dumps(spec, sort_keys=True)))
 
 
-def merge_tallies(partials: list[dict]) -> dict[tuple[str, str, str], dict]:
-    """Tallies of several processes (xdist workers) as one: counts and times
-    add up, each finding keeps the smallest case any process saw."""
-    out: dict[tuple[str, str, str], dict] = {}
+def merge_tallies(partials: list[dict]) -> dict[tuple[str, str, str, str], dict]:
+    """Tallies of several processes (xdist workers) as one, keyed by
+    (invariant, api, tier, model; "" for the synthetic cases): counts and
+    times add up, each finding keeps the smallest case any process saw."""
+    out: dict[tuple[str, str, str, str], dict] = {}
     for part in partials:
         for t in part.get("tallies", []):
-            key = (t["invariant"], t["api"], t["tier"])
+            key = (t["invariant"], t["api"], t["tier"], t.get("model") or "")
             cur = out.get(key)
             if cur is None:
                 out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": [], "features": {}}
@@ -160,8 +161,15 @@ def merge_corpus(partials: list[dict]) -> list[dict]:
     return [out[k] for k in sorted(out)]
 
 
-def _finding_id(invariant: str, api: str, tier: str, key: str) -> str:
-    return f"{invariant}/{api}/{tier}/{key}"
+def row_label(r: dict) -> str:
+    """A row's (or finding's) invariant, with the real model it ran on
+    (rows of a model checked with --target or `model` stand beside the
+    synthetic rows of the same invariant, API and tier)."""
+    return f"{r['invariant']} on {r['model']}" if r.get("model") else r["invariant"]
+
+
+def _finding_id(invariant: str, api: str, tier: str, key: str, model: str = "") -> str:
+    return f"{invariant}/{api}/{tier}/{model + '/' if model else ''}{key}"
 
 
 def _skip_reason(invariant: str, tier: str, run: dict, skips: dict) -> str:
@@ -205,7 +213,7 @@ def build(
     tests = tests or []
     tallies = merge_tallies(partials)
     tiers = [t["tier"] for t in run.get("tiers", [])]
-    for (_, _, tier) in tallies:
+    for (_, _, tier, _) in tallies:
         if tier not in tiers:
             tiers.append(tier)
     tier_info = {t["tier"]: t for t in run.get("tiers", [])}
@@ -241,7 +249,7 @@ def build(
     base_rows = {}
     for b in baselines or []:
         for r in b.get("results", []):
-            base_rows[(r["invariant"], r["api"], r["tier"])] = r
+            base_rows[(r["invariant"], r["api"], r["tier"], r.get("model") or "")] = r
 
     results, findings = [], []
     order = list(catalog.values())  # the catalog's own order: areas as their authors registered them
@@ -250,11 +258,15 @@ def build(
     for inv_id in [inv.id for inv in order] + extra:
         inv = catalog.get(inv_id)
         for tier in tiers:
-            keys = sorted(k for k in tallies if k[0] == inv_id and k[2] == tier)
+            keys = sorted(k for k in tallies if k[0] == inv_id and k[2] == tier and not k[3])
+            models = sorted(k for k in tallies if k[0] == inv_id and k[2] == tier and k[3])
             # an invariant of several APIs ("fsdp1|fsdp2") gets a row for each
             for api in (inv.api.split("|") if inv else ["?"]):
-                if not any(k[1] == api for k in keys):
-                    keys.append((inv_id, api, tier))
+                if not any(k[1] == api for k in keys + models):
+                    keys.append((inv_id, api, tier, ""))
+            # a real model's rows (--target, `model`) follow the synthetic row of their API
+            keys = [x for k in keys for x in [k, *(m for m in models if m[1] == k[1])]] + [
+                m for m in models if not any(k[1] == m[1] for k in keys)]
             for key in keys:
                 t = tallies.get(key)
                 row = {
@@ -262,6 +274,7 @@ def build(
                     "area": inv.area if inv else None,
                     "api": key[1],
                     "tier": tier,
+                    "model": key[3] or None,
                     "backend": tier_info.get(tier, {}).get("backend", tier),
                     "world_size": tier_info.get(tier, {}).get("world_size"),
                     "statement": inv.statement if inv else "",
@@ -281,9 +294,9 @@ def build(
                     row["outcomes"] = t["outcomes"]
                     row["features"] = t.get("features", {})
                     for f in sorted(t["findings"], key=lambda f: (f["kind"] == "KNOWN", f["key"])):
-                        fid = _finding_id(inv_id, key[1], tier, f["key"])
+                        fid = _finding_id(inv_id, key[1], tier, f["key"], key[3])
                         row["findings"].append(fid)
-                        findings.append({"id": fid, "invariant": inv_id, "api": key[1], "tier": tier, **f})
+                        findings.append({"id": fid, "invariant": inv_id, "api": key[1], "tier": tier, "model": key[3] or None, **f})
                 kinds = {f["kind"] for f in (t or {}).get("findings", [])}
                 if kinds & set(FAILING_KINDS):
                     row["verdict"] = "FAIL"
@@ -294,7 +307,7 @@ def build(
                     row["verdict"] = "KNOWN"
                 elif row["examples"]:
                     row["verdict"] = "PASS"
-                    base = base_rows.get((inv_id, key[1], tier))
+                    base = base_rows.get((inv_id, key[1], tier, key[3]))
                     if base is not None and base.get("verdict") == "KNOWN" and row["examples"] >= base.get("examples", 0):
                         row["verdict"] = "FIXED"
                         row["reason"] = f"KNOWN in the baseline; no violation in {row['examples']} examples"
@@ -332,7 +345,8 @@ def build(
             # its minimal case ran and torch no longer deviates: FIXED, whatever the baseline
             st = "fixed"
             for r in results:
-                if r["invariant"] in k.invariants and r["verdict"] == "PASS" and any(c["tier"] == r["tier"] for c in checked):
+                # the corpus cases are synthetic: a model's own row stays as it ran
+                if r["invariant"] in k.invariants and r["verdict"] == "PASS" and not r.get("model") and any(c["tier"] == r["tier"] for c in checked):
                     r["verdict"] = "FIXED"
                     r["reason"] = f"the corpus case of known failure {k.id} no longer deviates"
         elif k.no_corpus:

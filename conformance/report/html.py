@@ -29,14 +29,14 @@ def render(report: dict, report_dir: Path | None = None) -> str:
     """``report_dir``: where relative repro paths point (their text is embedded)."""
     columns = []
     for r in report["results"]:
-        col = (r["api"], r["tier"])
+        col = (r["api"], r["tier"], r.get("model") or "")  # a real model's rows: columns beside the synthetic ones
         if col not in columns:
             columns.append(col)
     cells, areas = {}, []
     by_area: dict[str, list] = {}
     seen = set()
     for r in report["results"]:
-        cells[(r["invariant"], r["api"], r["tier"])] = {**r, "anchor": _anchor(r["findings"][0]) if r["findings"] else ""}
+        cells[(r["invariant"], r["api"], r["tier"], r.get("model") or "")] = {**r, "anchor": _anchor(r["findings"][0]) if r["findings"] else ""}
         if r["invariant"] not in seen:
             seen.add(r["invariant"])
             by_area.setdefault(r.get("area") or "other", []).append({"id": r["invariant"], "statement": r.get("statement", "")})

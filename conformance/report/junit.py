@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from conformance.report.data import row_label
+
 import xml.etree.ElementTree as ET
 
 
@@ -32,7 +34,7 @@ def render(report: dict) -> str:
     findings = {f["id"]: f for f in report.get("findings", [])}
     for r in rows:
         case = ET.SubElement(
-            suite, "testcase", classname=f"fsdp-conformance.{r['api']}.{r['tier']}", name=r["invariant"], time=f"{r['seconds']:.3f}"
+            suite, "testcase", classname=f"fsdp-conformance.{r['api']}.{r['tier']}", name=row_label(r), time=f"{r['seconds']:.3f}"
         )
         fs = [findings[i] for i in r["findings"] if i in findings]
         if r["verdict"] == "FAIL":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from conformance.report.data import row_label
+
 MARK = {"PASS": "PASS", "FAIL": "**FAIL**", "KNOWN": "KNOWN", "FIXED": "_FIXED_", "SKIP": "SKIP"}
 MAX_FINDINGS = 30
 MAX_CODE = 4000
@@ -48,7 +50,7 @@ def render(report: dict, *, details: bool = True) -> str:
     for r in report["results"]:
         fnd = ", ".join(f.rsplit("/", 1)[-1] for f in r["findings"]) or (r.get("reason") or "")
         lines.append(
-            f"| {r['invariant']} | {r['api']} | {r['tier']} | {MARK.get(r['verdict'], r['verdict'])} | {r['examples']} "
+            f"| {row_label(r)} | {r['api']} | {r['tier']} | {MARK.get(r['verdict'], r['verdict'])} | {r['examples']} "
             f"| {r['seconds']:.1f}s | {_cell(fnd)} |"
         )
     failed_tests = report.get("tests", {}).get("failed", [])
@@ -76,7 +78,7 @@ def render(report: dict, *, details: bool = True) -> str:
             label = f"known failure `{f['known_failure']}`" if f.get("known_failure") else f["kind"]
             lines += [
                 "<details>",
-                f"<summary><b>{f['kind']}</b> {f['invariant']} ({f['api']}, {f['tier']}): {label}, {f['count']} example(s)</summary>",
+                f"<summary><b>{f['kind']}</b> {row_label(f)} ({f['api']}, {f['tier']}): {label}, {f['count']} example(s)</summary>",
                 "",
                 f"{_cell(f['message'])}",
                 "",

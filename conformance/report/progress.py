@@ -3,6 +3,8 @@ pytest processes write as they go: ``.partial/*.json`` and ``report.json``."""
 
 from __future__ import annotations
 
+from conformance.report.data import row_label
+
 import json
 import time
 from pathlib import Path
@@ -90,12 +92,12 @@ def final_table(report: dict, console: Console) -> None:
         if r["verdict"] == "SKIP" and r.get("reason") == "not selected":
             continue
         names = ", ".join(f.rsplit("/", 1)[-1] for f in r["findings"]) or (r.get("reason") or "")
-        table.add_row(r["invariant"], r["api"], r["tier"], Text(r["verdict"], style=STYLE.get(r["verdict"], "")),
+        table.add_row(row_label(r), r["api"], r["tier"], Text(r["verdict"], style=STYLE.get(r["verdict"], "")),
                       str(r["examples"]), f"{r['seconds']:.1f}s", Text(names))
     console.print(table)
     for f in report["findings"]:
         if f["kind"] != "KNOWN":
-            console.print(f"[bold red]{f['kind']}[/] {escape(f['invariant'])} ({f['api']}, {f['tier']}): {escape(f['message'])}", highlight=False)
+            console.print(f"[bold red]{f['kind']}[/] {escape(row_label(f))} ({f['api']}, {f['tier']}): {escape(f['message'])}", highlight=False)
             if f.get("repro"):
                 console.print(f"    repro: {escape(f['repro'])}", highlight=False)
     for w in report.get("warnings", []):

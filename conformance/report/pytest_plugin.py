@@ -10,6 +10,8 @@ incomplete) after test items finish, and at the end writes every format.
 
 from __future__ import annotations
 
+from conformance.report.data import row_label
+
 import json
 import os
 import shutil
@@ -381,12 +383,12 @@ class ReportPlugin:
                 continue
             counts = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
             tr.write_line(
-                f"{r['invariant']:<20} {r['api']:<5} {r['tier']:<5} {r['verdict']:<6} {r['examples']:>5} examples"
+                f"{row_label(r):<20} {r['api']:<5} {r['tier']:<5} {r['verdict']:<6} {r['examples']:>5} examples"
                 f"  {r['seconds']:6.1f}s  ({counts or r.get('reason') or ''})"
             )
         for f in report["findings"]:
             label = f"KNOWN {f['known_failure']}" if f.get("known_failure") else f["kind"]
-            tr.write_line(f"    {f['invariant']}/{f['tier']} {label}: {f['message'][:200]}")
+            tr.write_line(f"    {row_label(f)}/{f['tier']} {label}: {f['message'][:200]}")
             if f["kind"] != "KNOWN" and f.get("repro"):
                 tr.write_line(f"        repro: {self.report_dir / f['repro']}")
         for w in report["warnings"]:

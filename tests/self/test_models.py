@@ -103,7 +103,7 @@ def test_shrinking_ends_at_one_class_and_one_frozen_parameter():
     got = find(model_cases(TOY, apis=st.just("fsdp1")), lambda c: any(u.mixed and u.path for u in predict_fsdp1(c).units),
                settings=settings(database=None, max_examples=2000, derandomize=True))
     assert got.frozen == ("blocks.0.ln.weight",)
-    assert got.plan.policy == ModuleWrap(("Block",))
+    assert got.plan.policy == ModuleWrap(("conformance.toy_target.Block",))  # classes by qualified name
 
 
 def test_presets_come_from_the_target():

@@ -16,11 +16,7 @@ pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 
 ZOO = [
     "gpt2",
-    # A suite bug found by this test at the end of the session that wrote it:
-    # the FSDP1 scenarios raise KeyError 'Linear' inside the rank on PEFT's
-    # LoRA model (its lora.Linear shares torch's class name). Strict: it turns
-    # red once fixed, and then the mark goes.
-    pytest.param("llama_lora", marks=pytest.mark.xfail(strict=True, reason="suite bug: KeyError 'Linear' on PEFT's LoRA Linear (open)")),
+    "llama_lora",  # PEFT's lora.Linear shares torch's class name: classes go by qualified name
     "t5",
     "bert",
 ]

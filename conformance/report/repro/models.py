@@ -1,6 +1,6 @@
 """Standalone repro scripts for a ModelCase: torch-only apart from importing
 the target's package. The script rebuilds the model from the seed, the exact
-freeze mask (by FQN) and the policy or FSDP2 groups (by class name / module
+freeze mask (by FQN) and the policy or FSDP2 groups (by qualified class name / module
 path), wraps it, makes the calls (forward, the target's methods, a few
 training steps with the target's loss) next to an unsharded copy, and prints
 what FSDP did and what the spec says it must do."""
@@ -39,9 +39,14 @@ def build():
     return target, model
 
 
-def classes_named(model, names):
-    """The model's module classes (any class in their MROs) with these names."""
-    return {k for m in model.modules() for k in type(m).__mro__ if k.__name__ in names and issubclass(k, torch.nn.Module)}
+def classes_with_ids(model, ids):
+    """The model's module classes (any class in their MROs) with these
+    qualified names (module.QualName: two classes may share a __name__, as
+    PEFT's lora.Linear and torch's nn.Linear do)."""
+    return {
+        k for m in model.modules() for k in type(m).__mro__
+        if issubclass(k, torch.nn.Module) and f"{k.__module__}.{k.__qualname__}" in ids
+    }
 
 
 def tensors(out):
@@ -124,9 +129,9 @@ def policy(model):
     if kind is None:
         return None
     if kind == "ModuleWrap":
-        return ModuleWrapPolicy(classes_named(model, arg))
+        return ModuleWrapPolicy(classes_with_ids(model, arg))
     if kind == "TransformerWrap":
-        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes_named(model, arg))
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes_with_ids(model, arg))
     if kind == "SizeBasedWrap":
         return functools.partial(size_based_auto_wrap_policy, min_num_params=arg)
     if kind == "LambdaWrap":
@@ -265,11 +270,14 @@ if __name__ == "__main__":
 '''
 
 
-def _policy_literal(pol) -> str:
+def _policy_literal(pol, ref: str) -> str:
     if pol is None:
         return "(None, None)"
     if isinstance(pol, (ModuleWrap, TransformerWrap)):
-        return repr((type(pol).__name__, tuple(pol.classes)))
+        from conformance.targets import base_graph
+
+        g = base_graph(ref)  # the script names each class by its id
+        return repr((type(pol).__name__, tuple(g.resolve_class(c) for c in pol.classes)))
     if isinstance(pol, SizeBasedWrap):
         return repr(("SizeBasedWrap", pol.min_num_params))
     if isinstance(pol, LambdaWrap):
@@ -328,7 +336,7 @@ def model_script(case: ModelCase, violations: list | None = None, title: str = "
         f"EXPECTED = {_expected(case)!r}",
     ]
     if case.plan.api == "fsdp1":
-        consts += [f"POLICY = {_policy_literal(case.plan.policy)}", f"USE_ORIG_PARAMS = {case.plan.use_orig_params!r}"]
+        consts += [f"POLICY = {_policy_literal(case.plan.policy, case.target)}", f"USE_ORIG_PARAMS = {case.plan.use_orig_params!r}"]
         body = _FSDP1
     else:
         order = shard_order(case.plan, graph_of(case))

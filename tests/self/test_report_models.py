@@ -1,0 +1,93 @@
+"""A real model's rows stand beside the synthetic rows: a run that checks
+both (``fsdp-conformance run -- --target T``) reports each model in rows
+of its own (same invariant, API and tier; ``model`` set), in every format."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conformance.model_case import ModelCase
+from conformance.report import compare, data, html, junit, markdown
+from conformance.runner import CaseResult
+from conformance.session import Session
+from conformance.spec import ModuleWrap, WrapPlan
+from conformance.violation import Violation
+from tests.self import cases
+from tests.self.test_report import CATALOG, ENV, KNOWN, RUN
+
+pytestmark = pytest.mark.selfcheck
+
+TARGET = "tests.self.same_name_target:target"
+
+
+def _session(model_verdict: str = "PASS") -> Session:
+    s = Session(repro_dir=None)
+    s.known = KNOWN
+    model_case = ModelCase(TARGET, plan=WrapPlan("fsdp1", ModuleWrap(("Block",))))
+    s.record(CaseResult("WRAP-UNITS", cases.two_blocks(), "PASS"), "fake", 0.1)
+    s.record(CaseResult("WRAP-UNITS", cases.two_blocks(), "PASS"), "fake", 0.1)
+    bad = [Violation("WRAP-UNITS", "module blocks.0 is not a unit", frozenset({"kind:missing-unit"}))] if model_verdict == "FAIL" else []
+    s.record(CaseResult("WRAP-UNITS", model_case, model_verdict, bad), "fake", 0.5)
+    return s
+
+
+def _build(session: Session) -> dict:
+    return data.build(partials=[session.to_dict()], run=RUN, catalog=CATALOG, known=KNOWN, environment=ENV)
+
+
+def test_model_rows_follow_the_synthetic_row_of_their_invariant():
+    report = _build(_session("FAIL"))
+    rows = [(r["invariant"], r["api"], r["tier"], r["model"], r["verdict"], r["examples"]) for r in report["results"]
+            if r["invariant"] == "WRAP-UNITS"]
+    assert rows == [("WRAP-UNITS", "fsdp1", "fake", None, "PASS", 2), ("WRAP-UNITS", "fsdp1", "fake", TARGET, "FAIL", 1)]
+    (f,) = report["findings"]
+    assert f["model"] == TARGET and f["id"] == f"WRAP-UNITS/fsdp1/fake/{TARGET}/FAIL:kind:missing-unit"
+    assert report["summary"]["failed"]  # the model's failure fails the run, whatever the synthetic row says
+
+
+def test_every_format_names_the_model():
+    report = _build(_session("FAIL"))
+    md = markdown.render(report)
+    assert "| WRAP-UNITS | fsdp1 | fake |" in md and f"| WRAP-UNITS on {TARGET} | fsdp1 | fake |" in md
+    page = html.render(report)
+    assert TARGET in page.split("<h2>Findings")[0]  # a column of the matrix
+    names = [c.get("name") for c in ET.fromstring(junit.render(report)).iter("testcase")]
+    assert "WRAP-UNITS" in names and f"WRAP-UNITS on {TARGET}" in names
+
+
+def test_compare_matches_model_rows_with_model_rows():
+    base, new = _build(_session("PASS")), _build(_session("FAIL"))
+    c = compare.compare(base, new)
+    assert [ch.key for ch in c.regressions] == [f"WRAP-UNITS on {TARGET} (fsdp1, fake)"]
+
+
+def test_a_synthetic_corpus_case_makes_no_model_row_fixed():
+    """A known failure whose (synthetic) corpus case no longer deviates
+    turns the synthetic PASS row FIXED; the model's own PASS row stays PASS."""
+    s = _session("PASS")
+    s.corpus[("case-x", "WRAP-UNITS", "fake")] = {"case": "case-x", "finding": "old-bug-fixed", "case_tier": "fake",
+                                                  "invariant": "WRAP-UNITS", "tier": "fake", "verdicts": {"PASS": 1}, "known": []}
+    import dataclasses
+
+    from packaging.specifiers import SpecifierSet
+
+    fixed = dataclasses.replace(KNOWN[1], id="old-bug-fixed", torch=SpecifierSet(">=2.0"))
+    report = data.build(partials=[s.to_dict()], run=RUN, catalog=CATALOG, known=[*KNOWN, fixed], environment=ENV)
+    verdicts = {(r["invariant"], r["model"]): r["verdict"] for r in report["results"]}
+    assert verdicts[("WRAP-UNITS", None)] == "FIXED" and verdicts[("WRAP-UNITS", TARGET)] == "PASS"
+
+
+def test_run_target_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    import os
+    import sys
+
+    from conformance import cli
+
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # run --target sets it for its pytest child
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["run", "--tiers", "fake", "--target", "no_such_module:target", "--report-dir", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "target 'no_such_module:target': cannot import" in lines[0], lines
