@@ -63,6 +63,7 @@ class Outcome:
     detail: str = ""
     seconds: float = 0.0
     examples: int = 0
+    run: str = ""  # the saved run (--render) this outcome comes from
 
     def to_dict(self) -> dict:
         return {"id": self.mutant.id, "api": self.mutant.api, "file": self.mutant.path, "status": self.status,
@@ -307,19 +308,26 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
         f"`{meta['command']}`: each mutant of `conformance/mutants.toml` applied alone to a copy of the installed",
         f"FSDP (torch {meta['torch']}), the invariants of its API run against it (profile `{meta['profile']}`,",
         f"{meta['examples'] if meta['examples'] is not None else 'the profile''s'} examples per test, tiers `{meta['tiers']}`, "
-        "first failing test ends a mutant, no shrinking).",
+        f"first failing test ends a mutant, no shrinking{'; each run below says its own' if meta.get('runs') else ''}).",
         "",
         f"**{k}/{n} non-equivalent mutants killed ({100.0 * k / n if n else 0:.0f}%)**; "
         f"{sum(1 for o in outcomes if o.mutant.equivalent)} equivalent; {sum(o.seconds for o in outcomes) / 60:.0f} min in all"
-        f" ({'; '.join(meta['runs']) if meta.get('runs') else meta['date'] + ', suite ' + str(meta.get('suite'))}).",
+        f" ({meta['date'] + ', suite ' + str(meta.get('suite')) if not meta.get('runs') else 'runs below'}).",
+    ]
+    runs = meta.get("runs") or []
+    if runs:
+        # merged from saved runs: each row names the run its outcome comes from
+        out += ["", "Saved runs merged (a mutant's latest outcome counts; the `run` column names it):", ""]
+        out += [f"- {r}" for r in runs]
+    out += [
         "",
-        "| mutant | API | file | status | killed by | time | regression |",
-        "| --- | --- | --- | --- | --- | ---: | --- |",
+        "| mutant | API | file | status | killed by | time | " + ("run | " if runs else "") + "regression |",
+        "| --- | --- | --- | --- | --- | ---: | " + ("--- | " if runs else "") + "--- |",
     ]
     for o in outcomes:
         by = "<br>".join(o.killed_by) or ("equivalent" if o.mutant.equivalent else o.detail)
         out.append(f"| `{o.mutant.id}` | {o.mutant.api} | `{o.mutant.file}` | {o.status.upper() if o.status != 'killed' else 'killed'} "
-                   f"| {_cell(by)} | {o.seconds:.0f}s | {_cell(o.mutant.description)} |")
+                   f"| {_cell(by)} | {o.seconds:.0f}s | " + (f"{o.run} | " if runs else "") + f"{_cell(o.mutant.description)} |")
     surv = [o for o in outcomes if o.status not in ("killed", "not run")]
     not_run = [o.mutant.id for o in outcomes if o.status == "not run"]
     if not_run:
@@ -368,10 +376,15 @@ def _render_saved(ns, mutants: list[Mutant]) -> int:
             if m is not None and not (o["status"] == "timeout" and m.id in got and got[m.id].status != "timeout"):
                 # latest wins, but a run that timed out does not undo one that finished
                 got[m.id] = Outcome(m, o["status"], list(o.get("killed_by") or []), o.get("detail") or "",
-                                    float(o.get("seconds") or 0), int(o.get("examples") or 0))
+                                    float(o.get("seconds") or 0), int(o.get("examples") or 0), Path(path).stem)
     outcomes = [got.get(m.id) or Outcome(m, "not run", detail="no saved outcome") for m in mutants]
     meta = dict(metas[-1]) if metas else {"command": "?", "torch": "?", "profile": "?", "examples": None, "tiers": "?", "date": "?"}
-    meta["runs"] = [f"{x.get('date')} (suite {x.get('suite')})" for x in metas]
+    meta["runs"] = [
+        f"`{Path(p).stem}`: {x.get('date')}, suite {x.get('suite')}, profile `{x.get('profile')}`, "
+        f"{x.get('examples') if x.get('examples') is not None else 'the profile' + chr(39) + 's'} examples per test, tiers `{x.get('tiers')}`"
+        + ("" if x.get("complete") else " (partial: stopped, or only some mutants)")
+        for p, x in zip(ns.render, metas)
+    ]
     sys.stdout.write(render_text(outcomes))
     if ns.output:
         data.write_text(Path(ns.output), render_md(outcomes, meta))
