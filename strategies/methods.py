@@ -108,102 +108,22 @@ def draw_methods(draw: Any, spec: CaseSpec, *, max_methods: int, max_steps: int)
         params = [rel for rel, pid in _param_targets(g, host) if owner.get(g.param_fqn[pid]) == gi]
         if maybe(draw, 4):  # now and then anything, promised or not
             params = [rel for rel, _ in _param_targets(g, host)] or params
-        steps = _draw_steps(draw, spec, index, host, params, max_steps)
+        children = [c for c in index.children[host]] + [join(s.parent, s.name) for s in spec.shared if s.parent == host]
+        children = [c[len(host) + 1:] if host else c for c in children]
+        steps: list[MethodStep] = []
+        for _ in range(1 + draw(ints(max_steps - 1))):
+            op = pick(draw, STEP_OPS)
+            if op == "param" and params:
+                steps.append(MethodStep("param", pick(draw, params)))
+            elif op == "child" and children:
+                steps.append(MethodStep("child", pick(draw, children)))
+            elif op in ("forward", "call"):
+                steps.append(MethodStep(op))
+        for st_ in steps:
+            event(f"method step: {st_.op}")
         event(f"method on: {'root' if host == '' else 'non-root'}")
-        methods.append(ForwardMethod(host, name, steps))
+        methods.append(ForwardMethod(host, name, tuple(steps)))
     return tuple(methods)
-
-
-def _draw_steps(draw: Any, spec: CaseSpec, index: TreeIndex, host: str, params: list[str], max_steps: int) -> tuple[MethodStep, ...]:
-    children = [c for c in index.children[host]] + [join(s.parent, s.name) for s in spec.shared if s.parent == host]
-    children = [c[len(host) + 1:] if host else c for c in children]
-    steps: list[MethodStep] = []
-    for _ in range(1 + draw(ints(max_steps - 1))):
-        op = pick(draw, STEP_OPS)
-        if op == "param" and params:
-            steps.append(MethodStep("param", pick(draw, params)))
-        elif op == "child" and children:
-            steps.append(MethodStep("child", pick(draw, children)))
-        elif op in ("forward", "call"):
-            steps.append(MethodStep(op))
-    for st_ in steps:
-        event(f"method step: {st_.op}")
-    return tuple(steps)
-
-
-def _taken_names(spec: CaseSpec, index: TreeIndex, host: str, methods) -> set[str]:
-    node = index.modules[host]
-    taken = {x.name for x in node.params + node.buffers + node.children}
-    taken |= {s.name for s in spec.shared if s.parent == host} | {t.name for t in spec.ties if t.module == host}
-    return taken | {m.name for m in methods if m.module == host}
-
-
-# ---- a registration and another instance of the same class (FWD-ISOLATION) ----------
-
-
-def _sibling_pairs(spec: CaseSpec) -> list[tuple[str, str]]:
-    """(a, b): two non-root modules of the same drawn class fully_shard may take."""
-    index = TreeIndex(spec.tree, spec.classes)
-    by_cls: dict[str, list[str]] = {}
-    for p in index.paths:
-        if p and p in index.drawn and _shardable(index, p):
-            by_cls.setdefault(index.modules[p].cls, []).append(p)
-    return [(a, b) for ps in by_cls.values() for a in ps for b in ps if a != b]
-
-
-def draw_sibling_groups(draw: Any, spec: CaseSpec, groups: tuple[ShardGroup, ...], *, split_ties: bool):
-    """Often: two modules of one class, both fully_shard-ed (groups added for
-    them where needed). FSDP2 gives every FSDP module of a class one class
-    FSDP<cls>, so a registration that leaks onto the class reaches the other
-    instance only when both are FSDP modules. Returns (groups, pair or None)."""
-    pairs = _sibling_pairs(spec)
-    if not pairs or not maybe(draw, 4):
-        return groups, None
-    pair = pick(draw, pairs)
-    members = {m for g in groups for m in g.modules}
-    added = tuple(ShardGroup((p,), pick(draw, RESHARD)) for p in pair if p not in members)
-    # before the root's own group (fully_shard goes bottom-up either way)
-    root = tuple(g for g in groups if g.modules == ("",))
-    out = tuple(g for g in groups if g.modules != ("",)) + added + root
-    if not split_ties:
-        trial = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, api="fsdp2", policy=None, ignored_modules=(),
-                                                                   ignored_params=(), groups=out))
-        if predict_fsdp2(trial, _ANY_TORCH).split_ties:
-            return groups, None
-    event("method: sibling instance sharded")
-    return out, pair
-
-
-def add_sibling_method(draw: Any, spec: CaseSpec, pair: tuple[str, str], methods: tuple[ForwardMethod, ...],
-                       calls: tuple[MethodCall, ...], *, max_steps: int):
-    """A method registered on ``pair[0]`` and the same method, not registered,
-    on ``pair[1]``, called: registering on one instance must leave the other
-    alone (its method runs without FSDP's hooks and gives the reference's
-    output). The sibling's body is empty: what it computes does not depend on
-    its own group's state, so any all-gather or other output in its call
-    comes from a registration that leaked."""
-    index = TreeIndex(spec.tree, spec.classes)
-    a, b = pair
-    taken_b = _taken_names(spec, index, b, methods)
-    mine = [i for i, m in enumerate(methods) if m.module == a and m.register and m.name not in taken_b]
-    methods, calls = list(methods), list(calls)
-    if mine:
-        ia = pick(draw, mine)
-    else:
-        names = [n for n in METHOD_NAMES if n not in _taken_names(spec, index, a, methods) and n not in taken_b]
-        if not names:
-            return tuple(methods), tuple(calls)
-        # a body that reads the module's own parameters: its output differs
-        # from the sibling's empty body
-        own = [p.name for p in index.modules[a].params]
-        steps = _draw_steps(draw, spec, index, a, own, max_steps)
-        methods.append(ForwardMethod(a, pick(draw, names), steps))
-        ia = len(methods) - 1
-        calls.append(MethodCall(ia, 1, maybe(draw, 1)))
-    methods.append(ForwardMethod(b, methods[ia].name, (), register=False))
-    calls.append(MethodCall(len(methods) - 1, 1 + draw(ints(1)), maybe(draw, 1)))
-    event("method: unregistered on a sibling instance")
-    return tuple(methods), tuple(calls)
 
 
 def draw_calls(draw: Any, methods: tuple[ForwardMethod, ...], *, max_calls: int) -> tuple[MethodCall, ...]:
@@ -229,16 +149,10 @@ def _fsdp2_case_specs(draw: Any, base: SearchStrategy, max_groups: int, split_ti
                       max_methods: int, max_steps: int, max_calls: int) -> CaseSpec:
     spec = draw(base)
     groups = draw_groups(draw, spec, max_groups=max_groups, split_ties=split_ties)
-    pair = None
-    if methods:
-        groups, pair = draw_sibling_groups(draw, spec, groups, split_ties=split_ties)
     spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2", groups=groups))
     if methods:
         ms = draw_methods(draw, spec, max_methods=max_methods, max_steps=max_steps)
-        calls = draw_calls(draw, ms, max_calls=max_calls)
-        if pair is not None:
-            ms, calls = add_sibling_method(draw, spec, pair, ms, calls, max_steps=max_steps)
-        spec = dataclasses.replace(spec, methods=ms, calls=calls)
+        spec = dataclasses.replace(spec, methods=ms, calls=draw_calls(draw, ms, max_calls=max_calls))
     return spec
 
 
