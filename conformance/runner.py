@@ -46,6 +46,9 @@ class Handler:
     scenario: str
     parse: Callable[[dict], Any]
     predict: Callable[[CaseSpec], Any]
+    # facts of the case and of each rank's observation that a rank
+    # disagreement is tagged with, for known failures to match on
+    ranks_tags: Callable[[CaseSpec, Any, list], set] | None = None
 
 
 def _fsdp2_handlers() -> dict[str, Handler]:
@@ -70,10 +73,11 @@ def _ckpt_handlers() -> dict[str, Handler]:
 # --- end lifecycle (checkpoint) handlers ---
 def _schedule_handlers() -> dict[str, Handler]:
     # --- training schedules (MP-DTYPES, ACCUM) ---
+    from conformance.invariants.training import ranks_tags
     from conformance.observations.schedule import ScheduleObservation
     from conformance.oracle.schedule import predict_schedule
 
-    return {"schedule": Handler("schedule", ScheduleObservation.from_dict, predict_schedule)}
+    return {"schedule": Handler("schedule", ScheduleObservation.from_dict, predict_schedule, ranks_tags)}
 
 
 _HANDLERS: dict[str, Handler] = {}
@@ -89,9 +93,9 @@ def handler(invariant_id: str) -> Handler:
     return _HANDLERS.get(scenario) or Handler(scenario, Observation.from_dict, predict_fsdp1)
 
 
-def _ranks_agree(obs: list) -> list[Violation]:
+def _ranks_agree(obs: list, tags: set | frozenset = frozenset()) -> list[Violation]:
     """Rank agreement for the non-FSDP1 observations (FSDP1's RANKS-AGREE
-    check reads FSDP1 predictions)."""
+    check reads FSDP1 predictions); ``tags``: the handler's ranks_tags."""
     first = obs[0].comparable()
     out = []
     for o in obs[1:]:
@@ -99,7 +103,7 @@ def _ranks_agree(obs: list) -> list[Violation]:
         fields = sorted(k for k in first if first[k] != mine.get(k))
         if fields:
             detail = "; ".join(f"{k}: rank {obs[0].rank} {first[k]!r} vs rank {o.rank} {mine.get(k)!r}" for k in fields)
-            out.append(Violation("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", frozenset({"kind:ranks", f"api:{obs[0].api}"})))
+            out.append(Violation("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", frozenset({"kind:ranks", f"api:{obs[0].api}", *tags, *(f"differs:{k}" for k in fields)})))
     return out
 
 
@@ -124,7 +128,7 @@ def evaluate(invariant_id: str, spec: CaseSpec, obs: list[Observation], known: l
     if h.parse == Observation.from_dict:
         violations = get("RANKS-AGREE").check(spec, pred, obs)
     else:
-        violations = _ranks_agree(obs)
+        violations = _ranks_agree(obs, h.ranks_tags(spec, pred, obs) if h.ranks_tags else frozenset())
     if invariant_id != "RANKS-AGREE":
         violations += inv.check(spec, pred, obs if inv.all_ranks else obs[0])
     known = known_mod.load() if known is None else known

@@ -177,6 +177,34 @@ def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor)
     return float((a - b).abs().max() / (1.0 + b.abs().max())) if a.numel() else 0.0
 
 
+_SIDE: dict[int, object] = {}
+
+
+def _side_group():
+    """A gloo group beside the default one, for the suite's own agreement
+    between ranks: its all-reduce never pairs up with one of FSDP's
+    collectives on the default group. Created once per rank process, by every
+    rank at the same point (the first schedule it runs)."""
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _SIDE:
+        _SIDE.clear()
+        _SIDE[key] = dist.new_group(backend="gloo")
+    return _SIDE[key]
+
+
+def any_rank_failed(failed: bool) -> bool:
+    """Whether this rank or any other failed at the same point of the
+    schedule. Every rank asks after each phase that can raise on some ranks
+    only (a sharded parameter's gradient lives on one rank), before the
+    suite's next collective: a rank that raised has left the example, and
+    a collective of the suite's own would then wait for it forever."""
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    dist.all_reduce(flag, group=_side_group())
+    return bool(flag.item())
+
+
 class Runner:
     """One schedule on one rank: the FSDP model, the reference, their optimizers."""
 
@@ -186,6 +214,11 @@ class Runner:
         self.api = spec.plan.api
         self.uop = spec.plan.use_orig_params
         self.built, self.ref = placed(build(spec)), placed(build(spec))
+        # the reference again, computing in the compute dtype (parameters and
+        # inputs cast, single process): how far rounding alone moves this
+        # case's results from fp32 training (None: nothing to round)
+        self.low_dtype = None if self.pred.compute_dtype == "float32" else _dtype(self.pred.compute_dtype)
+        self.low = placed(build(spec)) if self.low_dtype is not None else None
         self.aliases = a1.Aliases(self.built.model)
         self.names = list(self.pred.trainable)  # every canonical FQN
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)
@@ -262,9 +295,13 @@ class Runner:
             p.requires_grad_(f not in frozen)
         for f in self.names:
             read_attr(self.ref.model, f).requires_grad_(f not in frozen)
+            if self.low is not None:
+                read_attr(self.low.model, f).requires_grad_(f not in frozen)
 
     def set_skip(self, skip: tuple[str, ...]) -> None:
-        for built in (self.built, self.ref):
+        for built in (self.built, self.ref, self.low):
+            if built is None:
+                continue
             for path, mod in built.modules.items():
                 mod.__dict__["_case_skip"] = {c.rpartition(".")[2] for c in skip if c.rpartition(".")[0] == path}
 
@@ -280,6 +317,9 @@ class Runner:
         with torch.no_grad():  # the reference restarts from FSDP's values: each step is compared on its own
             for f, v in start.items():
                 read_attr(self.ref.model, f).copy_(v.float())
+                if self.low is not None:
+                    read_attr(self.low.model, f).data = v.to(self.low_dtype)
+        noise = [0.0]  # this step's rounding noise (see rounding_noise)
         self.opt.zero_grad(set_to_none=True)
         self.ropt.zero_grad(set_to_none=True)
         in_dtype = _dtype(self.pred.input_dtype)
@@ -288,6 +328,7 @@ class Runner:
             self.set_skip(mb.skip)
             where = f"step {si} microbatch {k}"
             rec = ReduceRecorder()
+            failed = None
             try:
                 if self.api == "fsdp2":
                     self.model.set_requires_gradient_sync(sync)
@@ -306,22 +347,29 @@ class Runner:
                             if isinstance(m, FSDPModule):
                                 m.reshard()
             except Exception as e:
-                obs["step_error"] = f"{where}: {_err(e)}"
-                raise _Stop from e
+                failed = e
+            self.agree(obs, where, failed)
             ref_fn = self.ref.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.ref.model, self.spec, s.first)
             losses = [(ref_fn(data(self.spec, si, k, r)) ** 2).sum() for r in range(self.world)]
             total = sum(losses) / self.world
             if total.requires_grad:
                 total.backward()
             mine = losses[self.rank].detach()
+            noise += self._low_losses(si, k, losses)
             obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(out.dtype),
                                                       float((loss.detach() - mine).abs() / (1 + mine.abs()))))
         self.set_skip(())
+        if self.pred.reference_zero_grads:  # FSDP1's FlatParameters: see SchedulePrediction
+            for f in self.pred.unused_in_used_unit[si]:
+                p = read_attr(self.ref.model, f)
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        failed = None
         try:
             self._record_grads(si, obs)
         except Exception as e:
-            obs["step_error"] = f"step {si} gradients: {_err(e)}"
-            raise _Stop from e
+            failed = e
+        self.agree(obs, f"step {si} gradients", failed)
         try:
             if self.spec.schedule.precision is not None and self.spec.schedule.precision.keep_low_precision_grads:
                 for p in self.model.parameters():  # a full-precision optimizer needs full-precision gradients
@@ -329,19 +377,61 @@ class Runner:
                         p.grad = p.grad.to(p.dtype)
             self.opt.step()
         except Exception as e:
-            obs["step_error"] = f"step {si} optimizer: {_err(e)}"
-            raise _Stop from e
+            failed = e
+        self.agree(obs, f"step {si} optimizer", failed)
+        if self.low is not None:
+            noise += [_err_rel(read_attr(self.low.model, f).grad, read_attr(self.ref.model, f).grad, read_attr(self.ref.model, f))
+                      for f in self.names]
+            for p in self.low.model.parameters():
+                p.grad = None
+        obs["noise"].append(max(noise))
         self.ropt.step()
         # FSDP1 use_orig_params=True with keep_low_precision_grads: summon_full_params
         # with low-precision gradients present raises on the ranks that hold a
         # gradient shard only (the others wait in its all-gather); they were read above
         self.opt.zero_grad(set_to_none=True)
-        after = self.full_values()
+        after = self.values(obs, f"step {si} values")
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
         for f in self.names:
             obs["params"].append(ValueSeen(si, f, _name(after[f].dtype), False, False, _err_rel(after[f], ref[f], ref[f]),
                                            bool(torch.equal(after[f], start[f]))))
         return after
+
+    def _low_losses(self, si: int, k: int, losses: list[torch.Tensor]) -> list[float]:
+        """One microbatch of the low-precision reference (every rank's data,
+        gradients accumulated like the reference's); its losses' errors
+        against the fp32 reference's."""
+        if self.low is None:
+            return []
+        s = self.spec.schedule
+        fn = self.low.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.low.model, self.spec, s.first)
+        low = [(fn(data(self.spec, si, k, r).to(self.low_dtype)).float() ** 2).sum() for r in range(self.world)]
+        total = sum(low) / self.world
+        if total.requires_grad:
+            total.backward()
+        return [float((a.detach() - b.detach()).abs() / (1 + b.detach().abs())) for a, b in zip(low, losses)]
+
+    def agree(self, obs: dict, where: str, failed: BaseException | None) -> None:
+        """Record this rank's failure at ``where``; stop every rank (_Stop)
+        if any rank failed there (see any_rank_failed)."""
+        if failed is not None:
+            obs["step_error"] = f"{where}: {_err(failed)}"
+        if any_rank_failed(failed is not None):
+            if failed is None:
+                obs["peer_failed"] = where
+            raise _Stop from failed
+
+    def values(self, obs: dict, where: str) -> dict[str, torch.Tensor]:
+        """full_values, its failure recorded like a step's (summon_full_params
+        can raise on some ranks only: those then stop here while the others
+        wait in its all-gather, a hang inside FSDP)."""
+        failed, out = None, {}
+        try:
+            out = self.full_values()
+        except Exception as e:
+            failed = e
+        self.agree(obs, where, failed)
+        return out
 
     def _record_grads(self, si: int, obs: dict) -> None:
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
@@ -371,13 +461,18 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
                 backend=str(dist.get_backend()), torch_version=torch.__version__)
     t0 = time.perf_counter()
     run = Runner(spec)
+    failed = None
     try:
         run.wrap()
     except Exception as e:
-        return ScheduleObservation(**base, wrap_error=_err(e), seconds=time.perf_counter() - t0)
-    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None}
+        failed = e
+    # (every rank creates the side group here, before FSDP can disagree)
+    if any_rank_failed(failed is not None):
+        return ScheduleObservation(**base, wrap_error=_err(failed) if failed else None, peer_failed=None if failed else "wrap",
+                                   seconds=time.perf_counter() - t0)
+    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None, "peer_failed": None, "noise": []}
     try:
-        values = run.full_values()
+        values = run.values(obs, "initial values")
         for si in range(len(spec.schedule.steps)):
             values = run.step(si, obs, values)
     except _Stop:
@@ -385,7 +480,7 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     buffers = tuple((run.aliases.canon_of_module.get(id(m), "?") + "." + n if run.aliases.canon_of_module.get(id(m)) else n, _name(b.dtype))
                     for m in run.built.modules.values() for n, b in m._buffers.items() if b is not None)
     return ScheduleObservation(
-        **base, step_error=obs["step_error"], forwards=tuple(run.recorder.seen.values()),
+        **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], rounding_noise=tuple(obs["noise"]), forwards=tuple(run.recorder.seen.values()),
         microbatches=tuple(obs["microbatches"]), grads=tuple(obs["grads"]) + tuple(obs["flat"]), params=tuple(obs["params"]),
         buffers_after=buffers, seconds=time.perf_counter() - t0,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conformance.invariants.catalog import invariant
 from conformance.observations.schedule import ScheduleObservation
-from conformance.oracle.schedule import SchedulePrediction
+from conformance.oracle.schedule import SchedulePrediction, step_tolerance
 from conformance.spec import CaseSpec
 from conformance.violation import Violation
 
@@ -53,6 +53,14 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("skips")
     if s.first >= 0:
         tags.add("method-first")
+    if spec.ties:
+        tags.add("tied")
+    if pred.compute_dtype != "float32":
+        tags.add("param-dtype-low")
+    from conformance.oracle.schedule import used_params
+
+    if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
+        tags.add("forward-only")  # a microbatch whose loss needs no gradient: no backward
     return tags
 
 
@@ -86,15 +94,33 @@ ERRORS = {
 }
 
 
+def error_tags(obs: ScheduleObservation) -> set[str]:
+    """What one rank raised, as tags: where, the exception type, ERRORS."""
+    if obs.wrap_error:
+        return {"at:wrap"}
+    if not obs.step_error:
+        return set()
+    error = obs.step_error.partition(": ")[2].partition(":")[0]  # "step S microbatch M: Type: message"
+    where = "at:optimizer" if "optimizer" in obs.step_error else "at:gradients" if "gradients" in obs.step_error else "at:microbatch"
+    return {f"error:{error}", where, *(t for frag, t in ERRORS.items() if frag in obs.step_error)}
+
+
 def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
     if obs.wrap_error:
-        return [_v(inv, f"wrapping raised {obs.wrap_error}", tags, "kind:raised", "at:wrap")]
+        return [_v(inv, f"wrapping raised {obs.wrap_error}", tags, "kind:raised", *error_tags(obs))]
     if obs.step_error:
-        error = obs.step_error.partition(": ")[2].partition(":")[0]  # "step S microbatch M: Type: message"
-        extra = [t for frag, t in ERRORS.items() if frag in obs.step_error]
-        where = "at:optimizer" if "optimizer" in obs.step_error else "at:gradients" if "gradients" in obs.step_error else "at:microbatch"
-        return [_v(inv, f"training raised at {obs.step_error}", tags, "kind:raised", f"error:{error}", where, *extra)]
+        return [_v(inv, f"training raised at {obs.step_error}", tags, "kind:raised", *error_tags(obs))]
     return []
+
+
+def ranks_tags(spec: CaseSpec, pred: SchedulePrediction, obs: list[ScheduleObservation]) -> set[str]:
+    """A rank disagreement on a schedule (runner's RANKS-AGREE): the case's
+    tags and what each rank raised (a failure that depends on which rank's
+    shard holds a parameter makes the ranks disagree)."""
+    tags = case_tags(spec, pred, obs[0].world_size)
+    for o in obs:
+        tags |= error_tags(o)
+    return tags
 
 
 @invariant(
@@ -144,19 +170,35 @@ def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObser
 
 def _values(inv: str, pred: SchedulePrediction, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
     out = []
-    tol = pred.tolerance
+
+    def tol(step: int) -> float:
+        noise = obs.rounding_noise[step] if step < len(obs.rounding_noise) else 0.0
+        return step_tolerance(pred, noise)
+
     for mb in obs.microbatches:
-        if mb.loss_err > tol:
-            out.append(_v(inv, f"step {mb.step} microbatch {mb.index}: loss differs from single-process training by {mb.loss_err:.3g} (relative; tolerance {tol:g})", tags, "kind:loss"))
+        if mb.loss_err > tol(mb.step):
+            out.append(_v(inv, f"step {mb.step} microbatch {mb.index}: loss differs from single-process training by {mb.loss_err:.3g} (relative; tolerance {tol(mb.step):.3g})", tags, "kind:loss"))
     frozen = dict(enumerate(pred.frozen_by_step))
     for g in obs.grads:
-        if g.err is not None and g.fqn not in frozen[g.step] and g.err > tol:
-            out.append(_v(inv, f"step {g.step}: gradient of {g.fqn} differs from single-process training by {g.err:.3g} (relative; tolerance {tol:g})", tags, "kind:grad"))
+        if g.err is not None and g.fqn not in frozen[g.step] and g.err > tol(g.step):
+            out.append(_v(inv, f"step {g.step}: gradient of {g.fqn} differs from single-process training by {g.err:.3g} (relative; tolerance {tol(g.step):.3g})", tags, "kind:grad"))
     if pred.compare_params:
         for p in obs.params:
-            if p.fqn not in frozen[p.step] and p.err is not None and p.err > tol:
-                out.append(_v(inv, f"step {p.step}: {p.fqn} after the step differs from single-process training by {p.err:.3g} (relative; tolerance {tol:g})", tags, "kind:param"))
+            if p.fqn not in frozen[p.step] and p.err is not None and p.err > tol(p.step):
+                out.append(_param_violation(inv, pred, p, tol(p.step), tags))
     return out
+
+
+def _param_violation(inv: str, pred: SchedulePrediction, p, tol: float, tags: set[str]) -> Violation:
+    """kind:param; kind:unused-param where FSDP1 (use_orig_params=True) gave
+    the parameter a zero gradient in this or an earlier step where it was
+    unused while its unit was not (the optimizer state then differs too)."""
+    msg = f"step {p.step}: {p.fqn} after the step differs from single-process training by {p.err:.3g} (relative; tolerance {tol:.3g})"
+    if not pred.reference_zero_grads:
+        unused = [i for i, zero in enumerate(pred.unused_in_used_unit[: p.step + 1]) if p.fqn in zero]
+        if unused:
+            return _v(inv, f"{msg}; unused in step {unused[0]} while its FSDP unit's other parameters were used", tags, "kind:unused-param")
+    return _v(inv, msg, tags, "kind:param")
 
 
 def _dedupe(vs: list[Violation]) -> list[Violation]:

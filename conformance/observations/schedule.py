@@ -58,6 +58,13 @@ class ScheduleObservation:
     torch_version: str
     wrap_error: str | None = None
     step_error: str | None = None  # "step S microbatch M: Type: message"
+    # where this rank stopped because another rank failed there (it raised
+    # nothing itself): the ranks then disagree on step_error or wrap_error
+    peer_failed: str | None = None
+    # per step: the largest error (relative, as ``err``) of the reference
+    # computed in the compute dtype against the fp32 reference, over its
+    # losses and gradients: what rounding alone does to this case there
+    rounding_noise: tuple[float, ...] = ()
     forwards: tuple[ForwardSeen, ...] = ()
     microbatches: tuple[MicrobatchSeen, ...] = ()
     grads: tuple[ValueSeen, ...] = ()  # () where FSDP exposes no per-parameter gradient
@@ -82,7 +89,7 @@ class ScheduleObservation:
     def comparable(self) -> dict:
         """What every rank must agree on (errors differ by rank's data)."""
         d = self.to_dict()
-        for k in ("rank", "seconds"):
+        for k in ("rank", "seconds", "peer_failed", "rounding_noise"):
             d.pop(k)
         for mb in d["microbatches"]:
             mb.pop("loss_err")

@@ -17,6 +17,20 @@ F32 = "float32"
 # rounding in forward, backward and the reduction stay well inside these,
 # a wrong scale or a lost microbatch is far outside).
 TOLERANCE = {F32: 1e-4, "float16": 1.5e-2, "bfloat16": 8e-2}
+# ... unless the case is ill-conditioned in its compute dtype: where the
+# reference itself, computed in that dtype (one process, parameters and
+# inputs cast), lands further from fp32 training (large intermediate values
+# cancelling, seed 66), FSDP's mixed precision may too, by a small factor:
+# it rounds at other points (per-unit casts, a low-precision reduction,
+# each rank's own loss), so its error is of the same order, not the same
+# sample. A lost microbatch or a doubled gradient stays far outside.
+NOISE_FACTOR = 4.0
+
+
+def step_tolerance(pred: "SchedulePrediction", rounding_noise: float) -> float:
+    """The tolerance of one step's values, given the step's rounding noise
+    (ScheduleObservation.rounding_noise)."""
+    return max(pred.tolerance, NOISE_FACTOR * rounding_noise)
 
 
 @dataclass(frozen=True)
@@ -33,6 +47,17 @@ class SchedulePrediction:
     compare_params: bool  # parameters after a step are comparable (SGD, or full precision)
     frozen_by_step: tuple[tuple[str, ...], ...]
     trainable: tuple[str, ...]  # canonical FQNs
+    # FSDP1, per step: the trainable parameters the step does not use while
+    # another trainable parameter of their unit is used. FSDP1 reduces whole
+    # FlatParameters, so these get a zero gradient, not None: a step of a
+    # stateful optimizer (momentum, Adam, weight decay), where single-process
+    # training skips them.
+    unused_in_used_unit: tuple[tuple[str, ...], ...] = ()
+    # ... and the reference gives them that zero gradient too: with
+    # use_orig_params=False "the optimizer sees the sharded FlatParameters
+    # themselves" (spec source 000); with use_orig_params=True it sees the
+    # original parameters, whose gradient single-process training leaves None
+    reference_zero_grads: bool = False
 
 
 def effective(pr: Precision | None, api: str) -> dict:
@@ -67,6 +92,23 @@ def used_params(spec: CaseSpec, skip: tuple[str, ...]) -> set[str]:
 
     visit("")
     return out
+
+
+def unused_in_used_unit(spec: CaseSpec) -> tuple[tuple[str, ...], ...]:
+    """FSDP1, per step of the schedule: see SchedulePrediction."""
+    from conformance.oracle import predict_fsdp1
+
+    units = [set(u.managed) for u in predict_fsdp1(spec).units]
+    out = []
+    for st in spec.schedule.steps:
+        used = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches)) - set(st.frozen)
+        zero: set[str] = set()
+        for managed in units:
+            trainable = managed - set(st.frozen)
+            if trainable & used:
+                zero |= trainable - used
+        out.append(tuple(sorted(zero)))
+    return tuple(out)
 
 
 def lowest(*dtypes: str) -> str:
@@ -104,4 +146,6 @@ def predict_schedule(spec: CaseSpec) -> SchedulePrediction:
         compare_params=low == F32 or s.optimizer == "SGD",
         frozen_by_step=tuple(tuple(st.frozen) for st in s.steps),
         trainable=names,
+        unused_in_used_unit=unused_in_used_unit(spec) if api == "fsdp1" and not why else (),
+        reference_zero_grads=api == "fsdp1" and not spec.plan.use_orig_params,
     )

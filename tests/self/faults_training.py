@@ -130,6 +130,38 @@ def fsdp1_no_sync_ignored():
     return mock.patch.object(FSDP, "no_sync", lambda self: contextlib.nullcontext())
 
 
+# --- one rank fails, the others go on (the suite must not wait for it) ---
+def _on_rank_1(orig):
+    def fail_on_rank_1(*args, **kwargs):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise RuntimeError("injected: this rank fails, the others go on")
+        return orig(*args, **kwargs)
+
+    return fail_on_rank_1
+
+
+@fault("rank1-post-backward-raises")
+def rank1_post_backward_raises():
+    """FSDP1's post-backward callback raises on rank 1 only, after every
+    collective of the backward (as a gradient that lives on one rank's shard
+    can make it)."""
+    from torch.distributed.fsdp import _flat_param
+
+    cls = _flat_param.FlatParamHandle
+    return mock.patch.object(cls, "prepare_gradient_for_optim", _on_rank_1(cls.prepare_gradient_for_optim))
+
+
+@fault("rank1-optimizer-raises")
+def rank1_optimizer_raises():
+    """The optimizer step raises on rank 1 only."""
+    import torch
+
+    return mock.patch.object(torch.optim.SGD, "step", _on_rank_1(torch.optim.SGD.step))
+# --- end: one rank fails ---
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.adapters import schedule

@@ -35,3 +35,32 @@ def test_bad_arguments_are_rejected():
         schedule_specs(api="fsdp3")
     with pytest.raises(InvalidArgument):
         schedule_specs(max_steps=0)
+
+
+def test_fsdp1_flat_parameters_give_unused_parameters_of_a_used_unit_a_zero_gradient():
+    """Per step, the trainable parameters a step does not use while their
+    unit's others are used (FSDP1 reduces whole FlatParameters); the
+    reference gives them zeros only where the optimizer sees FlatParameters."""
+    import dataclasses
+
+    from conformance.spec import ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Schedule, ScheduleStep, WrapPlan
+
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), children=(
+        ModuleSpec("block", "Block", (ParamSpec("w", (3,)),), children=(ModuleSpec("proj", "Linear", (ParamSpec("weight", (3, 3)),)),)),
+        ModuleSpec("head", "Linear", (ParamSpec("weight", (4, 3)),)),
+    ))
+    steps = (ScheduleStep(), ScheduleStep(microbatches=(Microbatch(("block.proj",)),)), ScheduleStep(microbatches=(Microbatch(("block",)),)),
+             ScheduleStep(("block.w",), (Microbatch(("block.proj",)),)))
+    for uop in (False, True):
+        spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), seed=0, schedule=Schedule(steps),
+                        plan=WrapPlan(api="fsdp1", policy=CustomWrap(("block",)), use_orig_params=uop))
+        if not uop:  # requires_grad is fixed at wrap time there: no freeze changes
+            spec = dataclasses.replace(spec, schedule=Schedule(steps[:3]))
+        pred = predict_schedule(spec)
+        # step 2 skips the whole block unit: no gradient there at all; step 3
+        # freezes its only other parameter: nothing of the unit trains
+        want = ((), ("block.proj.weight",), ()) + (((),) if uop else ())
+        assert pred.unused_in_used_unit == want
+        assert pred.reference_zero_grads is (not uop)
+    fsdp2 = CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), seed=0, schedule=Schedule(steps[:2]), plan=WrapPlan(api="fsdp2"))
+    assert predict_schedule(fsdp2).unused_in_used_unit == () and not predict_schedule(fsdp2).reference_zero_grads

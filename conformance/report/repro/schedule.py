@@ -228,6 +228,17 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
         imports += ["from torch.distributed.device_mesh import init_device_mesh",
                     "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method"]
     lines, var = model_lines(spec)
+    # the suite's own initial values (conformance.build): the same generator,
+    # order and scale, so that the script computes the very numbers the
+    # suite saw (rounding errors and tolerances depend on them)
+    lines.append("gen = torch.Generator().manual_seed(SEED)")
+    lines.append("with torch.no_grad():")
+    for path, m in walk(spec.tree):
+        for p in m.params:
+            lines.append(f"    {var[path]}.{p.name}.copy_(torch.randn({tuple(p.shape)!r}, generator=gen) * 0.5)")
+        for b in m.buffers:
+            lines.append(f"    {var[path]}.{b.name}.copy_(torch.randn({tuple(b.shape)!r}, generator=gen))")
+    lines.append("    pass")
     drawn = {c.name for c in spec.classes}
     graph = ModelGraph(spec)
     for path, m in walk(spec.tree):
