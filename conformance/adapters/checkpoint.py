@@ -79,9 +79,11 @@ def missing_api(spec: CaseSpec) -> str | None:
 
 
 def load_spec(spec: CaseSpec) -> CaseSpec:
-    """The case as the load side builds it: its load plan and load-time mask."""
+    """The case as the load side builds it: its load plan and load-time mask
+    (without load_frozen: the mask at the save, refreeze applied, as the
+    oracle and the uninterrupted run have it)."""
     ck = spec.ckpt
-    frozen = None if ck.load_frozen is None else frozenset(ck.load_frozen)
+    frozen = _mask(spec) if ck.load_frozen is None else frozenset(ck.load_frozen)
     return dataclasses.replace(spec, plan=ck.load_plan or spec.plan, tree=with_frozen(spec.tree, frozen))
 
 

@@ -37,6 +37,11 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     if pred is not None:
         if any(len(group) > 2 for group in pred.tied):
             tags.add("aliases:3+")  # one Parameter under three or more names
+        if any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in pred.tied):
+            tags.add("tie:same-module")  # one module holds a Parameter under two of its names
+        if set(pred.untrained_at_save) - set(pred.frozen_at_load):
+            # trains after the load, but had no optimizer state at the save
+            tags.add("unfrozen-at-load")
         if pred.frozen:
             tags.add("frozen")
         if pred.mask_changes:
@@ -168,7 +173,6 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
         return []
     tags = case_tags(spec, pred)
     if obs.error:
-        tags = tags | _requires_grad_tags(pred)
         return _raised("OPTIM-STATE", obs, tags)
     if not obs.values_meaningful:
         return []
@@ -203,12 +207,6 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     if obs.resume_cont_diff:
         out.append(_v("OPTIM-STATE", f"after the resume {list(obs.resume_cont_diff)[:8]} differ from uninterrupted training", tags, "kind:resume-uninterrupted"))
     return out
-
-
-def _requires_grad_tags(pred: CkptPrediction) -> set[str]:
-    """For an error at load: some parameter is trainable at load but was
-    frozen throughout the training before the save (no saved state)."""
-    return {"unfrozen-at-load"} if set(pred.frozen_at_save) - set(pred.frozen_at_load) else set()
 
 
 for _id in ("SD-FULL", "TIES-KEPT", "CKPT-RESHARD", "OPTIM-STATE"):
