@@ -42,6 +42,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
         if set(pred.untrained_at_save) - set(pred.frozen_at_load):
             # trains after the load, but had no optimizer state at the save
             tags.add("unfrozen-at-load")
+        if pred.optim_empty_at_save:
+            tags.add("optim-empty-at-save")
         if pred.frozen:
             tags.add("frozen")
         if pred.mask_changes:

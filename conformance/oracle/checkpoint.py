@@ -30,6 +30,9 @@ class CkptPrediction:
     # canonical FQNs no training step before the save trained: no optimizer
     # state at the save (frozen at every step before it)
     untrained_at_save: tuple[str, ...] = ()
+    # no parameter trained before the save (the optimizer has no state yet)
+    # while some parameter is trainable at the save
+    optim_empty_at_save: bool = False
 
 
 @functools.lru_cache(maxsize=512)
@@ -63,6 +66,7 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
         frozen_at_load=tuple(sorted(g.param_fqn[p] for p in at_load)),
         mask_changes=at_save != at_load, shards=_shards(spec, g, at_load),
         untrained_at_save=tuple(sorted(g.param_fqn[p] for p in untrained)),
+        optim_empty_at_save=untrained == set(ids) and bool(set(ids) - at_save),
     )
 
 

@@ -5,6 +5,8 @@ load side's mask (without load_frozen: the mask at the save)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conformance.invariants.checkpoint import case_tags
@@ -93,3 +95,22 @@ def test_fsdp1_param_empty_chunk_tag(shapes, world, empty):
     tags = case_tags(spec, predict_ckpt(spec))
     assert ("shard:param-empty-save" in tags) is empty
     assert "shard:param-empty-load" not in tags  # FSDP2 at the load
+
+
+def _both_frozen(ckpt: CheckpointPlan) -> CaseSpec:
+    spec = linear(ckpt)
+    lin = spec.tree.children[0]
+    lin = dataclasses.replace(lin, params=tuple(dataclasses.replace(p, requires_grad=False) for p in lin.params))
+    return dataclasses.replace(spec, tree=dataclasses.replace(spec.tree, children=(lin,)))
+
+
+@pytest.mark.parametrize("spec,empty", [
+    # nothing trains in the only step; the weight is unfrozen before the save
+    (_both_frozen(CheckpointPlan(steps=1, refreeze=("proj0.weight",))), True),
+    (_both_frozen(CheckpointPlan(steps=1)), False),  # nothing trainable at the save either
+    (_both_frozen(CheckpointPlan(steps=2, refreeze=("proj0.weight",))), False),  # the weight trains in step 2
+    (linear(CheckpointPlan(steps=1)), False),  # the bias trained
+    (linear(CheckpointPlan(steps=1, refreeze=("proj0.bias",))), False),  # the bias trained, then frozen
+], ids=["nothing-trained-weight-unfrozen", "nothing-trainable", "trained-in-step-2", "bias-trained", "bias-trained-then-frozen"])
+def test_optim_empty_at_save_tag(spec, empty):
+    assert ("optim-empty-at-save" in case_tags(spec, predict_ckpt(spec))) is empty
