@@ -25,6 +25,9 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             f"optim:{ck.optimizer}", f"way:{ck.full_sd}", f"load:{ck.load_path}"}
     if spec.plan.api == "fsdp1":
         tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
+        kwargs = getattr(spec.plan.policy, "kwargs", ())
+        if any(k == "sharding_strategy" and v == "NO_SHARD" for _, kw in kwargs for k, v in kw):
+            tags.add("no-shard-unit")  # a unit of its own sharding strategy: NO_SHARD
     if load.api == "fsdp1":
         tags.add(f"load-uop:{str(load.use_orig_params).lower()}")
     for flag in ("rank0_only", "offload", "ignore_frozen"):
@@ -44,6 +47,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("unfrozen-at-load")
         if pred.optim_empty_at_save:
             tags.add("optim-empty-at-save")
+        if pred.nothing_trains_first:
+            tags.add("nothing-trains-first")
         if pred.frozen:
             tags.add("frozen")
         if pred.mask_changes:

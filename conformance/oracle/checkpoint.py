@@ -33,6 +33,8 @@ class CkptPrediction:
     # no parameter trained before the save (the optimizer has no state yet)
     # while some parameter is trainable at the save
     optim_empty_at_save: bool = False
+    # every parameter frozen in the first step (no backward), some unfrozen after it
+    nothing_trains_first: bool = False
 
 
 @functools.lru_cache(maxsize=512)
@@ -67,6 +69,7 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
         mask_changes=at_save != at_load, shards=_shards(spec, g, at_load),
         untrained_at_save=tuple(sorted(g.param_fqn[p] for p in untrained)),
         optim_empty_at_save=untrained == set(ids) and bool(set(ids) - at_save),
+        nothing_trains_first=initial == set(ids) and bool(ck.refreeze),
     )
 
 

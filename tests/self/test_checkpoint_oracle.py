@@ -114,3 +114,22 @@ def _both_frozen(ckpt: CheckpointPlan) -> CaseSpec:
 ], ids=["nothing-trained-weight-unfrozen", "nothing-trainable", "trained-in-step-2", "bias-trained", "bias-trained-then-frozen"])
 def test_optim_empty_at_save_tag(spec, empty):
     assert ("optim-empty-at-save" in case_tags(spec, predict_ckpt(spec))) is empty
+
+
+@pytest.mark.parametrize("spec,tagged", [
+    (_both_frozen(CheckpointPlan(steps=2, refreeze=("proj0.weight",))), True),  # nothing trains in step 0, then the weight does
+    (_both_frozen(CheckpointPlan(steps=2)), False),  # nothing is ever unfrozen
+    (linear(CheckpointPlan(steps=2, refreeze=("proj0.weight",))), False),  # the bias trains in step 0
+], ids=["unfrozen-after-a-frozen-step", "never-unfrozen", "bias-trains-first"])
+def test_nothing_trains_first_tag(spec, tagged):
+    assert ("nothing-trains-first" in case_tags(spec, predict_ckpt(spec))) is tagged
+
+
+def test_no_shard_unit_tag():
+    from conformance.spec import CustomWrap
+
+    spec = linear(CheckpointPlan(full_sd="fsdp1-full", rank0_only=True))
+    no_shard = CustomWrap(targets=("proj0",), kwargs=(("proj0", (("sharding_strategy", "NO_SHARD"),)),))
+    for policy, tagged in ((no_shard, True), (CustomWrap(targets=("proj0",)), False)):
+        case = dataclasses.replace(spec, plan=WrapPlan(api="fsdp1", policy=policy))
+        assert ("no-shard-unit" in case_tags(case, predict_ckpt(case))) is tagged
