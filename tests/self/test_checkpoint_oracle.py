@@ -133,3 +133,14 @@ def test_no_shard_unit_tag():
     for policy, tagged in ((no_shard, True), (CustomWrap(targets=("proj0",)), False)):
         case = dataclasses.replace(spec, plan=WrapPlan(api="fsdp1", policy=policy))
         assert ("no-shard-unit" in case_tags(case, predict_ckpt(case))) is tagged
+
+
+def test_resume_comparison_takes_nan_where_the_reference_has_nan():
+    import math
+
+    from conformance.adapters.checkpoint import _close
+
+    nan = math.nan
+    assert _close([nan, 1.0], [nan, 1.0])  # both diverged: the same training
+    assert not _close([nan, 1.0], [0.5, 1.0])  # NaN where the reference has a value
+    assert not _close([1.0, 1.0], [1.1, 1.0])
