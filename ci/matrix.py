@@ -111,8 +111,11 @@ def kept_venv(release: str, venv: Path) -> str | None:
     return version if proc.returncode == 0 and version.split("+")[0] == release else None
 
 
-def run_tier(py: str, backend: str, world: int, workers: int, log: Path, timeout: float, examples: int | None = None) -> dict:
+def run_tier(py: str, backend: str, world: int, workers: int, log: Path, timeout: float, examples: int | None = None,
+             deadline: float | None = None) -> dict:
     size = ["--fake-world-size" if backend == "fake" else "--world-size", str(world)]
+    if deadline:
+        size += ["--deadline", str(deadline)]  # a loaded machine: a slow example is not a HANG
     if examples:
         size += ["--examples", str(examples)]  # fewer than the profile's: the page says so
     with tempfile.TemporaryDirectory(prefix="fsdp-matrix-") as d:
@@ -174,8 +177,10 @@ def _wait_for_installer(venv: Path) -> None:
 
 def run_release(release: str, args) -> None:
     out = args.out
+    tiers = [(b, w) for b, w in TIERS if b in args.tiers]
     for old in out.glob(f"torch-{release}-*.json"):
-        old.unlink()
+        if old.name.split("-")[2].split(".")[0] in {"install", *args.tiers}:  # the tiers run again, and a failed install
+            old.unlink()
     venv = args.venv_root / f"torch-{release}"
     args.venv_root.mkdir(parents=True, exist_ok=True)
     log = args.venv_root / f"torch-{release}.log"
@@ -195,10 +200,11 @@ def run_release(release: str, args) -> None:
             record_notrun(out, release, "install", str(e))
             return
         print(f"{release}: torch {version} installed", flush=True)
-        for backend, world in TIERS:
+        for backend, world in tiers:
             what = f"{backend}-w{world}"
             try:
-                data = run_tier(str(venv / "bin" / "python"), backend, world, args.workers, log, args.run_timeout, args.examples)
+                data = run_tier(str(venv / "bin" / "python"), backend, world, args.workers, log, args.run_timeout, args.examples,
+                                args.deadline)
             except (NotRun, json.JSONDecodeError, OSError) as e:
                 record_notrun(out, release, what, str(e))
                 continue
@@ -244,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=sys.executable, help="the interpreter the venvs are made from")
     p.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", "2")))
     p.add_argument("--examples", type=int, help="Hypothesis examples per test instead of the ci profile's (a quicker, smaller matrix)")
+    p.add_argument("--tiers", default="fake,gloo", help="the tiers to run (default fake,gloo); the other tiers' files stay")
+    p.add_argument("--deadline", type=float, help="seconds before a pool example is a HANG (default: the suite's)")
     p.add_argument("--install-timeout", type=float, default=1800)
     p.add_argument("--run-timeout", type=float, default=2400, help="seconds per tier")
     p.add_argument("--keep-venvs", action="store_true", help="keep each venv, and reuse one kept before")
@@ -251,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--install-only", action="store_true",
                    help="only make the venvs (kept), for a --keep-venvs run going on at the same time or later")
     args = p.parse_args(argv)
+    args.tiers = [t for t in args.tiers.split(",") if t]
+    if not args.tiers or set(args.tiers) - {b for b, _ in TIERS}:
+        p.error(f"--tiers takes {','.join(b for b, _ in TIERS)}, got {','.join(args.tiers) or 'nothing'}")
     if args.releases and args.newest:
         p.error("give releases or --newest, not both")
     if args.newest is not None and args.newest < 1:

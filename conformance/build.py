@@ -25,13 +25,14 @@ class Built:
     model: nn.Module
     classes: dict[str, type]  # class name -> class (drawn and torch's)
     modules: dict[str, nn.Module]  # spec path -> module (the spec's own tree)
+    device: torch.device = torch.device("cpu")  # where example inputs are made (adapters place the model)
 
     def module_paths(self) -> dict[int, str]:
         """id(module) -> its spec path (a shared module keeps its source's path)."""
         return {id(m): p for p, m in self.modules.items()}
 
     def example_input(self) -> torch.Tensor:
-        return torch.linspace(-1.0, 1.0, BATCH)
+        return torch.linspace(-1.0, 1.0, BATCH, device=self.device)
 
 
 def _generic_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -54,11 +55,11 @@ def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(inner, nn.Linear):
         return child(x[:, None].expand(x.shape[0], inner.in_features)).mean(-1) + x
     if isinstance(inner, nn.Embedding):
-        idx = torch.arange(x.shape[0]) % inner.num_embeddings
+        idx = torch.arange(x.shape[0], device=x.device) % inner.num_embeddings
         return child(idx).mean(-1) + x
     if isinstance(inner, nn.LayerNorm):
         n = inner.normalized_shape[0]
-        return child(x[:, None] + torch.arange(n, dtype=x.dtype)).mean(-1) + x
+        return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
         # torch's own containers (no usable forward): run their children
         skip = inner.__dict__.get("_case_skip", ())

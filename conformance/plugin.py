@@ -106,9 +106,13 @@ def _ours(node, name: str) -> bool:
 def pytest_generate_tests(metafunc):
     if "engine" in metafunc.fixturenames and _ours(metafunc, "engine"):
         ts = tiers(metafunc.config)
+        one_rank = []
         if metafunc.definition.get_closest_marker("needs_ranks"):
             ts = [t for t in ts if t != "fake"]  # one in-process rank cannot disagree
-        metafunc.parametrize("engine", [pytest.param(t, marks=getattr(pytest.mark, t), id=t) for t in ts], indirect=True, scope="session")
+            if metafunc.config.getoption("--world-size") < 2:  # nor can a pool of one
+                one_rank = [pytest.mark.skip(reason="world size 1: one rank has nothing to disagree with")]
+        metafunc.parametrize("engine", [pytest.param(t, marks=[getattr(pytest.mark, t), *one_rank], id=t) for t in ts],
+                             indirect=True, scope="session")
     if "model_target" in metafunc.fixturenames:  # conformance/suite/test_models.py: one test per --target
         targets = metafunc.config.getoption("--target") or []
         metafunc.parametrize("model_target", targets or [pytest.param(None, marks=pytest.mark.skip(reason="no --target given"))],

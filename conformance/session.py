@@ -161,6 +161,9 @@ class Session:
         self.on_change: Callable[[], None] | None = None  # called after every example (reports throttle it)
         self.corpus: dict[tuple[str, str, str], dict] = {}  # (case, invariant, tier) -> outcome of a corpus case
         self._corpus_index = corpus_mod.by_digest()
+        # rank tiers run with one rank: their corpus cases (recorded at world
+        # size 2) cannot show a rank-dependent deviation, so they check nothing
+        self._one_rank_tiers: set[str] = set()
 
     def tally(self, invariant: str, tier: str, api: str | None = None) -> Tally:
         api = api or api_of(invariant)
@@ -218,7 +221,7 @@ class Session:
         if not self._corpus_index:
             return
         case = self._corpus_index.get(corpus_mod.spec_digest(spec))
-        if case is None:
+        if case is None or (case.tier == "ranks" and tier in self._one_rank_tiers):
             return
         rec = self.corpus.setdefault((case.name, invariant, tier), {
             "case": case.name, "finding": case.finding, "case_tier": case.tier,
@@ -237,6 +240,8 @@ class Session:
         from conformance.engine.errors import ExampleFailed
 
         skip_if_unavailable(invariant, spec, tier)
+        if tier != "fake" and getattr(engine, "world_size", 2) < 2:
+            self._one_rank_tiers.add(tier)
         self._features(invariant, spec, engine, tier)
         t0 = time.perf_counter()
         try:

@@ -178,7 +178,8 @@ class TargetBuilt(Built):
     seed: int = 0
 
     def example_input(self):
-        return dict(self.target.inputs(self.seed))
+        return {k: v.to(self.device) if hasattr(v, "to") and hasattr(v, "device") else v
+                for k, v in dict(self.target.inputs(self.seed)).items()}
 
 
 @functools.lru_cache(maxsize=32)

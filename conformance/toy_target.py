@@ -22,7 +22,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + torch.tanh(self.attn(self.ln(h))).cumsum(1) / (1 + torch.arange(h.shape[1])[None, :, None])
+        h = h + torch.tanh(self.attn(self.ln(h))).cumsum(1) / (1 + torch.arange(h.shape[1], device=h.device)[None, :, None])
         return h + self.mlp(h)
 
 
@@ -65,7 +65,7 @@ def make_inputs(seed: int) -> dict:
 
 def lm_loss(logits: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy on a fixed target sequence."""
-    targets = torch.arange(logits.shape[1]).remainder(VOCAB).expand(logits.shape[0], -1)
+    targets = torch.arange(logits.shape[1], device=logits.device).remainder(VOCAB).expand(logits.shape[0], -1)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

@@ -18,6 +18,7 @@ from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err
 from conformance.build import build, read_attr
+from conformance.adapters.support import placed, rank_device
 from conformance.observations.checkpoint import CkptObservation
 from conformance.oracle.checkpoint import with_frozen
 from conformance.spec import CaseSpec, join
@@ -94,13 +95,13 @@ def wrap(spec: CaseSpec, built, meta_init: bool = False) -> nn.Module:
 
             # the docstring's param_init_fn: each meta module materialized on
             # its own (the case's modules have no reset_parameters)
-            return FSDP(built.model, auto_wrap_policy=a1.make_policy(spec, built), device_id=torch.device("cpu"),
+            return FSDP(built.model, auto_wrap_policy=a1.make_policy(spec, built), device_id=rank_device(),
                         use_orig_params=spec.plan.use_orig_params,
-                        param_init_fn=lambda m: m.to_empty(device=torch.device("cpu"), recurse=False))
+                        param_init_fn=lambda m: m.to_empty(device=rank_device(), recurse=False))
         return a1.wrap(spec, built)
     a2.shard(spec, built)
     if meta_init:
-        built.model.to_empty(device="cpu")
+        built.model.to_empty(device=rank_device())
     return built.model
 
 
@@ -131,7 +132,7 @@ def set_frozen(model: nn.Module, fqns, frozen: bool) -> None:
 def single_process(spec: CaseSpec, *, until_save: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The reference: the same schedule on one process, no FSDP."""
     ck = spec.ckpt
-    ref = build(spec)
+    ref = placed(build(spec))
     opt = make_optimizer(ck.optimizer, ref.model.parameters())
     x0 = ref.example_input()
     for step in range(ck.steps):
@@ -231,7 +232,7 @@ def observe_full(spec: CaseSpec) -> CkptObservation:
     base = _base("sd-full", spec)
     if (why := missing_api(spec)) is not None:
         return CkptObservation(**base, skipped=why)
-    built, ref = build(spec), build(spec)
+    built, ref = placed(build(spec)), placed(build(spec))
     try:
         model = wrap(spec, built)
     except ERRORS as e:
@@ -263,7 +264,7 @@ def _count(model: nn.Module) -> int:
 def _source_state(spec: CaseSpec) -> dict[str, torch.Tensor]:
     """The state dict to load: the case's model from another seed (values
     distinguishable from the ones it starts with), ties shared."""
-    other = build(dataclasses.replace(spec, seed=(spec.seed + 1) % 2**32))
+    other = placed(build(dataclasses.replace(spec, seed=(spec.seed + 1) % 2**32)))
     return {k: v.detach().clone() for k, v in other.model.state_dict().items()}
 
 
@@ -282,9 +283,9 @@ def observe_ties(spec: CaseSpec) -> CkptObservation:
     meta = path == "meta-to_empty"
     if meta:
         with torch.device("meta"):
-            built = build(spec)
+            built = placed(build(spec))
     else:
-        built = build(spec)
+        built = placed(build(spec))
     before = len(canonical_names(spec))  # the unwrapped model's parameters
     t0 = time.perf_counter()
     try:
@@ -364,7 +365,7 @@ def save(spec: CaseSpec, dir: str) -> dict:
         return CkptObservation(**base, skipped=why).to_dict()
     dcp, sd = dcp_api()
     ck = spec.ckpt
-    built = build(spec)
+    built = placed(build(spec))
     times = {}
     try:
         with _timed(times, "fsdp"):  # wrapping and training steps
@@ -428,7 +429,7 @@ def load(spec: CaseSpec, dir: str) -> dict:
     if (why := missing_api(spec)) is not None:
         return CkptObservation(**base, skipped=why).to_dict()
     dcp, sd = dcp_api()
-    built = build(lspec)
+    built = placed(build(lspec))
     times = {}
     try:
         with _timed(times, "fsdp"):
@@ -444,7 +445,7 @@ def load(spec: CaseSpec, dir: str) -> dict:
             sd.set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         except ERRORS as e:
             return CkptObservation(**base, error=_err(e), phase="load").to_dict()
-    saved = torch.load(os.path.join(dir, "saved.pt"), weights_only=False)
+    saved = torch.load(os.path.join(dir, "saved.pt"), map_location="cpu", weights_only=False)
     try:
         full_model, full_optim = _full_state(model, opt)
     except ERRORS as e:

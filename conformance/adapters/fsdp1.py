@@ -24,6 +24,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from conformance.build import Built, build
+from conformance.adapters.support import placed, rank_device
 from conformance.observations import FROZEN_MARK, FrozenMessage, Observation, UnitObservation
 from conformance.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 
@@ -191,7 +192,7 @@ def wrap(spec: CaseSpec, built: Built, policy=None, **extra) -> FSDP:
     model = built.model
     kwargs = dict(
         auto_wrap_policy=make_policy(spec, built) if policy is None else policy,
-        device_id=torch.device("cpu"),
+        device_id=rank_device(),
         use_orig_params=spec.plan.use_orig_params,
         **extra,
     )
@@ -204,7 +205,7 @@ def wrap(spec: CaseSpec, built: Built, policy=None, **extra) -> FSDP:
 
 def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bool = True) -> Observation:
     """Wrap the case with FSDP1 on the current default process group."""
-    built = build(spec)
+    built = placed(build(spec))
     aliases = Aliases(built.model)
     policy = make_policy(spec, built)
     sim = simulate(spec, built.model, policy, aliases) if with_simulation else None

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from conformance.adapters.fsdp1 import wrap
 from conformance.adapters.fsdp2 import ATOL, RTOL, _err
 from conformance.build import build, call_args, method_callable
+from conformance.adapters.support import placed
 from conformance.observations import CallObservation, FSDP2Observation
 from conformance.spec import CaseSpec, effective_calls
 
@@ -22,7 +23,7 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
     gradients (the generate() use case), against the unwrapped reference."""
     base = dict(api="fsdp1", rank=dist.get_rank(), world_size=dist.get_world_size(),
                 backend=str(dist.get_backend()), torch_version=torch.__version__)
-    built, ref = build(spec), build(spec)
+    built, ref = placed(build(spec)), placed(build(spec))
     t0 = time.perf_counter()
     try:
         model = wrap(spec, built)

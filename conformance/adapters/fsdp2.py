@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from conformance.adapters.fsdp1 import Aliases
 from conformance.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
+from conformance.adapters.support import fsdp2_mesh, placed
 from conformance.observations import (
     CallObservation,
     FSDP2Observation,
@@ -118,9 +119,10 @@ def shard(spec: CaseSpec, built: Built, extra=None) -> None:
     more fully_shard kwargs for the group of those spec paths (mp_policy)."""
     fully_shard, _, _ = fsdp2_api()
     ignored = {built.model.get_parameter(f) for f in spec.plan.ignored_params}
+    mesh = fsdp2_mesh()
     for grp in shard_order(spec.plan, graph_of(spec)):
         mods = [built.modules[p] for p in grp.modules]
-        kwargs = {}
+        kwargs = {"mesh": mesh}
         if grp.reshard_after_forward is not None:
             kwargs["reshard_after_forward"] = grp.reshard_after_forward
         if ignored:
@@ -233,7 +235,7 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
         backend=str(dist.get_backend()),
         torch_version=torch.__version__,
     )
-    built, ref = build(spec), build(spec)
+    built, ref = placed(build(spec)), placed(build(spec))
     aliases = Aliases(built.model)
     initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
     t0 = time.perf_counter()

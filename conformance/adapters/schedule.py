@@ -18,6 +18,7 @@ from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err as _err2
 from conformance.adapters.fsdp2 import full_tensor
 from conformance.build import BATCH, Built, build, method_callable, read_attr
+from conformance.adapters.support import on_rank_device, placed
 from conformance.observations.schedule import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
 from conformance.oracle.schedule import predict_schedule
 from conformance.spec import CaseSpec, Precision, module_at, walk
@@ -107,7 +108,7 @@ def data(spec: CaseSpec, step: int, micro: int, rank: int) -> torch.Tensor:
     """The input of one rank's microbatch: differs by rank and microbatch, so
     that a lost or doubled contribution changes the gradient."""
     gen = torch.Generator().manual_seed(spec.seed * 7919 + step * 613 + micro * 31 + rank)
-    return 0.5 * torch.randn(BATCH, generator=gen)
+    return on_rank_device(0.5 * torch.randn(BATCH, generator=gen))
 
 
 class ReduceRecorder:
@@ -184,7 +185,7 @@ class Runner:
         self.pred = predict_schedule(spec)
         self.api = spec.plan.api
         self.uop = spec.plan.use_orig_params
-        self.built, self.ref = build(spec), build(spec)
+        self.built, self.ref = placed(build(spec)), placed(build(spec))
         self.aliases = a1.Aliases(self.built.model)
         self.names = list(self.pred.trainable)  # every canonical FQN
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 import torch
+import torch.distributed as dist
 
 
 def _release() -> str:
@@ -57,3 +59,54 @@ def unavailable(api: str, scenario: str, tier: str) -> str | None:
     if api == "fsdp2":
         return fsdp2_unavailable()
     return None
+
+
+# ---- the rank's device ---------------------------------------------------------------
+# Cases are built on CPU (deterministic from their seed), then placed on the
+# rank's device: FSDP, the single-process reference and the inputs all run
+# there, and observations keep only Python values (float(), bool()).
+
+
+def rank_device() -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK when the default process group is
+    NCCL's (the pool and the torchrun entry set that device current), else
+    CPU (gloo, fake, no group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def on_rank_device(obj):
+    """``obj`` (a tensor, or a dict / list / tuple holding tensors) on the
+    rank's device; unchanged on CPU."""
+    device = rank_device()
+    if device.type == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return type(obj)((k, on_rank_device(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(on_rank_device(v) for v in obj)
+    return obj
+
+
+def placed(built):
+    """A conformance.build.Built moved to the rank's device (its model, and
+    the device its example inputs are made on); a model built under
+    torch.device("meta") stays there (param_init_fn / to_empty place it)."""
+    device = rank_device()
+    if device.type != "cpu":
+        if not any(t.is_meta for t in (*built.model.parameters(), *built.model.buffers())):
+            built.model.to(device)
+        built.device = device
+    return built
+
+
+def fsdp2_mesh():
+    """The 1-D mesh over the default group on the rank's device type, given
+    to fully_shard explicitly: its default mesh is CUDA's whenever a GPU is
+    visible, whatever the backend."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(rank_device().type, (dist.get_world_size(),))

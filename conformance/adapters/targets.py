@@ -18,8 +18,9 @@ from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err, _group_states, _grads, _ties, count_collectives, fsdp2_api
 from conformance.adapters.training import RTOL as TRAIN_RTOL
 from conformance.adapters.training import ATOL as TRAIN_ATOL
-from conformance.adapters.training import _final, _optimizer
+from conformance.adapters.training import _final, _optimizer, _stable
 from conformance.build import build
+from conformance.adapters.support import on_rank_device, placed
 from conformance.model_case import ModelCase
 from conformance.observations import CallObservation, FSDP2Observation, GradObservation, RegistrationObservation, TrainObservation
 from conformance.spec import TrainPlan
@@ -72,7 +73,7 @@ def observe_fsdp2(case: ModelCase) -> FSDP2Observation:
     built from the same seed on this rank; backward through forward's loss."""
     _, FSDPModule, register_fsdp_forward_method = fsdp2_api()
     base = _base("fsdp2")
-    built, ref = build(case), build(case)
+    built, ref = placed(build(case)), placed(build(case))
     aliases = a1.Aliases(built.model)
     initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
     target = built.target
@@ -102,11 +103,11 @@ def observe_fsdp2(case: ModelCase) -> FSDP2Observation:
     loss = ref_loss = None
     for index, call in enumerate(case.calls):
         if call.method == -1:
-            kwargs = dict(target.inputs(case.seed))
+            kwargs = on_rank_device(dict(target.inputs(case.seed)))
             fn, ref_fn = built.model, ref.model
         else:
             name = case.methods[call.method].name
-            kwargs = method_kwargs(target, by_name[name], case.seed)
+            kwargs = on_rank_device(method_kwargs(target, by_name[name], case.seed))
             fn, ref_fn = getattr(built.model, name), getattr(ref.model, name)
         try:
             with count_collectives() as comm:
@@ -149,7 +150,7 @@ def _train(model: nn.Module, built, plan: TrainPlan, seed: int) -> list[float]:
     for step in range(plan.steps):
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        loss = _loss(built, model(**dict(built.target.inputs(seed + step))))
+        loss = _loss(built, model(**on_rank_device(dict(built.target.inputs(seed + step)))))
         if opt is not None:
             loss.backward()
             opt.step()
@@ -163,7 +164,7 @@ def observe_train(case: ModelCase) -> TrainObservation:
     plan = case.train or TrainPlan()
     api = case.plan.api
     base = _base(api)
-    built, ref = build(case), build(case)
+    built, ref = placed(build(case)), placed(build(case))
     aliases = a1.Aliases(built.model)
     initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
     frozen = {f for f, p in ref.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
@@ -191,5 +192,6 @@ def observe_train(case: ModelCase) -> TrainObservation:
     losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=TRAIN_RTOL, atol=TRAIN_ATOL))
     return TrainObservation(
         **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
-        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), seconds=time.perf_counter() - t0,
+        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())),
+        ref_stable=_stable(ref_losses, ref.model), seconds=time.perf_counter() - t0,
     )

@@ -66,6 +66,8 @@ def resolve_backend(backend: str, world_size: int) -> str:
         raise BackendUnavailable(
             f"backend 'nccl' is not available in this torch build ({torch.__version__}); use backend='gloo'"
         )
+    if gpus == 0:
+        raise BackendUnavailable("backend 'nccl' needs one GPU per rank and this machine has none; use backend='gloo'")
     if gpus < world_size:
         raise BackendUnavailable(
             f"backend 'nccl' needs {world_size} GPUs (one per rank), this machine has {gpus}; "

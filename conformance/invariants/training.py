@@ -43,6 +43,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("buffer-dtype")
     if len({st.frozen for st in s.steps}) > 1:
         tags.add("freeze-changes")
+        if pred.api == "fsdp2" and _group_trainable_later(spec):
+            tags.add("group-trainable-later")
     if any(st.frozen for st in s.steps):
         tags.add("frozen")
     if any(len(st.microbatches) > 1 and not st.sync_every for st in s.steps):
@@ -52,6 +54,22 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
     if s.first >= 0:
         tags.add("method-first")
     return tags
+
+
+def _group_trainable_later(spec: CaseSpec) -> bool:
+    """An FSDP2 group all of whose parameters are frozen in the first step
+    and some of which train in a later one (the group's dtypes are set at
+    its first forward, from the parameters trainable then)."""
+    import torch
+
+    from conformance.oracle.fsdp2 import predict_fsdp2
+
+    steps = spec.schedule.steps
+    for grp in predict_fsdp2(spec, torch.__version__).groups:
+        if grp.managed and set(grp.managed) <= set(steps[0].frozen):
+            if any(not set(grp.managed) <= set(st.frozen) for st in steps[1:]):
+                return True
+    return False
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:

@@ -25,11 +25,12 @@ class TrainObservation:
     losses_close: bool | None = None
     params: tuple[GradObservation, ...] = ()  # close: final value equals the reference's; unchanged: equals the initial
     frozen_grads_none: tuple[tuple[str, bool], ...] = ()
+    ref_stable: bool = True  # False: the single-process reference diverged (values not comparable)
     seconds: float = 0.0
 
     @property
     def values_meaningful(self) -> bool:
-        return self.backend != "fake"
+        return self.backend != "fake" and self.ref_stable
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -155,3 +155,14 @@ def _borrowed():
 
 
 _borrowed()
+
+
+@scenario("fault:train:adam-default-eps", test_only=True)
+def _train_with_default_adam_eps(spec: CaseSpec) -> dict:
+    """PARITY's training with Adam's default eps (1e-8) instead of the suite's
+    (tests/self/test_parity_numerics.py: rounding noise then moves a
+    parameter whose exact gradient is zero by a whole lr)."""
+    from conformance.adapters import training
+
+    with mock.patch.object(training, "ADAM_EPS", 1e-8):
+        return training.observe(spec).to_dict()

@@ -95,6 +95,13 @@ def test_world_size_larger_than_the_gpus_is_one_line():
     assert_one_line_error(proc, "backend 'nccl' needs 2 GPUs (one per rank), this machine has 1")
 
 
+def test_nccl_world_size_1_without_any_gpu_is_one_line():
+    # a CUDA build of torch on a machine without a GPU (the nccl_check's bad case)
+    patch = "torch.cuda.device_count = lambda: 0\ndist.is_nccl_available = lambda: True"
+    proc = cli_patched(patch, "run", "--backend", "nccl", "--world-size", "1")
+    assert_one_line_error(proc, "backend 'nccl' needs one GPU per rank and this machine has none")
+
+
 def test_torch_without_distributed_is_one_line():
     proc = cli_patched("dist.is_available = lambda: False", "run", "--backend", "fake")
     assert_one_line_error(proc, "has no torch.distributed")

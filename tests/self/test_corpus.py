@@ -118,3 +118,17 @@ def test_a_case_outside_the_corpus_is_not_recorded_as_one(fake_engine):
     s = Session()
     s.check("WRAP-UNITS", cases.two_blocks(), fake_engine, "fake")
     assert s.to_dict()["corpus"] == []
+
+
+@pytest.mark.gloo
+def test_a_one_rank_pool_does_not_check_a_rank_corpus_case():
+    """The NCCL check on one GPU (world size 1) reported RANKS-AGREE FIXED: the
+    corpus case of a rank-dependent finding cannot deviate with one rank."""
+    from conformance.engine.pool import RankPool
+
+    case = next(c for c in corpus.load() if c.finding == "fsdp1-size-policy-rank-dependent-units")
+    for world, recorded in ((1, False), (2, True)):
+        s = Session()
+        with RankPool(world, "gloo", deadline=60.0) as pool:
+            s.check("RANKS-AGREE", case.spec, pool, "gloo")
+        assert bool(s.to_dict()["corpus"]) == recorded, world

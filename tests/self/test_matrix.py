@@ -152,7 +152,21 @@ def test_a_release_that_cannot_be_installed_is_recorded_as_not_run(tmp_path, cap
     assert not (tmp_path / "venvs" / "torch-2.4.1").exists()  # cleaned up
 
 
-@pytest.mark.parametrize("bad", [["two.four"], ["2.4"], ["--newest", "0"]])
+def test_tiers_rerun_only_keeps_the_other_tiers_rows(tmp_path, capsys):
+    out = tmp_path / "matrix"
+    out.mkdir()
+    kept = out / "torch-2.4.1-fake-w4.json"
+    kept.write_text("{}")
+    stale = out / "torch-2.4.1-gloo-w2.notrun.json"
+    stale.write_text("{}")
+    _load_script().main(["2.4.1", "--tiers", "gloo", "--out", str(out), "--venv-root", str(tmp_path / "venvs"),
+                         "--python", "/bin/false"])
+    capsys.readouterr()
+    assert kept.exists() and not stale.exists()
+    assert (out / "torch-2.4.1-install.notrun.json").exists()
+
+
+@pytest.mark.parametrize("bad", [["two.four"], ["2.4"], ["--newest", "0"], ["--tiers", "nccl"], ["--tiers", ""]])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, bad):
     proc = _matrix(*bad, "--out", str(tmp_path))
     assert proc.returncode == 2

@@ -5,6 +5,25 @@ from __future__ import annotations
 
 from conformance.spec import CaseSpec, walk
 
+# The backend and device a repro script runs on, chosen by an environment
+# variable so that the same script runs on CPU (gloo, the default) and on GPUs.
+DEVICE_CODE = '''
+# FSDP_REPRO_BACKEND=nccl: every rank on its GPU (cuda:LOCAL_RANK); default gloo, on CPU
+BACKEND = os.environ.get("FSDP_REPRO_BACKEND", "gloo")
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if BACKEND == "nccl" else torch.device("cpu")
+
+
+def init_group():
+    if "RANK" not in os.environ:  # plain `python`: a one-process group
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(BACKEND)
+'''
+
 _TORCH = {"Module": "nn.Module", "Sequential": "nn.Sequential", "ModuleList": "nn.ModuleList", "ModuleDict": "nn.ModuleDict"}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 
 from conformance.oracle import predict_fsdp1
-from conformance.report.repro.common import class_code, class_ref, model_lines
+from conformance.report.repro.common import DEVICE_CODE, class_code, class_ref, model_lines
 from conformance.spec import (
     CaseSpec,
     CustomWrap,
@@ -35,19 +35,14 @@ def show_pre_wrap_simulation():
 
 
 def main():
-    if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    init_group()
     if dist.get_rank() == 0:
         show_pre_wrap_simulation()
     model, policy, kwargs = build()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            fsdp = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), **kwargs)
+            fsdp = FSDP(model, auto_wrap_policy=policy, device_id=DEVICE, **kwargs)
         except Exception as e:
             fsdp = None
             print(f"FSDP raised {type(e).__name__}: {e}")
@@ -166,5 +161,5 @@ def fsdp1_script(spec: CaseSpec, violations: list | None = None, title: str = ""
         )
         """
     )
-    parts = ["\n".join(head), imports, class_code(spec), build_code(spec), f"EXPECTED = {expected_text(spec)!r}\n", _OBSERVE]
+    parts = ["\n".join(head), imports, DEVICE_CODE, class_code(spec), build_code(spec), f"EXPECTED = {expected_text(spec)!r}\n", _OBSERVE]
     return "\n\n".join(p for p in parts if p.strip()).rstrip() + "\n"

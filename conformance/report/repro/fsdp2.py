@@ -8,7 +8,7 @@ import textwrap
 from conformance.build import SCALE, SHIFT
 from conformance.oracle.fsdp2 import shard_order
 from conformance.oracle.graph import ModelGraph
-from conformance.report.repro.common import class_code, model_lines
+from conformance.report.repro.common import DEVICE_CODE, class_code, model_lines
 from conformance.spec import CaseSpec, effective_calls, walk
 
 # The case's forward and helpers, as conformance/build.py defines them.
@@ -33,10 +33,10 @@ def call_child(child, x):
     if isinstance(child, nn.Linear):
         return child(x[:, None].expand(x.shape[0], child.in_features)).mean(-1) + x
     if isinstance(child, nn.Embedding):
-        return child(torch.arange(x.shape[0]) % child.num_embeddings).mean(-1) + x
+        return child(torch.arange(x.shape[0], device=x.device) % child.num_embeddings).mean(-1) + x
     if isinstance(child, nn.LayerNorm):
         n = child.normalized_shape[0]
-        return child(x[:, None] + torch.arange(n, dtype=x.dtype)).mean(-1) + x
+        return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
     if type(child) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
         for c in child._modules.values():
             x = call_child(c, x)
@@ -60,19 +60,15 @@ def full(t):
 
 
 def main():
-    if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    init_group()
     rank = dist.get_rank()
     model, mods = build()
+    model.to(DEVICE)
     ref = copy.deepcopy(model)  # the unsharded reference (ties and methods copied along)
     ref_mods = {p: ref.get_submodule(p) for p in mods}
     shard(mods)
     register(mods)
-    x = torch.linspace(-1.0, 1.0, 2)
+    x = torch.linspace(-1.0, 1.0, 2, device=DEVICE)
     outs, ref_outs = [], []
     for i, (path, name, keyword) in enumerate(CALLS):
         args, kwargs = ((x, SHIFT), {"scale": SCALE}) if keyword else ((x,), {})
@@ -145,6 +141,7 @@ def fsdp2_script(spec: CaseSpec, violations: list | None = None, title: str = ""
         import torch.distributed as dist
         import torch.nn as nn
         import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
 
         try:
             from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -170,7 +167,8 @@ def fsdp2_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     for grp in order:
         target = "[" + ", ".join(f"mods[{m!r}]" for m in grp.modules) + "]" if len(grp.modules) > 1 else f"mods[{grp.modules[0]!r}]"
         kw = "" if grp.reshard_after_forward is None else f", reshard_after_forward={grp.reshard_after_forward}"
-        shard_lines.append(f"fully_shard({target}{kw})")
+        shard_lines.append(f"fully_shard({target}, mesh=mesh{kw})")
+    shard_lines.insert(0, "mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))")
     shard = "def shard(mods):\n    # bottom-up: each group after every group below it, the root last\n" + textwrap.indent("\n".join(shard_lines), "    ") + "\n"
     regs = [f"register_fsdp_forward_method(mods[{fm.module!r}], {fm.name!r})" for fm in spec.methods if fm.register]
     register = "def register(mods):\n" + textwrap.indent("\n".join(regs) or "pass", "    ") + "\n"
@@ -189,5 +187,5 @@ def fsdp2_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     )
     classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
     methods = "\n\n".join(_method_code(i, fm.name, fm.steps) for i, fm in enumerate(spec.methods))
-    parts = ["\n".join(head), imports, _RUNTIME, classes, methods, build, shard, register, consts, _MAIN]
+    parts = ["\n".join(head), imports, DEVICE_CODE, _RUNTIME, classes, methods, build, shard, register, consts, _MAIN]
     return "\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n"

@@ -97,7 +97,7 @@ def init():
 
 def train(target, model, steps):
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = (torch.optim.Adam(params, lr=LR) if OPTIMIZER == "Adam" else torch.optim.SGD(params, lr=LR, momentum=0.9)) if params else None
+    opt = (torch.optim.Adam(params, lr=LR, eps=1e-3) if OPTIMIZER == "Adam" else torch.optim.SGD(params, lr=LR, momentum=0.9)) if params else None
     losses = []
     for step in range(steps):
         if opt is not None:

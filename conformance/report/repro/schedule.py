@@ -10,7 +10,7 @@ import textwrap
 from conformance.oracle.fsdp2 import shard_order
 from conformance.oracle.graph import ModelGraph
 from conformance.oracle.schedule import predict_schedule
-from conformance.report.repro.common import class_code, model_lines
+from conformance.report.repro.common import DEVICE_CODE, class_code, model_lines
 from conformance.report.repro.fsdp1 import _policy_code
 from conformance.spec import CaseSpec, walk
 
@@ -27,10 +27,10 @@ def call_child(child, x):
     if isinstance(inner, nn.Linear):
         return child(x[:, None].expand(x.shape[0], inner.in_features)).mean(-1) + x
     if isinstance(inner, nn.Embedding):
-        return child(torch.arange(x.shape[0]) % inner.num_embeddings).mean(-1) + x
+        return child(torch.arange(x.shape[0], device=x.device) % inner.num_embeddings).mean(-1) + x
     if isinstance(inner, nn.LayerNorm):
         n = inner.normalized_shape[0]
-        return child(x[:, None] + torch.arange(n, dtype=x.dtype)).mean(-1) + x
+        return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
         skip = inner.__dict__.get("case_skip", ())
         for name, c in inner._modules.items():
@@ -74,7 +74,7 @@ class ReduceDtypes(TorchDispatchMode):
 _MAIN = '''
 def data(step, micro, rank):
     gen = torch.Generator().manual_seed(SEED * 7919 + step * 613 + micro * 31 + rank)
-    return 0.5 * torch.randn(2, generator=gen)
+    return (0.5 * torch.randn(2, generator=gen)).to(DEVICE)
 
 
 def optimizer(params):
@@ -93,14 +93,10 @@ def rel(a, b):
 
 
 def main():
-    if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    init_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     model, mods = build()
+    model.to(DEVICE)
     ref = copy.deepcopy(model)  # fp32 single-process training
     ref_mods = {p: ref.get_submodule(p) for p in mods}
     seen = {}
@@ -229,7 +225,8 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
             "import functools",
         ]
     else:
-        imports += ["from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method"]
+        imports += ["from torch.distributed.device_mesh import init_device_mesh",
+                    "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method"]
     lines, var = model_lines(spec)
     drawn = {c.name for c in spec.classes}
     graph = ModelGraph(spec)
@@ -250,7 +247,7 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
             mp = f"MixedPrecision({', '.join(kw)})"
         body = _policy_code(spec, {p: f"mods[{p!r}]" for p in var}) + (
             f"\nreturn FSDP(m0, auto_wrap_policy=policy, use_orig_params={spec.plan.use_orig_params}, "
-            f"mixed_precision={mp}, device_id=torch.device('cpu'))"
+            f"mixed_precision={mp}, device_id=DEVICE)"
         )
         wrap = "def wrap(m0, mods):\n" + textwrap.indent(body, "    ") + "\n"
     else:
@@ -265,9 +262,10 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
                 if grp.modules == ("",) and pr.output_dtype:
                     mp.append(f"output_dtype={_dt(pr.output_dtype)}")
                 kw += f", mp_policy=MixedPrecisionPolicy({', '.join(mp)})"
-            body.append(f"fully_shard({target}{kw})")
+            body.append(f"fully_shard({target}, mesh=mesh{kw})")
         if s.first >= 0:
             body.append("register_fsdp_forward_method(m0, 'encode')")
+        body.insert(0, "mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))")
         body.append("return m0")
         wrap = "def wrap(m0, mods):\n    # bottom-up: each group after every group below it, the root last\n" + textwrap.indent("\n".join(body), "    ") + "\n"
     steps = [(list(st.frozen), [list(mb.skip) for mb in st.microbatches], st.sync_every) for st in s.steps]
@@ -284,5 +282,5 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
     if s.first >= 0:
         root_cls = spec.tree.cls
         classes = classes.replace(f"class {root_cls}(", f"class {root_cls}(", 1) + f"\n\n{root_cls}.encode = encode\n"
-    parts = ["\n".join(head), "\n".join(imports), _RUNTIME, classes, build, wrap, consts, _MAIN]
+    parts = ["\n".join(head), "\n".join(imports), DEVICE_CODE, _RUNTIME, classes, build, wrap, consts, _MAIN]
     return "\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n"

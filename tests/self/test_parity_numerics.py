@@ -1,0 +1,123 @@
+"""PARITY's numerics: values are judged only where the single-process
+reference's training stays finite and bounded (past that, rounding
+differences between two summation orders grow without bound: seed 11 drew
+three shared LayerNorm / Linear stacks whose SGD run reached 5e15 and then
+NaN in both runs), and Adam's eps keeps a gradient that is rounding noise
+from moving its parameter by a whole lr (seed 66: the weight of a LayerNorm
+over one element)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conformance.adapters.training import DIVERGED, _stable
+from conformance.invariants.methods import check_training
+from conformance.observations import GradObservation, TrainObservation
+from conformance.oracle.methods import predict_parity
+from conformance.runner import FAIL, PASS, evaluate, observations
+from conformance.spec import BufferSpec, CaseSpec, ClassSpec, ModuleSpec, ParamSpec, SharedModule, TiedParam, TrainPlan, WrapPlan
+
+from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenario in the driver)
+
+pytestmark = pytest.mark.selfcheck
+
+
+def _linear(value: float) -> nn.Module:
+    m = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        m.weight.fill_(value)
+    return m
+
+
+def test_stable_means_finite_and_bounded():
+    assert _stable([3.0, 2.0, 2.5], _linear(1.0))
+    assert _stable([0.0, 0.5, 0.9], _linear(1.0))  # a zero first loss: growth measured against 1
+    assert not _stable([3.0, 3.0 * DIVERGED * 2], _linear(1.0))
+    assert not _stable([3.0, math.nan], _linear(1.0))
+    assert not _stable([3.0, math.inf], _linear(1.0))
+    assert not _stable([3.0, 2.0], _linear(math.nan))  # the last update overflowed
+    assert not _stable([], _linear(1.0))
+
+
+def _obs(**kw) -> TrainObservation:
+    base = dict(api="fsdp2", rank=0, world_size=2, backend="gloo", torch_version=torch.__version__,
+                losses=(1.0, 2.0), ref_losses=(1.0, 2.5), losses_close=False,
+                params=(GradObservation("w", False, False, False, 0.5, False),))
+    return TrainObservation(**{**base, **kw})
+
+
+def test_values_are_judged_only_for_a_stable_reference():
+    spec = _diverging()
+    pred = predict_parity(spec)
+    kinds = {t for v in check_training(spec, pred, _obs()) for t in v.tags if t.startswith("kind:")}
+    assert kinds == {"kind:loss", "kind:param"}
+    assert check_training(spec, pred, _obs(ref_stable=False)) == []
+    # errors and frozen gradients are judged whatever the values did
+    assert check_training(spec, pred, _obs(ref_stable=False, step_error="RuntimeError: boom"))
+
+
+def _diverging() -> CaseSpec:
+    """The shrunk case of seed 11 (FSDP2 PARITY, gloo)."""
+    stack = ModuleSpec("layers0", "ModuleList", children=(
+        ModuleSpec("0", "LayerNorm", (ParamSpec("weight", (1,)), ParamSpec("bias", (1,)))),
+        ModuleSpec("1", "Linear", (ParamSpec("weight", (1, 1), False),)),
+        ModuleSpec("2", "Linear", (ParamSpec("weight", (1, 1)),)),
+    ))
+    block = ModuleSpec("0", "Block", (ParamSpec("weight", (1, 1)),), (BufferSpec("running", (1,)),), children=(stack,))
+    return CaseSpec(
+        tree=ModuleSpec("", "ModelSeq", children=(block,)),
+        classes=(ClassSpec("ModelSeq", "Sequential"), ClassSpec("Block")),
+        shared=(SharedModule("0", "shared0", "0.layers0"), SharedModule("0", "shared1", "0.layers0")),
+        plan=WrapPlan(api="fsdp2"), seed=2, train=TrainPlan("SGD", 3, 0.05),
+    )
+
+
+@pytest.mark.gloo
+def test_a_diverging_reference_is_not_a_parity_failure():
+    from conformance.engine.pool import RankPool
+
+    spec = _diverging()
+    with RankPool(2, "gloo", deadline=60.0) as pool:
+        obs = observations(pool, spec, "train", TrainObservation.from_dict)
+        res = evaluate("PARITY", spec, obs)
+    assert all(not o.ref_stable for o in obs), [o.ref_losses for o in obs]
+    assert res.verdict == PASS, res.describe()
+
+
+def _noise_gradient() -> CaseSpec:
+    """The shrunk case of seed 66 (FSDP2 PARITY, gloo): 2.weight, a LayerNorm
+    over one element, has a zero gradient in exact arithmetic."""
+    block = ModuleSpec("1", "Block", children=(
+        ModuleSpec("proj0", "Linear", (ParamSpec("weight", (1, 1)), ParamSpec("bias", (1,)))),
+        ModuleSpec("proj1", "Linear", (ParamSpec("weight", (1, 1)),)),
+    ))
+    tree = ModuleSpec("", "ModelSeq", children=(
+        ModuleSpec("0", "Sequential", children=(ModuleSpec("0", "Embedding", (ParamSpec("weight", (1, 1)),)), block)),
+        ModuleSpec("1", "Linear", (ParamSpec("weight", (1, 1)),)),
+        ModuleSpec("2", "LayerNorm", (ParamSpec("weight", (1,)), ParamSpec("bias", (1,)))),
+    ))
+    return CaseSpec(
+        tree=tree, classes=(ClassSpec("ModelSeq", "Sequential"), ClassSpec("Block")),
+        ties=(TiedParam("0.1.proj0", "weight", "0.1.proj1.weight"),),
+        plan=WrapPlan(api="fsdp2"), seed=0, train=TrainPlan("Adam", 3, 0.05),
+    )
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("scenario,verdict", [("train", PASS), ("fault:train:adam-default-eps", FAIL)],
+                         ids=["suite-eps", "default-eps"])
+def test_adam_does_not_turn_rounding_noise_into_lr_steps(scenario, verdict):
+    """With Adam's default eps the case fails (rounding noise moves 2.weight
+    by ~lr, differently in the two runs); with the suite's it passes."""
+    from conformance.engine.pool import RankPool
+
+    spec = _noise_gradient()
+    with RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_training",)) as pool:
+        res = evaluate("PARITY", spec, observations(pool, spec, scenario, TrainObservation.from_dict))
+    assert res.verdict == verdict, res.describe()
+    if verdict == FAIL:
+        assert {v.message.split()[0] for v in res.violations} == {"2.weight"}, res.describe()
