@@ -156,11 +156,6 @@ def _conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[
         f"--example-deadline={ns.deadline}",
     ]
     args += [f"--invariant={i}" for i in ns.invariant or []]
-    if not ns.invariant:
-        # The checkpoint invariants run only when selected (--invariant
-        # checkpoint): under the ci profile they still meet deviations nobody
-        # has explained yet (issue 9, open). See the README's Status.
-        args.append(f"--ignore={tests / 'test_checkpoint.py'}")
     args += [f"--baseline={b}" for b in ns.baseline or []]
     if ns.examples is not None:
         args.append(f"--max-examples={ns.examples}")

@@ -25,6 +25,9 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             f"optim:{ck.optimizer}", f"way:{ck.full_sd}", f"load:{ck.load_path}"}
     if spec.plan.api == "fsdp1":
         tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
+        kwargs = getattr(spec.plan.policy, "kwargs", ())
+        if any(k == "sharding_strategy" and v == "NO_SHARD" for _, kw in kwargs for k, v in kw):
+            tags.add("no-shard-unit")  # a unit of its own sharding strategy: NO_SHARD
     if load.api == "fsdp1":
         tags.add(f"load-uop:{str(load.use_orig_params).lower()}")
     for flag in ("rank0_only", "offload", "ignore_frozen"):
@@ -37,6 +40,15 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     if pred is not None:
         if any(len(group) > 2 for group in pred.tied):
             tags.add("aliases:3+")  # one Parameter under three or more names
+        if any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in pred.tied):
+            tags.add("tie:same-module")  # one module holds a Parameter under two of its names
+        if set(pred.untrained_at_save) - set(pred.frozen_at_load):
+            # trains after the load, but had no optimizer state at the save
+            tags.add("unfrozen-at-load")
+        if pred.optim_empty_at_save:
+            tags.add("optim-empty-at-save")
+        if pred.nothing_trains_first:
+            tags.add("nothing-trains-first")
         if pred.frozen:
             tags.add("frozen")
         if pred.mask_changes:
@@ -168,7 +180,6 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
         return []
     tags = case_tags(spec, pred)
     if obs.error:
-        tags = tags | _requires_grad_tags(pred)
         return _raised("OPTIM-STATE", obs, tags)
     if not obs.values_meaningful:
         return []
@@ -203,12 +214,6 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     if obs.resume_cont_diff:
         out.append(_v("OPTIM-STATE", f"after the resume {list(obs.resume_cont_diff)[:8]} differ from uninterrupted training", tags, "kind:resume-uninterrupted"))
     return out
-
-
-def _requires_grad_tags(pred: CkptPrediction) -> set[str]:
-    """For an error at load: some parameter is trainable at load but was
-    frozen throughout the training before the save (no saved state)."""
-    return {"unfrozen-at-load"} if set(pred.frozen_at_save) - set(pred.frozen_at_load) else set()
 
 
 for _id in ("SD-FULL", "TIES-KEPT", "CKPT-RESHARD", "OPTIM-STATE"):

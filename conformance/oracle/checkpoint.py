@@ -24,7 +24,17 @@ class CkptPrediction:
     frozen_at_save: tuple[str, ...]  # canonical FQNs frozen when the checkpoint is taken
     frozen_at_load: tuple[str, ...]  # canonical FQNs frozen at and after the load
     mask_changes: bool  # some parameter's requires_grad differs between save and load
-    shards: tuple[str, ...] = ()  # "empty-save", "uneven-save", "empty-load", "uneven-load"
+    # "empty-save", "uneven-save", "empty-load", "uneven-load" (FSDP2 parameters, FSDP1 flat
+    # parameters); "param-empty-save" / "-load": an FSDP1 parameter's dim-0 chunk is empty
+    shards: tuple[str, ...] = ()
+    # canonical FQNs no training step before the save trained: no optimizer
+    # state at the save (frozen at every step before it)
+    untrained_at_save: tuple[str, ...] = ()
+    # no parameter trained before the save (the optimizer has no state yet)
+    # while some parameter is trainable at the save
+    optim_empty_at_save: bool = False
+    # every parameter frozen in the first step (no backward), some unfrozen after it
+    nothing_trains_first: bool = False
 
 
 @functools.lru_cache(maxsize=512)
@@ -44,6 +54,9 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
     ids = [pid for _, pid in g.named_parameters()]
     at_save = {pid for pid in ids if not g.requires_grad(pid)} ^ set(ck.refreeze)
     at_load = at_save if ck.load_frozen is None else set(ck.load_frozen)
+    # step 0 trains under the tree's mask, the later steps under the mask at the save
+    initial = {pid for pid in ids if not g.requires_grad(pid)}
+    untrained = initial & at_save if ck.steps > 1 else initial
     why = predict_parity(spec).applicable
     if not why and ck.load_plan is not None:
         load = dataclasses.replace(spec, plan=ck.load_plan, tree=_masked(spec, at_load), ckpt=None)
@@ -54,6 +67,9 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
         tied=tied, frozen_at_save=tuple(sorted(g.param_fqn[p] for p in at_save)),
         frozen_at_load=tuple(sorted(g.param_fqn[p] for p in at_load)),
         mask_changes=at_save != at_load, shards=_shards(spec, g, at_load),
+        untrained_at_save=tuple(sorted(g.param_fqn[p] for p in untrained)),
+        optim_empty_at_save=untrained == set(ids) and bool(set(ids) - at_save),
+        nothing_trains_first=initial == set(ids) and bool(ck.refreeze),
     )
 
 
@@ -85,6 +101,10 @@ def _shards(spec: CaseSpec, g: ModelGraph, at_load: set[str]) -> tuple[str, ...]
             out.append(f"empty-{side}")
         if any(u for _, u in flags):
             out.append(f"uneven-{side}")
+        if plan.api == "fsdp1" and any(_chunks(g.param_info[pid].shape[0], world)[0] for _, pid in g.named_parameters()):
+            # FSDP1's sharded state dict chunks each parameter along dim 0 as
+            # torch.chunk does (as FSDP2 shards): some rank's chunk is empty
+            out.append(f"param-empty-{side}")
     return tuple(out)
 
 

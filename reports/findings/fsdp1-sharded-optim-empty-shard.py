@@ -1,15 +1,19 @@
-"""Finding fsdp1-sharded-optim-empty-shard (torch 2.13.0).
+"""Finding fsdp1-sharded-optim-empty-shard (torch 2.13.0, 2.14.1).
 
-An FSDP1 unit whose flat parameter has fewer elements than ranks leaves a rank
-with an empty shard. Saving model and optimizer with torch.distributed.checkpoint
-(get_state_dict, dcp.save) and loading them back into the same model on the same
-ranks (get_state_dict, dcp.load, set_state_dict) fails on that rank with
-"Missing key in checkpoint state_dict: optim.param_groups". Expected (the
+FSDP1's sharded state dict (what get_state_dict gives torch.distributed.checkpoint)
+chunks each original parameter along dim 0 as torch.chunk does. When a
+parameter's first dimension cannot be spread over the ranks (1 on 2 ranks; 2 or
+4 on 3), some rank's chunk is empty. Saving model and optimizer with
+torch.distributed.checkpoint (get_state_dict, dcp.save) and loading them back
+into the same model on the same ranks (get_state_dict, dcp.load,
+set_state_dict) then fails with "Missing key in checkpoint state_dict:
+optim.param_groups" (CheckpointException, on every rank). Expected (the
 torch.distributed.checkpoint recipe): the state loads; uneven and empty shards
-are ordinary (world size not dividing a dimension).
+are ordinary (world size not dividing a dimension). Uneven non-empty chunks
+(a dim 0 of 3 on 2 ranks) load; so does FSDP2 with the same shapes.
 
 Run: torchrun --nproc-per-node 2 fsdp1-sharded-optim-empty-shard.py
-     (python ... runs one gloo rank: no empty shard, it loads)
+     (python ... runs one gloo rank: no empty chunk, it loads)
 """
 
 import os

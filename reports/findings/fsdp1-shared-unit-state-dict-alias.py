@@ -82,7 +82,20 @@ def main():
                 name = name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
                 fqns = list(unit._handle.flat_param._fqns) if unit._handle else []
                 print(f"FSDP unit {name or '<root>'!r} manages {fqns}")
-        print("state_dict keys:", [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()])
+    if fsdp is not None:
+        keys = [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()]  # a collective: every rank
+        if dist.get_rank() == 0:
+            print("state_dict keys:", keys)
+    if fsdp is not None:
+        # the same name breaks torch.distributed.checkpoint's get_state_dict (what a
+        # checkpoint save or load starts with: CKPT-RESHARD, OPTIM-STATE)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        try:
+            get_state_dict(fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.1))
+            print(f"rank {dist.get_rank()}: get_state_dict ok")
+        except Exception as e:
+            print(f"rank {dist.get_rank()}: get_state_dict raised {type(e).__name__}: {e}")
     if dist.get_rank() == 0:
         print(EXPECTED)
     dist.barrier()

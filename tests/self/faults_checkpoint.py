@@ -72,17 +72,28 @@ def load_assigns():
 
 @fault("load-skips-model")
 def load_skips_model():
-    """dcp.load leaves one model tensor as the fresh model had it."""
+    """dcp.load reads the optimizer but leaves the model's tensors as the
+    fresh model had them (restoring one would not do: the first in order
+    may be one training never changed, e.g. a frozen one)."""
+    import torch
     import torch.distributed.checkpoint as dcp
 
     orig = dcp.load
 
+    def local(t):  # this rank's part: DTensor (FSDP2), ShardedTensor (FSDP1), plain
+        if hasattr(t, "to_local"):
+            return t.to_local()
+        if hasattr(t, "local_tensor"):
+            return t.local_tensor()
+        return t
+
     def load(state_dict, *a, **k):
         model = state_dict.get("model", {})
-        keep = {key: v.clone() for key, v in sorted(model.items())[:1] if hasattr(v, "clone")}
+        fresh = {key: local(v).detach().clone() for key, v in model.items() if isinstance(v, torch.Tensor)}
         out = orig(state_dict, *a, **k)
-        for key, v in keep.items():
-            model[key].copy_(v)
+        with torch.no_grad():
+            for key, v in fresh.items():
+                local(model[key]).copy_(v)
         return out
 
     return mock.patch.object(dcp, "load", load)

@@ -260,12 +260,13 @@ def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "")
     # each parameter once, by the module and name it was made under
     params = [tuple(pid.rpartition(".")[::2]) for _, pid in graph.named_parameters()]
     at_save = sorted({pid for _, pid in graph.named_parameters() if not graph.requires_grad(pid)})
-    at_load = at_save if ck.load_frozen is None else sorted(ck.load_frozen)
+    # without load_frozen the load keeps the mask of the save (refreeze applied)
+    at_load = sorted(set(at_save) ^ set(ck.refreeze)) if ck.load_frozen is None else sorted(ck.load_frozen)
     tied = [tuple(graph.aliases(pid)) for _, pid in graph.named_parameters() if len(graph.aliases(pid)) > 1]
     consts = "\n".join([
         f"PHASE = {phase!r}",
         f"PARAMS = {params!r}  # (module path, name): the case's parameters",
-        f"FROZEN_AT_SAVE = {at_save!r}",
+        f"FROZEN_AT_SAVE = {at_save!r}  # when built (REFREEZE flips some after the first step)",
         f"FROZEN_AT_LOAD = {at_load!r}",
         f"REFREEZE = {list(ck.refreeze)!r}  # requires_grad flips after the first step",
         f"TIED = {tied!r}",

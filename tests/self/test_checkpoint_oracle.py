@@ -1,0 +1,146 @@
+"""The checkpoint oracle and case tags on hand-written cases: which
+parameters carry no optimizer state at the save, the tags known failures
+match on (a tie inside one module, a parameter unfrozen at the load), and the
+load side's mask (without load_frozen: the mask at the save)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conformance.invariants.checkpoint import case_tags
+from conformance.oracle.checkpoint import predict_ckpt
+from conformance.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, TiedParam, WrapPlan
+
+pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
+
+
+def linear(ckpt: CheckpointPlan, *, weight_frozen: bool = True) -> CaseSpec:
+    tree = ModuleSpec("", "Model", children=(
+        ModuleSpec("proj0", "Linear", (ParamSpec("weight", (4, 4), not weight_frozen), ParamSpec("bias", (4,)))),
+    ))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp2"), ckpt=ckpt)
+
+
+@pytest.mark.parametrize("ckpt,untrained,unfrozen", [
+    # frozen throughout, frozen at load: no state, nothing asks for one
+    (CheckpointPlan(), ["proj0.weight"], False),
+    # frozen throughout, trainable at load: the resume asks for state never saved
+    (CheckpointPlan(load_frozen=()), ["proj0.weight"], True),
+    # unfrozen after the first of two steps: it trained, it has state
+    (CheckpointPlan(steps=2, refreeze=("proj0.weight",)), [], False),
+    # unfrozen after the first of one step: it never trained before the save
+    (CheckpointPlan(steps=1, refreeze=("proj0.weight",)), ["proj0.weight"], True),
+], ids=["frozen-both", "unfrozen-at-load", "unfrozen-before-save", "unfrozen-after-last-step"])
+def test_untrained_at_save_and_the_unfrozen_at_load_tag(ckpt, untrained, unfrozen):
+    spec = linear(ckpt)
+    pred = predict_ckpt(spec)
+    assert list(pred.untrained_at_save) == untrained
+    assert ("unfrozen-at-load" in case_tags(spec, pred)) is unfrozen
+
+
+def test_trained_then_frozen_has_state_and_no_unfrozen_tag():
+    spec = linear(CheckpointPlan(steps=2, refreeze=("proj0.bias",), load_frozen=()), weight_frozen=False)
+    pred = predict_ckpt(spec)
+    assert pred.untrained_at_save == ()
+    assert "unfrozen-at-load" not in case_tags(spec, pred)
+
+
+def _tied(module: str, source: str) -> CaseSpec:
+    tree = ModuleSpec("", "Model", children=(
+        ModuleSpec("a", "LayerNorm", (ParamSpec("weight", (3,)), ParamSpec("bias", (3,)))),
+        ModuleSpec("b", "LayerNorm", (ParamSpec("weight", (3,)), ParamSpec("bias", (3,)))),
+    ))
+    name, src = module.rsplit(".", 1), source
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), ties=(TiedParam(name[0], name[1], src),),
+                    plan=WrapPlan(api="fsdp2"), ckpt=CheckpointPlan(load_path="set_model_state_dict"))
+
+
+@pytest.mark.parametrize("tied_name,source,same", [
+    ("a.weight", "a.bias", True),  # one module, two names
+    ("b.weight", "a.weight", False),  # two modules
+], ids=["in-one-module", "across-modules"])
+def test_tie_in_one_module_tag(tied_name, source, same):
+    spec = _tied(tied_name, source)
+    assert ("tie:same-module" in case_tags(spec, predict_ckpt(spec))) is same
+
+
+def test_the_load_side_keeps_the_mask_of_the_save_without_load_frozen():
+    from conformance.adapters.checkpoint import load_spec
+    from conformance.oracle.graph import ModelGraph
+
+    def frozen(spec: CaseSpec) -> set[str]:
+        g = ModelGraph(spec)
+        return {f for f, pid in g.named_parameters() if not g.requires_grad(pid)}
+
+    spec = linear(CheckpointPlan(steps=2, refreeze=("proj0.weight", "proj0.bias")))
+    pred = predict_ckpt(spec)
+    assert frozen(load_spec(spec)) == set(pred.frozen_at_load) == {"proj0.bias"}
+    spec = linear(CheckpointPlan(load_frozen=("proj0.bias",)))
+    assert frozen(load_spec(spec)) == {"proj0.bias"}
+
+
+@pytest.mark.parametrize("shapes,world,empty", [
+    ([(1, 1)], 2, True),  # dim 0 of 1 on 2 ranks
+    ([(2,), (2,), (2,)], 3, True),  # the flat parameter splits evenly, each parameter's chunks do not
+    ([(2,), (2,)], 2, False),
+    ([(3,)], 2, False),  # uneven, not empty
+    ([(1,)], 1, False),
+], ids=["dim0-1-on-2", "three-2s-on-3", "two-2s-on-2", "3-on-2", "world-1"])
+def test_fsdp1_param_empty_chunk_tag(shapes, world, empty):
+    tree = ModuleSpec("", "Model", params=tuple(ParamSpec(f"p{i}", s) for i, s in enumerate(shapes)))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp1"),
+                    ckpt=CheckpointPlan(save_world=world, load_world=1, load_plan=WrapPlan(api="fsdp2")))
+    tags = case_tags(spec, predict_ckpt(spec))
+    assert ("shard:param-empty-save" in tags) is empty
+    assert "shard:param-empty-load" not in tags  # FSDP2 at the load
+
+
+def _both_frozen(ckpt: CheckpointPlan) -> CaseSpec:
+    spec = linear(ckpt)
+    lin = spec.tree.children[0]
+    lin = dataclasses.replace(lin, params=tuple(dataclasses.replace(p, requires_grad=False) for p in lin.params))
+    return dataclasses.replace(spec, tree=dataclasses.replace(spec.tree, children=(lin,)))
+
+
+@pytest.mark.parametrize("spec,empty", [
+    # nothing trains in the only step; the weight is unfrozen before the save
+    (_both_frozen(CheckpointPlan(steps=1, refreeze=("proj0.weight",))), True),
+    (_both_frozen(CheckpointPlan(steps=1)), False),  # nothing trainable at the save either
+    (_both_frozen(CheckpointPlan(steps=2, refreeze=("proj0.weight",))), False),  # the weight trains in step 2
+    (linear(CheckpointPlan(steps=1)), False),  # the bias trained
+    (linear(CheckpointPlan(steps=1, refreeze=("proj0.bias",))), False),  # the bias trained, then frozen
+], ids=["nothing-trained-weight-unfrozen", "nothing-trainable", "trained-in-step-2", "bias-trained", "bias-trained-then-frozen"])
+def test_optim_empty_at_save_tag(spec, empty):
+    assert ("optim-empty-at-save" in case_tags(spec, predict_ckpt(spec))) is empty
+
+
+@pytest.mark.parametrize("spec,tagged", [
+    (_both_frozen(CheckpointPlan(steps=2, refreeze=("proj0.weight",))), True),  # nothing trains in step 0, then the weight does
+    (_both_frozen(CheckpointPlan(steps=2)), False),  # nothing is ever unfrozen
+    (linear(CheckpointPlan(steps=2, refreeze=("proj0.weight",))), False),  # the bias trains in step 0
+], ids=["unfrozen-after-a-frozen-step", "never-unfrozen", "bias-trains-first"])
+def test_nothing_trains_first_tag(spec, tagged):
+    assert ("nothing-trains-first" in case_tags(spec, predict_ckpt(spec))) is tagged
+
+
+def test_no_shard_unit_tag():
+    from conformance.spec import CustomWrap
+
+    spec = linear(CheckpointPlan(full_sd="fsdp1-full", rank0_only=True))
+    no_shard = CustomWrap(targets=("proj0",), kwargs=(("proj0", (("sharding_strategy", "NO_SHARD"),)),))
+    for policy, tagged in ((no_shard, True), (CustomWrap(targets=("proj0",)), False)):
+        case = dataclasses.replace(spec, plan=WrapPlan(api="fsdp1", policy=policy))
+        assert ("no-shard-unit" in case_tags(case, predict_ckpt(case))) is tagged
+
+
+def test_resume_comparison_takes_nan_where_the_reference_has_nan():
+    import math
+
+    from conformance.adapters.checkpoint import _close
+
+    nan = math.nan
+    assert _close([nan, 1.0], [nan, 1.0])  # both diverged: the same training
+    assert not _close([nan, 1.0], [0.5, 1.0])  # NaN where the reference has a value
+    assert not _close([1.0, 1.0], [1.1, 1.0])
