@@ -81,7 +81,8 @@ def pytest_configure(config):
         raise pytest.UsageError(f"unknown tier(s) {bad}; choose from {', '.join(TIERS)}")
     for t in TIERS:
         config.addinivalue_line("markers", f"{t}: a conformance test on the {t} tier")
-    config.addinivalue_line("markers", "needs_ranks: needs several real ranks (not the fake tier)")
+    config.addinivalue_line("markers", "needs_ranks: needs real rank processes (not the fake tier)")
+    config.addinivalue_line("markers", "several_ranks: needs two ranks or more (skipped with --world-size 1)")
     config.addinivalue_line("markers", MODEL_MARKER_DOC)  # fsdp_model (conformance.pytest_models)
     config._fsdp_conformance_requested = requested(config)
     if config._fsdp_conformance_requested:
@@ -108,9 +109,9 @@ def pytest_generate_tests(metafunc):
         ts = tiers(metafunc.config)
         one_rank = []
         if metafunc.definition.get_closest_marker("needs_ranks"):
-            ts = [t for t in ts if t != "fake"]  # one in-process rank cannot disagree
-            if metafunc.config.getoption("--world-size") < 2:  # nor can a pool of one
-                one_rank = [pytest.mark.skip(reason="world size 1: one rank has nothing to disagree with")]
+            ts = [t for t in ts if t != "fake"]  # real rank processes (the fake tier is one in-process rank)
+        if metafunc.definition.get_closest_marker("several_ranks") and metafunc.config.getoption("--world-size") < 2:
+            one_rank = [pytest.mark.skip(reason="world size 1: one rank has nothing to disagree with")]
         metafunc.parametrize("engine", [pytest.param(t, marks=[getattr(pytest.mark, t), *one_rank], id=t) for t in ts],
                              indirect=True, scope="session")
     if "model_target" in metafunc.fixturenames:  # conformance/suite/test_models.py: one test per --target

@@ -8,7 +8,7 @@ from hypothesis import given
 from conformance import corpus
 from strategies import case_specs
 
-pytestmark = pytest.mark.needs_ranks
+pytestmark = [pytest.mark.needs_ranks, pytest.mark.several_ranks]
 
 
 @pytest.mark.parametrize("invariant_id", ["RANKS-AGREE"])
