@@ -42,6 +42,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("keep-low-precision-grads")
     if pr is not None and pr.buffer_dtype:
         tags.add("buffer-dtype")
+    if pred.api == "fsdp2" and _container_given_to_fully_shard(spec):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if len({st.frozen for st in s.steps}) > 1:
         tags.add("freeze-changes")
         if pred.api == "fsdp2" and _group_trainable_later(spec):
@@ -63,6 +65,15 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
         tags.add("forward-only")  # a microbatch whose loss needs no gradient: no backward
     return tags
+
+
+def _container_given_to_fully_shard(spec: CaseSpec) -> bool:
+    import torch
+
+    from conformance.invariants.fsdp2 import _container_base
+    from conformance.oracle.fsdp2 import predict_fsdp2
+
+    return any(_container_base(spec, p) for p in predict_fsdp2(spec, torch.__version__).fsdp_modules)
 
 
 def _group_trainable_later(spec: CaseSpec) -> bool:
