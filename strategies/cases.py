@@ -12,7 +12,7 @@ from conformance.spec import CaseSpec
 
 from strategies._common import TreeIndex, check_bool, check_int, check_strategy, ints, pick
 from strategies.freeze import FREEZE_KINDS, apply_freeze_mask, draw_freeze_mask
-from strategies.policies import PlanChoices, check_policy_kinds, draw_plan
+from strategies.policies import OBJECT_POLICIES, PlanChoices, check_policy_kinds, draw_plan
 from strategies.ties import SHARED_KINDS, TIE_KINDS, draw_shared, draw_ties
 from strategies.trees import module_trees
 
@@ -44,7 +44,12 @@ def _case_specs(
     # Choices that do not depend on the tree first, at fixed positions (see PlanChoices).
     plan_choices = PlanChoices(draw, apis, use_orig_params, kinds, allow_ignored)
     freeze_kind = pick(draw, FREEZE_KINDS) if freeze else "trainable"
-    extras = pick(draw, _EXTRAS[allow_shared, allow_ties])  # share modules? tie parameters?
+    extras = _EXTRAS[allow_shared, allow_ties]
+    if allow_shared and plan_choices.api == "fsdp1" and plan_choices.policy_kind in OBJECT_POLICIES:
+        # FSDP1's policy objects traverse the tree once per module
+        # (_post_order_apply's visited set): shared modules more often with them
+        extras = extras + (("shared",), ("shared",))
+    extras = pick(draw, extras)  # share modules? tie parameters?
     tree, classes = draw(trees)
     index = TreeIndex(tree, classes)
     event(f"modules: {_size_bucket(len(index.paths))}")

@@ -14,7 +14,7 @@ from conformance.spec import (
     TiedParam, TransformerWrap, WrapPlan, join,
 )
 
-from strategies._common import TreeIndex, check_bool, check_kinds, check_strategy, pick, pick_subset
+from strategies._common import TreeIndex, check_bool, check_kinds, check_strategy, maybe, pick, pick_subset
 
 # None (no auto-wrap policy) first: the simplest plan.
 POLICY_KINDS = (None, ModuleWrap, CustomWrap, SizeBasedWrap, LambdaWrap, TransformerWrap)
@@ -23,6 +23,11 @@ _KWARG_KEYS = tuple(CUSTOM_KWARGS)
 # Mostly nothing ignored; else modules or parameters, not both: FSDP1 rejects
 # ignored_modules together with ignored_states.
 _IGNORE = ("none", "none", "none", "none", "modules", "params")
+# FSDP1's policy objects (ModuleWrapPolicy, CustomPolicy) skip ignored
+# modules themselves (_Policy._run_policy): ignored modules are drawn more
+# often with them, so that the skip is exercised within the ci budget.
+_IGNORE_OBJECT_POLICY = ("none", "none", "modules", "modules", "params")
+OBJECT_POLICIES = (ModuleWrap, CustomWrap)
 
 
 def check_policy_kinds(value: Any, name: str = "policies") -> tuple:
@@ -154,7 +159,10 @@ class PlanChoices:
         if not isinstance(self.use_orig_params, bool):
             raise InvalidArgument(f"use_orig_params generated {self.use_orig_params!r}; it must generate bools")
         self.policy_kind = pick(draw, kinds)
-        self.ignore = pick(draw, _IGNORE) if allow_ignored else "none"
+        if not allow_ignored:
+            self.ignore = "none"
+        else:
+            self.ignore = pick(draw, _IGNORE_OBJECT_POLICY if self.policy_kind in OBJECT_POLICIES and self.api == "fsdp1" else _IGNORE)
 
 
 def draw_plan(
@@ -170,7 +178,32 @@ def draw_plan(
     elif choices.ignore == "params" and index.params:
         ignored_params = tuple(pick_subset(draw, list(index.params), min_size=1, max_size=2))
         event("ignored params")
+    if choices.api == "fsdp1" and isinstance(policy, OBJECT_POLICIES):
+        policy = _aim_object_policy(draw, index, policy, ignored_modules, shared)
     return WrapPlan(choices.api, policy, choices.use_orig_params, ignored_modules, ignored_params)
+
+
+def _subtree_paths(index: TreeIndex, top: str) -> list[str]:
+    return [p for p in index.paths if p == top or p.startswith(top + ".")]
+
+
+def _aim_object_policy(
+    draw: Any, index: TreeIndex, policy: Policy, ignored_modules: tuple[str, ...], shared: tuple[SharedModule, ...]
+) -> Policy:
+    """Often make the policy select a module inside an ignored module (which
+    the policy object must skip) or inside a shared module (which the
+    post-order traversal must visit once, not once per parent): both are
+    rare when the targets are drawn blind."""
+    spots = [p for top in ignored_modules for p in _subtree_paths(index, top)]
+    spots += [p for s in shared for p in _subtree_paths(index, s.source)]
+    if not spots or not maybe(draw, 2):
+        return policy
+    path = pick(draw, spots)
+    event("policy aimed inside an ignored or shared module")
+    if isinstance(policy, CustomWrap):
+        return policy if path in policy.targets else CustomWrap(policy.targets + (path,), policy.kwargs)
+    cls = index.modules[path].cls
+    return policy if cls in policy.classes else ModuleWrap(policy.classes + (cls,))
 
 
 @st.composite

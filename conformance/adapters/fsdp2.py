@@ -163,7 +163,9 @@ def register(spec: CaseSpec, built: Built, ref: Built) -> list[RegistrationObser
         same = all(
             _method_func(type(o), m.name) is func and (m.name in o.__dict__) == had
             for o, func, had in before[i]
-            if o is not built.modules[m.module] and not any(o is built.modules[x.module] and x.name == m.name for x in spec.methods)
+            # an instance registered under the same name itself is changed on
+            # purpose; one whose method of that name is not registered is not
+            if o is not built.modules[m.module] and not any(o is built.modules[x.module] and x.name == m.name and x.register for x in spec.methods)
         )
         out[i] = RegistrationObservation(out[i].method, out[i].fsdp_module, out[i].patched, same, out[i].error)
     return out

@@ -250,18 +250,55 @@ def check_nested(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     area="forward_methods",
     api="fsdp2",
     scenario="fsdp2",
-    statement="Registering a method on one instance changes no other instance (other modules of the class, another model).",
+    statement=(
+        "Registering a method on one instance changes no other instance (other modules of the class, another model): "
+        "the same method of another instance runs without FSDP's hooks (no all-gather of its own) and gives the reference's output."
+    ),
     source=f"{DOC_REGISTER} (patches the method on ``module``); {S004}",
 )
 def check_isolation(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
     if pred.supported or obs.wrap_error:
         return []
     base = case_tags(spec, pred)
-    return [
+    out = [
         _v("FWD-ISOLATION", f"registering {spec.methods[r.method].name} on {spec.methods[r.method].module or '<root>'} changed another instance", base, "kind:leaked")
         for r in obs.registrations
         if not r.others_unchanged
     ]
+    if not applies(pred):
+        return out
+    for c, o in _paired(pred, obs):
+        reg = _registered_sibling(spec, c.method)
+        if reg is None:
+            continue
+        tags = base | call_tags(spec, pred, c) | {"method:sibling"}
+        what = f"call {c.index}: {spec.methods[c.method].name} of {c.module or '<root>'} (registered on {reg} only)"
+        if o.error:
+            if c.in_promise:
+                out.append(_v("FWD-ISOLATION", f"{what} raised {o.error}", tags, "kind:leaked-call"))
+            continue
+        if obs.world_size >= 2 and c.exact and o.allgathers != c.unshards:
+            out.append(_v("FWD-ISOLATION", f"{what} ran {o.allgathers} all-gathers, expected {c.unshards}: FSDP's hooks ran for it", tags, "kind:leaked-hooks"))
+        if c.in_promise and obs.values_meaningful and o.close is False:
+            out.append(_v("FWD-ISOLATION", f"{what}: output differs from the reference's by {o.max_diff:.3g}", tags, "kind:leaked-output"))
+    return out
+
+
+def _registered_sibling(spec: CaseSpec, index: int) -> str | None:
+    """For an unregistered method: the path of another module of the same
+    class on which the same method name is registered, else None."""
+    if index == -1:
+        return None
+    from conformance.spec import module_at
+
+    m = spec.methods[index]
+    if m.register:
+        return None
+    cls = module_at(spec.tree, m.module).cls
+    for x in spec.methods:
+        if x.register and x.name == m.name and x.module != m.module and module_at(spec.tree, x.module).cls == cls:
+            return x.module or "<root>"
+    return None
 
 
 @invariant(

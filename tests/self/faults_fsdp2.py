@@ -96,6 +96,24 @@ def register_on_class():
     return patched_register(_register_with(_hooked, on_class=True))
 
 
+@fault("register-on-fsdp-class")
+def register_on_fsdp_class():
+    """torch's wrapper bound to the module but set on type(module), FSDP's
+    FSDP<cls>: every FSDP module of the class then runs this one's method
+    (the user's class and the reference model are untouched)."""
+    fsdp, *_ = _fsdp()
+
+    def register(module, method_name):
+        if not isinstance(module, fsdp.FSDPModule):
+            return
+        if not hasattr(module, method_name):
+            raise ValueError(f"{type(module)} does not have a method {method_name}")
+        wrapped = _hooked(getattr(module, method_name))
+        setattr(type(module), method_name, wrapped.__get__(module, type(module)))
+
+    return patched_register(register)
+
+
 @fault("managed-states-drop-last")
 def managed_states_drop_last():
     _, init, *_ = _fsdp()
@@ -207,7 +225,7 @@ def _faulty(name: str, kind: str):
     return run
 
 
-for _name in ("register-drops-kwargs", "gradients-doubled", "summon-does-nothing", "frozen-made-trainable"):
+for _name in ("register-drops-kwargs", "gradients-doubled", "summon-does-nothing", "frozen-made-trainable", "register-on-fsdp-class"):
     for _kind in ("fsdp2", "fsdp1-methods", "train"):
         _fn = _faulty(_name, _kind)
         globals()[_fn.__name__] = _fn

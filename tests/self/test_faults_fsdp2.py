@@ -83,13 +83,27 @@ STRUCTURAL = [
     ("FWD-MISSING", "register-ignores-missing", "kind:no-error", {}),
     ("FWD-NESTED", "nested-groups-stay-sharded", "kind:raised", {}),
     ("FWD-ISOLATION", "register-on-class", "kind:leaked", {}),
+    ("FWD-ISOLATION", "register-on-fsdp-class", "kind:leaked", {}),  # with siblings(): see below
 ]
+
+
+def siblings() -> CaseSpec:
+    """block and note: two Blocks, each its own group; forward_features
+    registered on block only, and note's (not registered, empty body) called
+    after it: note's method must run without FSDP's hooks and give the
+    reference's output."""
+    methods = (
+        ForwardMethod("block", "forward_features", (MethodStep("param", "proj0.weight"), MethodStep("param", "w"))),
+        ForwardMethod("note", "forward_features", (), register=False),
+    )
+    groups = (ShardGroup(("block",), True), ShardGroup(("note",), True))
+    return lm(groups=groups, methods=methods, calls=(MethodCall(-1), MethodCall(0), MethodCall(1, 2, True)))
 
 
 @pytest.mark.fake
 @pytest.mark.parametrize("invariant,fault,kind,changes", STRUCTURAL, ids=[s[0] for s in STRUCTURAL])
 def test_structural_fault_is_caught(invariant, fault, kind, changes, fake_engine):
-    spec = lm(**changes)
+    spec = siblings() if fault == "register-on-fsdp-class" else lm(**changes)
     if invariant == "FSDP2-TIES":
         # torch >= 2.13 rejects this tie at the first forward: the case holds
         # (an error naming it); without the check the tie is duplicated
@@ -120,6 +134,7 @@ def summon_case() -> CaseSpec:
 VALUES = [
     ("FWD-SUMMON", "summon-does-nothing", ("kind:output", "kind:raised"), summon_case),
     ("FWD-PARITY", "register-drops-kwargs", "kind:output", lambda: lm()),
+    ("FWD-ISOLATION", "register-on-fsdp-class", "kind:leaked-output", siblings),
     ("PARITY", "gradients-doubled", "kind:param", lambda: dataclasses.replace(lm(), methods=(), calls=(), train=TrainPlan("SGD", 2))),
     ("PARITY", "frozen-made-trainable", ("kind:frozen-grad", "kind:frozen-changed"), lambda: dataclasses.replace(lm(), methods=(), calls=(), train=TrainPlan("Adam", 2))),
 ]
