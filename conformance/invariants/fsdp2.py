@@ -52,7 +52,7 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
 
 def backend_tag(obs) -> str:
     """The process group's backend, for the invariants that compare values with
-    the reference (PARITY, MP-DTYPES, ACCUM, FSDP2-FROZEN, FWD-PARITY): a known failure
+    the reference (PARITY, MP-DTYPES, ACCUM, FSDP2-FROZEN, FWD-PARITY, FWD-ISOLATION): a known failure
     of one backend's collectives must not mask the others'."""
     return f"backend:{obs.backend}"
 

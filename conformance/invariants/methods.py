@@ -259,7 +259,8 @@ def check_nested(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
 def check_isolation(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
     if pred.supported or obs.wrap_error:
         return []
-    base = case_tags(spec, pred)
+    # the backend: the sibling check below compares outputs with the reference
+    base = case_tags(spec, pred) | {backend_tag(obs)}
     out = [
         _v("FWD-ISOLATION", f"registering {spec.methods[r.method].name} on {spec.methods[r.method].module or '<root>'} changed another instance", base, "kind:leaked")
         for r in obs.registrations
@@ -286,17 +287,23 @@ def check_isolation(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation
 
 def _registered_sibling(spec: CaseSpec, index: int) -> str | None:
     """For an unregistered method: the path of another module of the same
-    class on which the same method name is registered, else None."""
+    class on which the same method name is registered, else None. Read from
+    the case's module graph (graph_of), so that a CaseSpec and a ModelCase
+    are looked at alike; a ModelCase's methods are all its root's, so it has
+    no such sibling."""
     if index == -1:
         return None
-    from conformance.spec import module_at
+    from conformance.targets import graph_of
 
     m = spec.methods[index]
     if m.register:
         return None
-    cls = module_at(spec.tree, m.module).cls
-    for x in spec.methods:
-        if x.register and x.name == m.name and x.module != m.module and module_at(spec.tree, x.module).cls == cls:
+    others = [x for x in spec.methods if x.register and x.name == m.name and x.module != m.module]
+    if not others:
+        return None
+    nodes = graph_of(spec).nodes
+    for x in others:
+        if nodes[x.module].cls == nodes[m.module].cls:
             return x.module or "<root>"
     return None
 

@@ -212,6 +212,24 @@ def test_fwd_reshard_on_a_target_catches_a_group_left_unsharded(fake_engine):
 
 
 @pytest.mark.fake
+def test_fwd_isolation_on_a_target(fake_engine):
+    """FWD-ISOLATION on a ModelCase, which has no drawn tree (the same-class
+    sibling check once read spec.tree and raised AttributeError here): its
+    methods are all the root's, so an unregistered method has no registered
+    sibling and is checked like any other call."""
+    from conformance.invariants.methods import _registered_sibling
+    from conformance.runner import clear_cache
+
+    groups = (ShardGroup(("blocks.0",), True), ShardGroup(("",), True))
+    unregistered = ModelCase(TOY, plan=WrapPlan("fsdp2", groups=groups), methods=(ForwardMethod("", "generate", register=False),))
+    assert _registered_sibling(unregistered, 0) is None
+    assert _verdict("FWD-ISOLATION", unregistered, fake_engine, "fsdp2").verdict == PASS
+    registered = ModelCase(TOY, plan=WrapPlan("fsdp2", groups=groups), methods=(ForwardMethod("", "generate"),))
+    clear_cache()
+    assert _verdict("FWD-ISOLATION", registered, fake_engine, "fsdp2").verdict == PASS
+
+
+@pytest.mark.fake
 def test_fsdp2_groups_on_a_target_catches_a_lost_parameter(fake_engine):
     from tests.self import faults_fsdp2 as faults
 
