@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from torch.distributed.fsdp import _wrap_utils
 
-from conformance.runner import FAIL, PASS, evaluate, observations
-from conformance.spec import CaseSpec, ClassSpec, ModuleSpec, ModuleWrap, ParamSpec, WrapPlan
+from conformance.runner import FAIL, KNOWN, PASS, evaluate, observations
+from conformance.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ModuleWrap, ParamSpec, SharedModule, WrapPlan
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 
@@ -36,3 +36,43 @@ def test_frozen_check_in_the_wrong_order_fails(invariant, uop, kind, fake_engine
     res = evaluate(invariant, spec, observations(fake_engine, spec))
     assert res.verdict == FAIL, res.describe()
     assert any(kind in v.tags and "order:shared-subtree" not in v.tags for v in res.violations), res.describe()
+
+
+def shared_unit_under_a_unit() -> CaseSpec:
+    """CustomWrap targets model1 and model2.lora0, model2 also registered
+    under model1 (first there): lora0 (frozen) is its own unit, model1
+    (trainable) is uniform, the root mixes head (trainable) and tail
+    (frozen). torch's frozen check visits lora0 at its last registration,
+    after simulating model1, whose walk then claims lora0's parameters."""
+    def linear(name, trainable):
+        return ModuleSpec(name, "Linear", (ParamSpec("weight", (2, 2), trainable),), (), ())
+
+    tree = ModuleSpec("", "Model", (), (), (
+        ModuleSpec("model1", "Block", (), (), (linear("proj0", True),)),
+        ModuleSpec("model2", "Block", (), (), (linear("lora0", False),)),
+        linear("head", True),
+        linear("tail", False),
+    ))
+    plan = WrapPlan(api="fsdp1", policy=CustomWrap(("model1", "model2.lora0")), use_orig_params=False)
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), shared=(SharedModule("model1", "shared0", "model2"),),
+                    plan=plan, seed=0)
+
+
+def test_shared_unit_claimed_by_an_earlier_unit_is_the_known_finding(fake_engine):
+    """The oracle names the root (the only unit that mixes after wrapping);
+    torch names model1: the known shared-module-order finding, matched by
+    the sim:claims-shared-unit tag, which only a unit above an earlier
+    registration of a shared unit gets."""
+    from conformance.invariants.fsdp1 import _claims_shared_unit
+    from conformance.oracle import predict_fsdp1
+
+    spec = shared_unit_under_a_unit()
+    pred = predict_fsdp1(spec)
+    assert pred.error is not None and pred.error.path == ""
+    assert _claims_shared_unit(spec, pred.units, "model1")
+    assert not any(_claims_shared_unit(spec, pred.units, p) for p in ("", "model2", "head", "model1.proj0"))
+    res = evaluate("FROZEN-ERROR", spec, observations(fake_engine, spec))
+    assert res.verdict == KNOWN, res.describe()
+    [(v, fid)] = res.known
+    assert fid == "fsdp1-frozen-check-shared-module-order"
+    assert "names module model1, expected <root>" in v.message and "sim:claims-shared-unit" in v.tags
