@@ -10,6 +10,11 @@ that caught it, and the survivors.
 Speed: only the invariants of the mutated API run; a run stops at its first
 failing test (pytest -x) and does not shrink (a kill needs one failing
 example, not the smallest); the example budget is modest (--examples).
+
+A kill counts only if the unmodified torch passes the failing test with the
+same draws (the profiles are derandomized): each killing test is run once on
+an unmodified copy (Baseline); where it fails too, the outcome is "invalid",
+not a kill.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -58,17 +64,19 @@ class Mutant:
 @dataclass
 class Outcome:
     mutant: Mutant
-    status: str  # killed | survived | error | timeout
+    status: str  # killed | survived | error | timeout | invalid (a kill the unmodified torch fails too)
     killed_by: list[str] = field(default_factory=list)  # "INVARIANT (api, tier)"
     detail: str = ""
     seconds: float = 0.0
     examples: int = 0
     run: str = ""  # the saved run (--render) this outcome comes from
+    tests: list[str] = field(default_factory=list)  # a kill's failing tests (paths below the suite), for the baseline check
 
     def to_dict(self) -> dict:
         return {"id": self.mutant.id, "api": self.mutant.api, "file": self.mutant.path, "status": self.status,
                 "killed_by": self.killed_by, "detail": self.detail, "seconds": round(self.seconds, 1),
-                "examples": self.examples, "equivalent": self.mutant.equivalent, "description": self.mutant.description}
+                "examples": self.examples, "equivalent": self.mutant.equivalent, "description": self.mutant.description,
+                "tests": self.tests}
 
 
 def load(path: Path = CATALOG_PATH) -> list[Mutant]:
@@ -137,15 +145,17 @@ def check_all(mutants: list[Mutant]) -> None:
         mutated_text(m, src.read_text())
 
 
-def make_source(m: Mutant, dest: Path) -> Path:
-    """A copy of the installed FSDP packages under ``dest`` with ``m`` applied."""
+def make_source(m: Mutant | None, dest: Path) -> Path:
+    """A copy of the installed FSDP packages under ``dest`` with ``m`` applied
+    (None: unmodified, for the baseline check)."""
     root = installed_root()
     for pkg in fsdp_source.PACKAGES:
         rel = Path(*pkg.split("."))
         if (root / rel).is_dir():
             shutil.copytree(root / rel, dest / rel, ignore=shutil.ignore_patterns("__pycache__"))
-    target = dest / m.path
-    target.write_text(mutated_text(m, target.read_text()))
+    if m is not None:
+        target = dest / m.path
+        target.write_text(mutated_text(m, target.read_text()))
     return dest
 
 
@@ -170,36 +180,101 @@ def run_one(m: Mutant, *, profile: str, examples: int | None, tiers: str, work: 
         src = make_source(m, mdir / "src")
     except MutantError as e:
         return Outcome(m, "error", detail=str(e), seconds=time.monotonic() - t0)
-    report_dir = mdir / "report"
+    try:
+        rc = _run_tests(m.api, m.path, src, mdir, [str(paths.SUITE)], profile=profile, examples=examples, tiers=tiers,
+                        timeout=timeout, python=python, stop_first=stop_first, skip=skip)
+    except subprocess.TimeoutExpired:
+        return Outcome(m, "timeout", detail=f"no verdict in {timeout:g}s (log: {mdir / 'run.log'})", seconds=time.monotonic() - t0)
+    return _outcome(m, rc, mdir / "report", mdir / "run.log", time.monotonic() - t0)
+
+
+def _run_tests(api: str, file: str, src: Path, rundir: Path, tests: list[str], *, profile: str, examples: int | None,
+               tiers: str, timeout: float, python: str, stop_first: bool, skip: tuple[str, ...]) -> int:
+    """pytest on ``tests`` with FSDP imported from ``src`` and the invariants
+    of ``api``; its report in rundir/report, its log in rundir/run.log. The
+    exit status; TimeoutExpired after ``timeout`` seconds (the run stopped)."""
     # pytest as `fsdp-conformance run` calls it, started directly (one torch
     # import less per mutant); the overlay goes in through the environment,
     # not --fsdp-source: the source is the installed one but for a
     # find/replace already parsed, so the import check is skipped too.
     suite = str(paths.SUITE)
-    cmd = [python, "-m", "pytest", suite, f"--rootdir={suite}", "-c", os.devnull, f"--confcutdir={suite}", "-p", "no:cacheprovider",
-           f"--conformance-profile={profile}", f"--tiers={tiers}", "--baseline=none", f"--report-dir={report_dir}",
+    cmd = [python, "-m", "pytest", *tests, f"--rootdir={suite}", "-c", os.devnull, f"--confcutdir={suite}", "-p", "no:cacheprovider",
+           f"--conformance-profile={profile}", f"--tiers={tiers}", "--baseline=none", f"--report-dir={rundir / 'report'}",
            "--report=always", "-q", "-rfE", "--disable-warnings", "-p", "no:xdist", "-p", "conformance.mutant_plugin"]
     if examples is not None:
         cmd.append(f"--max-examples={examples}")
     # --skip-invariant: invariants that fail on the unmodified torch with these
     # draws; a failure there would be counted as a kill of any mutant
-    cmd += [f"--invariant={inv}" for inv in invariants_for(m.api) if inv not in skip]
+    cmd += [f"--invariant={inv}" for inv in invariants_for(api) if inv not in skip]
     if stop_first:
         cmd.append("-x")
     env = {**os.environ, "FSDP_CONFORMANCE_SHRINK": "0", "FSDP_CONFORMANCE_DATABASE": "none", fsdp_source.ENV_VAR: str(src),
-           "FSDP_CONFORMANCE_MUTANT_API": m.api, "FSDP_CONFORMANCE_MUTANT_FILE": m.path}
-    log_path = mdir / "run.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=mdir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+           "FSDP_CONFORMANCE_MUTANT_API": api, "FSDP_CONFORMANCE_MUTANT_FILE": file}
+    rundir.mkdir(parents=True, exist_ok=True)
+    with open(rundir / "run.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=rundir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            return Outcome(m, "timeout", detail=f"no verdict in {timeout:g}s (log: {log_path})", seconds=time.monotonic() - t0)
+            return proc.wait(timeout=timeout)
         except BaseException:
             _stop(proc)
             raise
-    return _outcome(m, rc, report_dir, log_path, time.monotonic() - t0)
+
+
+class Baseline:
+    """The unmodified torch on a kill's failing tests: the same command, the
+    same (derandomized) draws, an unmodified copy of FSDP as the source. A
+    test that fails there too says nothing about the mutant (a suite bug or
+    an unrecorded finding with these draws): the kill is not counted."""
+
+    def __init__(self, work: Path, **run_args) -> None:
+        self.dir = work / "_unmodified"
+        self.run_args = run_args
+        self.results: dict[tuple[str, str], str | None] = {}  # (api, test) -> why it fails, None: passes
+        self._lock = threading.Lock()
+        self._src: Path | None = None
+
+    def failure(self, api: str, test: str) -> str | None:
+        """Why ``test`` (a path below the suite; "": every test of ``api``, up to
+        the first failure) fails on the unmodified torch, None if it passes."""
+        with self._lock:  # one baseline run at a time; each test once per API
+            if (api, test) not in self.results:
+                self.results[api, test] = self._run(api, test)
+            return self.results[api, test]
+
+    def _run(self, api: str, test: str) -> str | None:
+        if self._src is None:
+            self._src = make_source(None, self.dir / "src")
+        rundir = self.dir / f"run{len(self.results)}"
+        try:
+            rc = _run_tests(api, "", self._src, rundir, [str(paths.SUITE / test) if test else str(paths.SUITE)],
+                            stop_first=not test, **self.run_args)
+        except subprocess.TimeoutExpired:
+            return f"no verdict in {self.run_args['timeout']:g}s"
+        if rc == 0:
+            return None
+        if rc < 0:
+            return f"crashed ({signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else -rc})"
+        return _tail(rundir / "run.log") or f"exit {rc}"
+
+
+def confirm_kill(o: Outcome, baseline: Baseline) -> Outcome:
+    """``o`` as it counts: a kill whose failing test also fails on the
+    unmodified torch is "invalid" (not measured), whatever the mutant did."""
+    if o.status != "killed":
+        return o
+    for test in o.tests or [""]:  # no failing test named (a crash without a stack): the whole run
+        why = baseline.failure(o.mutant.api, test)
+        if why is not None:
+            return Outcome(o.mutant, "invalid", o.killed_by,
+                           f"not a kill: {test or 'the run'} fails on the unmodified torch {_torch_version()} too ({why}); "
+                           "leave its invariant out (--skip-invariant) or fix the suite", o.seconds, o.examples, tests=o.tests)
+    return o
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -223,7 +298,8 @@ def _outcome(m: Mutant, rc: int, report_dir: Path, log_path: Path, seconds: floa
         # The mutant crashed the run (e.g. FSDP1 reading a freed flat
         # parameter in the driver's fake tier): a CI run would be red too.
         sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
-        return Outcome(m, "killed", [f"crash ({sig}) in {_crashed_test(log_path)}"], _tail(log_path), seconds)
+        crashed = _crashed_test(log_path)
+        return Outcome(m, "killed", [f"crash ({sig}) in {crashed}"], _tail(log_path), seconds, tests=[] if crashed == "?" else [crashed])
 
     try:
         report = data.load(report_dir / "report.json")
@@ -235,13 +311,14 @@ def _outcome(m: Mutant, rc: int, report_dir: Path, log_path: Path, seconds: floa
     if src is None or not Path(src).is_relative_to(log_path.parent):
         return Outcome(m, "error", detail=f"the run did not import FSDP from the mutated copy (report: {src})", seconds=seconds)
     killers = [f"{r['invariant']} ({r['api']}, {r['tier']})" for r in report["results"] if r["verdict"] == "FAIL"]
+    failed = report.get("tests", {}).get("failed", [])
+    tests = [t["nodeid"] for t in failed]
     if killers:
         msgs = [f"{f['invariant']}: {_first(f['message'])}" for f in report.get("findings", []) if f["kind"] != "KNOWN"]
-        return Outcome(m, "killed", killers, msgs[0] if msgs else "", seconds, examples)
-    failed = report.get("tests", {}).get("failed", [])
+        return Outcome(m, "killed", killers, msgs[0] if msgs else "", seconds, examples, tests=tests)
     if failed or rc == 1:
         what = failed[0]["nodeid"] if failed else "the run"
-        return Outcome(m, "killed", [f"test {what}"], _first((failed[0].get("message") if failed else "") or ""), seconds, examples)
+        return Outcome(m, "killed", [f"test {what}"], _first((failed[0].get("message") if failed else "") or ""), seconds, examples, tests=tests)
     if rc != 0:
         return Outcome(m, "error", detail=f"exit {rc}: {_tail(log_path)}", seconds=seconds, examples=examples)
     return Outcome(m, "survived", seconds=seconds, examples=examples)
@@ -485,27 +562,30 @@ def run(ns) -> int:
     from conformance.report import data
 
     done = [0]
-    import threading
 
     lock = threading.Lock()
     finished: list[Outcome] = []
 
-    def one(m: Mutant, tmp: str) -> Outcome:
+    def one(m: Mutant, tmp: str, baseline: Baseline) -> Outcome:
         o = run_one(m, profile=ns.profile, examples=ns.examples, tiers=ns.tiers, work=Path(tmp),
                     timeout=ns.timeout, stop_first=not ns.all_kills, skip=tuple(ns.skip_invariant))
+        o = confirm_kill(o, baseline)
         with lock:
             finished.append(o)
             if ns.json:  # as the run goes: a long run stopped half-way keeps what it measured
                 data.write_json(Path(ns.json), {**meta, "complete": False, "outcomes": [x.to_dict() for x in finished]})
         done[0] += 1
         print(f"[{done[0]}/{len(mutants)}] {m.id}: {o.status}{': ' + ', '.join(o.killed_by) if o.killed_by else ''}"
-              f"{' (' + o.detail + ')' if o.status in ('error', 'timeout') else ''} [{o.seconds:.0f}s]", file=sys.stderr, flush=True)
+              f"{' (' + o.detail + ')' if o.status in ('error', 'timeout', 'invalid') else ''} [{o.seconds:.0f}s]", file=sys.stderr, flush=True)
         return o
 
     with tempfile.TemporaryDirectory(prefix="fsdp-conformance-mutants-") as tmp:
+        # a kill counts only where the unmodified torch passes the same test
+        baseline = Baseline(Path(tmp), profile=ns.profile, examples=ns.examples, tiers=ns.tiers, timeout=ns.timeout,
+                            python=sys.executable, skip=tuple(ns.skip_invariant))
         # each mutant runs in its own process group; threads only wait on them
         with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
-            outcomes = list(pool.map(lambda m: one(m, tmp), mutants))
+            outcomes = list(pool.map(lambda m: one(m, tmp, baseline), mutants))
     sys.stdout.write(render_text(outcomes))
     if ns.output:
         data.write_text(Path(ns.output), render_md(outcomes, meta))
