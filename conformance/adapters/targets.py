@@ -18,11 +18,11 @@ from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err, _group_states, _grads, _ties, count_collectives, fsdp2_api
 from conformance.adapters.training import RTOL as TRAIN_RTOL
 from conformance.adapters.training import ATOL as TRAIN_ATOL
-from conformance.adapters.training import _final, _optimizer, _stable
+from conformance.adapters.training import _optimizer, compare_training
 from conformance.build import build
 from conformance.adapters.support import on_rank_device, placed
 from conformance.model_case import ModelCase
-from conformance.observations import CallObservation, FSDP2Observation, GradObservation, RegistrationObservation, TrainObservation
+from conformance.observations import CallObservation, FSDP2Observation, RegistrationObservation, TrainObservation
 from conformance.spec import TrainPlan
 from conformance.targets import default_loss, method_kwargs
 
@@ -160,38 +160,7 @@ def _train(model: nn.Module, built, plan: TrainPlan, seed: int) -> list[float]:
 
 def observe_train(case: ModelCase) -> TrainObservation:
     """PARITY on a target: a few steps of the target's loss on its inputs
-    (a new seed each step) under FSDP1 or FSDP2, against the unsharded copy."""
+    (a new seed each step, the same on every rank) under FSDP1 or FSDP2,
+    against the unsharded copy."""
     plan = case.train or TrainPlan()
-    api = case.plan.api
-    base = _base(api)
-    built, ref = placed(build(case)), placed(build(case))
-    aliases = a1.Aliases(built.model)
-    initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
-    frozen = {f for f, p in ref.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    t0 = time.perf_counter()
-    try:
-        if api == "fsdp1":
-            model = a1.wrap(case, built)
-        else:
-            a2.shard(case, built)
-            model = built.model
-    except Exception as e:
-        return TrainObservation(**base, wrap_error=_err(e), seconds=time.perf_counter() - t0)
-    try:
-        losses = _train(model, built, plan, case.seed)
-    except Exception as e:
-        return TrainObservation(**base, step_error=_err(e), seconds=time.perf_counter() - t0)
-    ref_losses = _train(ref.model, ref, plan, case.seed)
-    final, grads_none = _final(case, model, built.model, aliases, frozen)
-    refs = dict(ref.model.named_parameters(remove_duplicate=False))
-    params = []
-    for fqn, value in final.items():
-        want = refs[fqn].detach()
-        close = bool(torch.allclose(value, want, rtol=TRAIN_RTOL, atol=TRAIN_ATOL))
-        params.append(GradObservation(fqn, False, False, close, float((value - want).abs().max()), bool(torch.equal(value, initial[fqn]))))
-    losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=TRAIN_RTOL, atol=TRAIN_ATOL))
-    return TrainObservation(
-        **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
-        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())),
-        ref_stable=_stable(ref_losses, ref.model), seconds=time.perf_counter() - t0,
-    )
+    return compare_training(case, lambda model, built, reference: _train(model, built, plan, case.seed), TRAIN_RTOL, TRAIN_ATOL)

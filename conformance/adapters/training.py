@@ -82,37 +82,49 @@ def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan, rank: int, world
 
 
 def observe(spec: CaseSpec) -> TrainObservation:
+    """PARITY on a generated case: each rank trains on its own batch, the
+    reference on the mean loss over every rank's batch."""
     plan = spec.train or TrainPlan()
-    api = spec.plan.api
-    base = dict(api=api, rank=dist.get_rank(), world_size=dist.get_world_size(),
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def steps(model: nn.Module, built, reference: bool) -> list[float]:
+        return _train(model, built.example_input(), plan, rank, world, reference=reference)
+
+    return compare_training(spec, steps, RTOL, ATOL)
+
+
+def compare_training(case, steps, rtol: float, atol: float) -> TrainObservation:
+    """Wrap one copy of ``case``'s model as its plan says, leave another
+    unsharded, run ``steps(model, built, reference)`` on both, and compare
+    their losses and final parameters (every alias) within rtol/atol."""
+    base = dict(api=case.plan.api, rank=dist.get_rank(), world_size=dist.get_world_size(),
                 backend=str(dist.get_backend()), torch_version=torch.__version__)
-    built, ref = placed(build(spec)), placed(build(spec))
+    built, ref = placed(build(case)), placed(build(case))
     aliases = a1.Aliases(built.model)
     initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
     frozen = {f for f, p in ref.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     t0 = time.perf_counter()
     try:
-        if api == "fsdp1":
-            model = a1.wrap(spec, built)
+        if case.plan.api == "fsdp1":
+            model = a1.wrap(case, built)
         else:
-            a2.shard(spec, built)
+            a2.shard(case, built)
             model = built.model
     except Exception as e:
         return TrainObservation(**base, wrap_error=_err(e), seconds=time.perf_counter() - t0)
-    x0 = built.example_input()
     try:
-        losses = _train(model, x0, plan, dist.get_rank(), dist.get_world_size())
+        losses = steps(model, built, False)
     except Exception as e:
         return TrainObservation(**base, step_error=_err(e), seconds=time.perf_counter() - t0)
-    ref_losses = _train(ref.model, x0, plan, dist.get_rank(), dist.get_world_size(), reference=True)
-    final, grads_none = _final(spec, model, built.model, aliases, frozen)
+    ref_losses = steps(ref.model, ref, True)
+    final, grads_none = _final(case, model, built.model, aliases, frozen)
+    refs = dict(ref.model.named_parameters(remove_duplicate=False))
     params = []
     for fqn, value in final.items():
-        want = dict(ref.model.named_parameters(remove_duplicate=False))[fqn].detach()
-        close = bool(torch.allclose(value, want, rtol=RTOL, atol=ATOL))
-        diff = float((value - want).abs().max())
-        params.append(GradObservation(fqn, False, False, close, diff, bool(torch.equal(value, initial[fqn]))))
-    losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL))
+        want = refs[fqn].detach()
+        close = bool(torch.allclose(value, want, rtol=rtol, atol=atol))
+        params.append(GradObservation(fqn, False, False, close, float((value - want).abs().max()), bool(torch.equal(value, initial[fqn]))))
+    losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol))
     return TrainObservation(
         **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
         params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())),

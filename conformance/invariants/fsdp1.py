@@ -267,6 +267,32 @@ def _claims_shared_unit(spec: CaseSpec, units: tuple[UnitPrediction, ...], path:
 # ---- end issue 10 ----
 
 
+def _names_tags(spec: CaseSpec | None, fqns) -> set[str]:
+    """What the FQNs a frozen-parameter message names are: ``names:aliased``
+    if one is a parameter with more than one name (a tie, or a parameter of a
+    shared module), ``names:unknown`` if one is no parameter of the model. A
+    known finding about aliased parameters matches on the first, so that a
+    message naming something the model lacks stays a FAIL."""
+    if spec is None:
+        return set()
+    from conformance.targets import graph_of
+
+    g, out = graph_of(spec), set()
+    for fqn in fqns:
+        try:
+            pid = g.resolve_param(fqn)
+        except KeyError:
+            out.add("names:unknown")
+            continue
+        if len(g.aliases(pid)) > 1:
+            out.add("names:aliased")
+    return out
+
+
+def _named(spec: CaseSpec, msg: FrozenMessage) -> set[str]:
+    return _names_tags(spec, (*(msg.trainable or ()), *(msg.frozen or ())))
+
+
 def _frozen_mismatch(
     inv: str, msg: FrozenMessage, want: UnitPrediction, tags: set[str], numbers: bool, spec: CaseSpec | None = None,
     units: tuple[UnitPrediction, ...] = (),
@@ -278,12 +304,13 @@ def _frozen_mismatch(
     out = []
     if msg.module != want.path:
         moved = {"order:shared-subtree"} if spec is not None and (_in_shared(spec, msg.module) or _in_shared(spec, want.path)) else set()
-        moved |= {"sim:claims-shared-unit"} if spec is not None and _claims_shared_unit(spec, units, msg.module) else set()
+        moved |= {"sim:claims-shared-unit"} | _named(spec, msg) if spec is not None and _claims_shared_unit(spec, units, msg.module) else set()
         out.append(_v(inv, f"{msg.category} names module {msg.module or '<root>'}, expected {where}", tags | moved, unit_tag, "kind:wrong-module"))
         return out
     if set(msg.trainable) != set(want.trainable) or set(msg.frozen) != set(want.frozen):
+        differ = (set(msg.trainable) ^ set(want.trainable)) | (set(msg.frozen or ()) ^ set(want.frozen))
         out.append(
-            _v(inv, f"{msg.category} for {where}: trainable {_diff(set(msg.trainable), set(want.trainable))}; frozen {_diff(set(msg.frozen or ()), set(want.frozen))}", tags, unit_tag, "kind:wrong-fqns")
+            _v(inv, f"{msg.category} for {where}: trainable {_diff(set(msg.trainable), set(want.trainable))}; frozen {_diff(set(msg.frozen or ()), set(want.frozen))}", tags | _names_tags(spec, differ), unit_tag, "kind:wrong-fqns")
         )
     if numbers and (msg.total_numel, msg.trainable_numel) != (want.total_numel, want.trainable_numel):
         out.append(
@@ -339,7 +366,7 @@ def check_frozen_warn(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -
             out.append(_v("FROZEN-WARN", f"{w.category} instead of UserWarning for {want.path or '<root>'}", tags, unit_tag, "kind:wrong-type"))
         out += _frozen_mismatch("FROZEN-WARN", w, want, tags, numbers=True, spec=spec)
     for path in got:
-        out.append(_v("FROZEN-WARN", f"warning for unit {path or '<root>'}, which does not mix requires_grad", tags, "kind:spurious-warning"))
+        out.append(_v("FROZEN-WARN", f"warning for unit {path or '<root>'}, which does not mix requires_grad", tags | _named(spec, got[path]), "kind:spurious-warning"))
     # The order of the warnings that are there, whatever else is wrong (a
     # missing root warning, a known failure, must not hide siblings warned in
     # the wrong order: issue 10's traversal-order mutant).
@@ -366,9 +393,9 @@ def check_frozen_clean(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) 
     tags = case_tags(spec, pred)
     out = []
     if obs.error is not None and obs.error.module is not None:
-        out.append(_v("FROZEN-CLEAN", f"frozen-parameter {obs.error.category} for {obs.error.module or '<root>'}, whose requires_grad is uniform", tags, "kind:spurious-error"))
+        out.append(_v("FROZEN-CLEAN", f"frozen-parameter {obs.error.category} for {obs.error.module or '<root>'}, whose requires_grad is uniform", tags | _named(spec, obs.error), "kind:spurious-error"))
     for w in obs.warnings:
-        out.append(_v("FROZEN-CLEAN", f"frozen-parameter warning for {w.module or '<root>'}, whose requires_grad is uniform", tags, "kind:spurious-warning"))
+        out.append(_v("FROZEN-CLEAN", f"frozen-parameter warning for {w.module or '<root>'}, whose requires_grad is uniform", tags | _named(spec, w), "kind:spurious-warning"))
     return out
 
 

@@ -149,6 +149,29 @@ def test_frozen_clean_catches_a_spurious_warning(fake_engine, monkeypatch):
     assert_fails("FROZEN-CLEAN", spec, fake_engine, "kind:spurious-warning")
 
 
+def test_a_ghost_warning_in_a_shared_module_case_is_not_a_known_finding(fake_engine, monkeypatch):
+    # fsdp1-frozen-check-shared-module-order explains spurious warnings in
+    # cases with a shared module, but only ones that name a parameter with two
+    # names (names:aliased): a regression naming no parameter of the model
+    # must stay a FAIL there (CI once absorbed this very fault as KNOWN).
+    import dataclasses
+
+    from conformance.spec import SharedModule
+
+    spec = dataclasses.replace(cases.two_blocks(use_orig_params=True), shared=(SharedModule("b", "z2", "z"),))
+    assert_caught("FROZEN-CLEAN", spec, fake_engine, None, before=(PASS, KNOWN))
+    orig = _wrap_utils._get_managed_param_to_fqn
+
+    def ghost(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        if out:
+            out[nn.Parameter(torch.zeros(1), requires_grad=False)] = "ghost"
+        return out
+
+    monkeypatch.setattr(_wrap_utils, "_get_managed_param_to_fqn", ghost)
+    assert_fails("FROZEN-CLEAN", spec, fake_engine, "names:unknown")
+
+
 def test_ties_catches_a_duplicated_tied_param(fake_engine, monkeypatch):
     # On torch 2.13 this case is KNOWN (the tie sits below the users' common
     # ancestor); a regression that also duplicates the tied parameter with
