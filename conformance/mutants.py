@@ -476,6 +476,7 @@ def _render_saved(ns, mutants: list[Mutant]) -> int:
         f"{x.get('examples') if x.get('examples') is not None else 'the profile' + chr(39) + 's'} examples per test, tiers `{x.get('tiers')}`"
         + (f", without {', '.join(x['skipped_invariants'])}" if x.get("skipped_invariants") else "")
         + ("" if x.get("complete") else " (partial: stopped, or only some mutants)")
+        + ("" if x.get("baseline_checked") else "; its kills not checked against the unmodified torch (before that check)")
         for p, x in zip(ns.render, metas)
     ]
     sys.stdout.write(render_text(outcomes))
@@ -555,7 +556,7 @@ def run(ns) -> int:
     meta = {"command": "fsdp-conformance selfcheck --mutants" + (f" --profile {ns.profile}" if ns.profile != "ci" else "")
             + (f" --examples {ns.examples}" if ns.examples != DEFAULT_EXAMPLES else ""),
             "torch": torch.__version__, "profile": ns.profile, "examples": ns.examples, "tiers": ns.tiers,
-            "suite": _suite_revision(), "skipped_invariants": list(ns.skip_invariant),
+            "suite": _suite_revision(), "skipped_invariants": list(ns.skip_invariant), "baseline_checked": True,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     from concurrent.futures import ThreadPoolExecutor
 
