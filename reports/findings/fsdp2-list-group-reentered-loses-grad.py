@@ -13,7 +13,8 @@
 # before the shared parameter's AccumulateGrad has the first run's gradient.
 # The group stays POST_BACKWARD, so the root's final callback does not reduce
 # again and finalize_backward drops the unsharded gradient.
-# checked: torch 2.13.0+cpu, 2.14.1+cu130 (python repro.py; torchrun --nproc-per-node 2 repro.py)
+# checked: torch 2.13.0+cpu, 2.14.1+cu130 (python repro.py; torchrun --nproc-per-node 2 repro.py),
+# 2.12.1 (python: both forms), 2.8.0 (python: the LayerNorm form raises, the Linear form trains)
 # run: python repro.py   or   torchrun --nproc-per-node 2 repro.py
 
 import copy, os, socket, sys
