@@ -52,6 +52,7 @@ class Handler:
 
 
 def _fsdp2_handlers() -> dict[str, Handler]:
+    from conformance.invariants.methods import parity_ranks_tags
     from conformance.observations import FSDP2Observation, TrainObservation
     from conformance.oracle.fsdp2 import predict_fsdp2
     from conformance.oracle.methods import predict_parity, predict_summon
@@ -59,7 +60,7 @@ def _fsdp2_handlers() -> dict[str, Handler]:
     return {
         "fsdp2": Handler("fsdp2", FSDP2Observation.from_dict, lambda spec: predict_fsdp2(spec, torch.__version__)),
         "fsdp1-methods": Handler("fsdp1-methods", FSDP2Observation.from_dict, predict_summon),
-        "train": Handler("train", TrainObservation.from_dict, predict_parity),
+        "train": Handler("train", TrainObservation.from_dict, predict_parity, parity_ranks_tags),
         **_schedule_handlers(),
     }
 

@@ -117,13 +117,27 @@ def check_wrap_kwargs(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -
 
     if not isinstance(spec.plan.policy, CustomWrap) or not _wrapped(pred, obs):
         return []
+    from conformance.targets import graph_of
+
     tags = case_tags(spec, pred)
-    overrides = {t: dict(kw) for t, kw in spec.plan.policy.kwargs if t}  # the root is wrapped with the root's kwargs
+    # Keyed by module, not by path: the policy's lambda sees a module, and a
+    # shared module's unit is reported under its first name in
+    # named_modules() order, which need not be the name the plan targets
+    # (t2141: model1 targeted, its unit reported as model0.shared0).
+    g = graph_of(spec)
+
+    def node(path: str) -> str:
+        try:
+            return g.resolve_module(path)
+        except KeyError:
+            return path  # no module of the model: WRAP-UNITS reports it
+
+    overrides = {node(t): dict(kw) for t, kw in spec.plan.policy.kwargs if t}  # the root is wrapped with the root's kwargs
     out = []
     for u in obs.units:
         if not u.kwargs:
             continue
-        want = {**ROOT_KWARGS, **overrides.get(u.path, {})}
+        want = {**ROOT_KWARGS, **overrides.get(node(u.path), {})}
         if obs.world_size == 1 and want["sharding_strategy"] != "NO_SHARD":
             want["sharding_strategy"] = "NO_SHARD"  # FSDP's documented switch for a world of one
         got = dict(u.kwargs)

@@ -36,6 +36,8 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         # a list group with a module whose output needs no gradient (the case
         # looks a frozen Embedding up with constant indices)
         tags.add("group:multi-frozen-embedding")
+    if any(len(g.modules) > 1 for g in pred.groups) and group_rerun_after_frozen_embedding(spec, pred.groups, _frozen_fqns(spec)):
+        tags.add("group:rerun-after-frozen-embedding")  # see that function
     fsdp = set(pred.fsdp_modules)
     if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
         from conformance.targets import methods_calling_forward
@@ -57,6 +59,14 @@ def backend_tag(obs) -> str:
     return f"backend:{obs.backend}"
 
 
+def _frozen_fqns(spec: CaseSpec) -> set[str]:
+    """Canonical FQNs of the parameters the case builds frozen."""
+    from conformance.targets import graph_of
+
+    g = graph_of(spec)
+    return {g.param_fqn[pid] for pid in g.param_fqn if not g.requires_grad(pid)}
+
+
 def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
     """The module at ``path`` is an Embedding whose parameters are all frozen:
     its output needs no gradient (the indices never do)."""
@@ -69,6 +79,70 @@ def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
         return False
     node = g.nodes[nid]
     return g.is_torch(nid, ("Embedding",), exact=True) and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
+
+def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = ()) -> list[str]:
+    """Node ids of the modules whose forward (and so whose FSDP hooks) the
+    case's generic forward runs, in order, with multiplicity: a module
+    registered under two parents runs once per parent; torch's own containers
+    are walked, not called (conformance.build.call_child). ``skip``: spec paths
+    a microbatch passes over (as conformance.oracle.schedule.used_params)."""
+    from conformance.targets import graph_of
+
+    g = graph_of(spec)
+    containers = ("ModuleList", "ModuleDict", "Sequential")
+    skipped, out = set(skip), []
+
+    def visit(nid: str, stack: tuple[str, ...]) -> None:
+        if nid in stack:
+            return  # a module that holds itself: never built
+        if not g.is_torch(nid, containers, exact=True):
+            out.append(nid)
+        for name, child in g.nodes[nid].children:
+            tree_child = child == (f"{nid}.{name}" if nid else name)
+            if not (tree_child and child in skipped):
+                visit(child, stack + (nid,))
+
+    visit("", ())
+    return out
+
+
+def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str], skip: tuple[str, ...] = ()) -> bool:
+    """A list group (fully_shard([a, b])) one of whose modules runs forward
+    again after every module of the group has run, where the module whose
+    forward completed the group is an Embedding whose parameters are all in
+    ``frozen`` (canonical FQNs): its output needs no gradient, so the group's
+    pre-backward hook sits on nothing the earlier runs' backward passes
+    through (known failure fsdp2-list-group-reentered-loses-grad). ``groups``:
+    the FSDP2 prediction's groups (canonical module paths)."""
+    if getattr(spec, "tree", None) is None:  # a ModelCase: its own forward, order unknown
+        return False
+    from conformance.targets import graph_of
+
+    g = graph_of(spec)
+    calls = forward_calls(spec, skip)
+    for grp in groups:
+        if len(grp.modules) < 2:
+            continue
+        try:
+            members = {g.resolve_module(m) for m in grp.modules}
+        except KeyError:
+            continue
+        remaining: set[str] = set()
+        completed_by: str | None = None
+        for nid in calls:
+            if nid not in members:
+                continue
+            if not remaining:  # FSDP refills the group's to-run set at the first module of a pass
+                if completed_by is not None:
+                    node = g.nodes[completed_by]
+                    if g.is_torch(completed_by, ("Embedding",)) and node.params and all(g.param_fqn[pid] in frozen for _, pid in node.params):
+                        return True
+                remaining = set(members)
+            remaining.discard(nid)
+            if not remaining:
+                completed_by = nid
+    return False
+
 
 def _container_base(spec: CaseSpec, path: str) -> bool:
     from conformance.spec import SpecError, module_at

@@ -337,6 +337,16 @@ def check_summon(spec: CaseSpec, pred: SummonPrediction, obs: FSDP2Observation) 
     return out
 
 
+def parity_ranks_tags(spec: CaseSpec, pred: ParityPrediction, obs: list) -> set[str]:
+    """A rank disagreement in a PARITY run (runner's RANKS-AGREE): an FSDP2
+    case's tags, so that a known failure that moves one rank's losses more
+    than another's (a lost gradient) can match it; none for FSDP1, whose
+    rank-dependent structure RANKS-AGREE checks on its own scenario."""
+    if pred.api == "fsdp2" and pred.fsdp2 is not None:
+        return case_tags(spec, pred.fsdp2)
+    return set()
+
+
 @invariant(
     "PARITY",
     area="parity",

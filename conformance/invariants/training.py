@@ -50,6 +50,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
             tags.add("group-trainable-later")
     if any(st.frozen for st in s.steps):
         tags.add("frozen")
+        if pred.api == "fsdp2" and _group_rerun_after_frozen_embedding(spec):
+            tags.add("group:rerun-after-frozen-embedding")
     if any(len(st.microbatches) > 1 and not st.sync_every for st in s.steps):
         tags.add("no-sync")
     if any(mb.skip for st in s.steps for mb in st.microbatches):
@@ -74,6 +76,21 @@ def _container_given_to_fully_shard(spec: CaseSpec) -> bool:
     from conformance.oracle.fsdp2 import predict_fsdp2
 
     return any(_container_base(spec, p) for p in predict_fsdp2(spec, torch.__version__).fsdp_modules)
+
+
+def _group_rerun_after_frozen_embedding(spec: CaseSpec) -> bool:
+    """In some microbatch, a list group's module runs again after a frozen
+    Embedding completed the group's forward (see
+    conformance.invariants.fsdp2.group_rerun_after_frozen_embedding)."""
+    import torch
+
+    from conformance.invariants.fsdp2 import group_rerun_after_frozen_embedding
+    from conformance.oracle.fsdp2 import predict_fsdp2
+
+    groups = predict_fsdp2(spec, torch.__version__).groups
+    return any(
+        group_rerun_after_frozen_embedding(spec, groups, set(st.frozen), mb.skip) for st in spec.schedule.steps for mb in st.microbatches
+    )
 
 
 def _group_trainable_later(spec: CaseSpec) -> bool:
@@ -103,6 +120,7 @@ ERRORS = {
     "expects uniform gradient dtype": "error:mixed-grad-dtypes",
     "_post_backward_hook_state": "error:post-backward-hook-state",
     "has no attribute '_unsharded_param'": "error:no-unsharded-param",
+    "its data is not allocated yet": "error:data-not-allocated",
 }
 
 

@@ -13,7 +13,7 @@ from strategies import case_specs
 
 
 @pytest.mark.parametrize("invariant_id", ["WRAP-UNITS", "WRAP-FQNS", "WRAP-EXACTLY-ONCE", "WRAP-STATE-DICT", "WRAP-KWARGS"])
-@corpus.examples("WRAP-UNITS", "WRAP-FQNS", "WRAP-EXACTLY-ONCE", "WRAP-STATE-DICT")
+@corpus.examples("WRAP-UNITS", "WRAP-FQNS", "WRAP-EXACTLY-ONCE", "WRAP-STATE-DICT", "WRAP-KWARGS")
 @given(spec=case_specs())
 def test_invariant(invariant_id, spec, engine, conformance):
     conformance.check(invariant_id, spec, engine, engine.tier)
