@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
-from conformance.adapters.fsdp2 import _err
+from conformance.adapters.fsdp2 import _err as _err1
 from conformance.build import build, read_attr
 from conformance.adapters.support import placed, rank_device
 from conformance.observations.checkpoint import CkptObservation
@@ -43,6 +43,22 @@ def _errors() -> tuple[type[BaseException], ...]:
 
 
 ERRORS = _errors()
+
+
+def _err(e: BaseException) -> str:
+    """'Type: first line'; for a CheckpointException (whose first line only
+    names the ranks) the first failing rank's own exception as well:
+    'CheckpointException: rank R: InnerType: its first line'."""
+    failures = getattr(e, "failures", None)
+    if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
+        return _err1(e)
+    rank = min(failures)
+    wrapped = failures[rank]
+    # a (exception, stack summary) pair, or an object with .exc in other releases
+    inner = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
+    if not isinstance(inner, BaseException):
+        return _err1(e)
+    return f"{type(e).__name__}: rank {rank}: {_err1(inner)}"
 
 
 try:  # imported with the adapter, so that a pool's fork server preloads it

@@ -70,8 +70,27 @@ def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[st
         seen.add((o.phase, o.error))
         etype = o.error.split(":")[0]
         where = "rank:0" if o.rank == 0 else "rank:nonzero"
-        out.append(_v(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where))
+        out.append(_v(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where,
+                      *cause_tags(o.error)))
     return out
+
+
+def cause_tags(error: str) -> tuple[str, ...]:
+    """What a CheckpointException wraps (the adapter writes 'CheckpointException:
+    rank R: InnerType: message'): its type, and which of DCP's load-plan
+    checks it is, so that a finding matches one cause, not every
+    CheckpointException."""
+    head, sep, rest = error.partition(": rank ")
+    if head != "CheckpointException" or not sep:
+        return ()
+    inner = rest.partition(": ")[2]
+    itype, _, msg = inner.partition(": ")
+    tags = [f"cause:{itype}"]
+    if msg.startswith("Missing key in checkpoint state_dict"):
+        tags.append("cause:missing-key")
+    elif msg.startswith("Size mismatch between saved"):
+        tags.append("cause:size-mismatch")
+    return tuple(tags)
 
 
 @invariant(

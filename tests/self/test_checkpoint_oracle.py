@@ -144,3 +144,38 @@ def test_resume_comparison_takes_nan_where_the_reference_has_nan():
     assert _close([nan, 1.0], [nan, 1.0])  # both diverged: the same training
     assert not _close([nan, 1.0], [0.5, 1.0])  # NaN where the reference has a value
     assert not _close([1.0, 1.0], [1.1, 1.0])
+
+
+def _checkpoint_exception(failures: dict[int, BaseException]):
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException("CheckpointException", {r: (e, traceback.StackSummary()) for r, e in failures.items()})
+
+
+def test_a_checkpoint_exception_reports_the_first_failing_ranks_inner_exception():
+    """A CheckpointException's first line names only the ranks; the observation
+    carries the first failing rank's exception (type, first line), and the
+    violation keeps error:CheckpointException with cause: tags beside it."""
+    from conformance.adapters.checkpoint import _err
+    from conformance.invariants.checkpoint import _raised
+    from conformance.observations.checkpoint import CkptObservation
+
+    e = _checkpoint_exception({1: ValueError("Size mismatch between saved torch.Size([7, 7]) and current: torch.Size([25]) for model.w"),
+                               0: RuntimeError("Missing key in checkpoint state_dict: optim.state.a.momentum_buffer.\nsecond line")})
+    assert str(e).splitlines()[0].startswith("CheckpointException ranks:")
+    text = _err(e)
+    assert text == "CheckpointException: rank 0: RuntimeError: Missing key in checkpoint state_dict: optim.state.a.momentum_buffer."
+    obs = CkptObservation(kind="roundtrip", api="fsdp2", rank=0, world_size=2, backend="gloo", torch_version="x", error=text, phase="load")
+    [v] = _raised("CKPT-RESHARD", obs, set())
+    assert {"error:CheckpointException", "cause:RuntimeError", "cause:missing-key", "phase:load"} <= v.tags
+    assert "momentum_buffer" in v.message
+    size = _err(_checkpoint_exception({1: ValueError("Size mismatch between saved torch.Size([7, 7]) and current: torch.Size([25])")}))
+    assert size.startswith("CheckpointException: rank 1: ValueError: Size mismatch")
+    [v] = _raised("CKPT-RESHARD", dataclasses.replace(obs, error=size), set())
+    assert {"error:CheckpointException", "cause:ValueError", "cause:size-mismatch"} <= v.tags and "cause:missing-key" not in v.tags
+    # any other exception: its type and first line, no cause tags
+    assert _err(KeyError("x")) == "KeyError: 'x'"
+    [v] = _raised("CKPT-RESHARD", dataclasses.replace(obs, error="RuntimeError: boom"), set())
+    assert not any(t.startswith("cause:") for t in v.tags)
