@@ -475,6 +475,7 @@ def load(spec: CaseSpec, dir: str) -> dict:
             continue  # presence is OPTIM-STATE's, compared by name
         optim_diff += [f"{fqn}.{k}" for k in _dict_diff(a, b)]
     groups_diff = _groups_diff(full_optim.get("param_groups", []), saved["optim"].get("param_groups", []))
+    groups_params = _groups_params(full_optim.get("param_groups", []), saved["optim"].get("param_groups", []))
     ref_model, ref_opt = single_process(spec, until_save=True)
     ref_state = _ref_state(ref_model, ref_opt)
     ref_diff = []
@@ -500,7 +501,7 @@ def load(spec: CaseSpec, dir: str) -> dict:
     return CkptObservation(
         **base, model_diff=tuple(model_diff), optim_saved=tuple(sorted(saved_state)), optim_loaded=tuple(sorted(got_state)),
         optim_ref=tuple(sorted(ref_state)), optim_diff=tuple(optim_diff), optim_ref_diff=tuple(ref_diff),
-        groups_diff=groups_diff, resume_ref_diff=resume_ref, resume_cont_diff=resume_cont, seconds=tuple(times.items()),
+        groups_diff=groups_diff, groups_params=groups_params, resume_ref_diff=resume_ref, resume_cont_diff=resume_cont, seconds=tuple(times.items()),
     ).to_dict()
 
 
@@ -531,6 +532,17 @@ def _groups_diff(got: list, want: list) -> tuple[str, ...]:
                     out.append(f"group {i}: params")
             elif not _same(g.get(k), w.get(k)):
                 out.append(f"group {i}: {k}")
+    return tuple(out)
+
+
+def _groups_params(got: list, want: list) -> tuple:
+    """(index, loaded-only names, saved-only names) of each group whose
+    params differ."""
+    out = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        a, b = set(g.get("params", ())), set(w.get("params", ()))
+        if a != b:
+            out.append((i, tuple(sorted(a - b)), tuple(sorted(b - a))))
     return tuple(out)
 
 

@@ -179,3 +179,39 @@ def test_a_checkpoint_exception_reports_the_first_failing_ranks_inner_exception(
     assert _err(KeyError("x")) == "KeyError: 'x'"
     [v] = _raised("CKPT-RESHARD", dataclasses.replace(obs, error="RuntimeError: boom"), set())
     assert not any(t.startswith("cause:") for t in v.tags)
+
+
+@pytest.mark.parametrize("message,tags", [
+    # a name of a shared Parameter that is not its first: key:alias
+    ("Missing key in checkpoint state_dict: optim.state.block1.tied0.momentum_buffer.", {"key:optim-state", "key:alias"}),
+    ("Missing key in checkpoint state_dict: optim.state.proj0.weight.exp_avg.", {"key:optim-state"}),
+    ("Missing key in checkpoint state_dict: optim.param_groups.", {"key:param-groups"}),
+    ("Size mismatch between saved torch.Size([2, 2]) and current: torch.Size([3]) for model.block1.shared0.weight", {"key:model", "key:alias"}),
+    ("Size mismatch between saved torch.Size([2, 2]) and current: torch.Size([3]) for model.proj0.weight", {"key:model"}),
+])
+def test_the_key_a_checkpoint_exception_names(message, tags):
+    from conformance.invariants.checkpoint import cause_tags
+
+    aliases = {"block1.tied0", "block1.shared0.weight"}  # proj0.weight is the first name
+    got = set(cause_tags(f"CheckpointException: rank 0: RuntimeError: {message}", aliases))
+    assert {t for t in got if t.startswith("key:")} == tags
+
+
+@pytest.mark.parametrize("loaded,saved,renamed", [
+    (("block1.shared0.weight",), ("proj0.weight",), True),  # the same Parameter under its unit's name
+    (("block1.shared0.weight",), ("other.weight",), False),
+    ((), ("proj0.weight",), False),  # a parameter gone from the groups
+])
+def test_param_groups_renamed_alias_tag(loaded, saved, renamed):
+    from conformance.invariants.checkpoint import check_reshard
+    from conformance.observations.checkpoint import CkptObservation
+    from conformance.spec import SharedModule
+
+    tree = ModuleSpec("", "Model", children=(ModuleSpec("proj0", "Linear", (ParamSpec("weight", (2, 2)),)), ModuleSpec("block1", "Block")))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), shared=(SharedModule("block1", "shared0", "proj0"),),
+                    plan=WrapPlan(api="fsdp2"), ckpt=CheckpointPlan(load_plan=WrapPlan(api="fsdp1")))
+    obs = CkptObservation(kind="roundtrip", api="fsdp1", rank=0, world_size=2, backend="gloo", torch_version="x",
+                          groups_diff=("group 0: params",), groups_params=((0, loaded, saved),))
+    [v] = check_reshard(spec, predict_ckpt(spec), obs)
+    assert "kind:param-groups" in v.tags and ("params:renamed-alias" in v.tags) == renamed
+    assert str(list(saved)) in v.message
