@@ -55,6 +55,13 @@ def draw_plan(draw: Any, spec: CaseSpec, api: str) -> WrapPlan:
     return WrapPlan(api="fsdp1", policy=ModuleWrap(tuple(chosen)) if chosen else None, use_orig_params=maybe(draw, 1))
 
 
+def _trains_after_load(spec: CaseSpec) -> bool:
+    """Whether the load side may train on: FSDP2, or an FSDP1 plan that
+    FSDP1's own training cases would draw (_fsdp1_trainable)."""
+    load = spec.ckpt.load_plan or spec.plan
+    return load.api == "fsdp2" or _fsdp1_trainable(dataclasses.replace(spec, plan=load))
+
+
 def _fits(spec: CaseSpec) -> bool:
     try:
         return not predict_ckpt(spec).applicable and (spec.plan.api == "fsdp2" or _fsdp1_trainable(spec))
@@ -110,6 +117,13 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
         if fallback.api == "fsdp1":
             fallback = dataclasses.replace(fallback, use_orig_params=True)
         out = dataclasses.replace(spec, ckpt=dataclasses.replace(ck, load_plan=fallback))
+    if out.ckpt.steps_after and not _trains_after_load(out):
+        # the FSDP1 load side holds what FSDP1's training cases leave out (a
+        # module under two names, a tie across units, a container unit:
+        # recorded findings corrupt its training, see training_specs): the
+        # load is checked, training after it is not
+        out = dataclasses.replace(out, ckpt=dataclasses.replace(out.ckpt, steps_after=0))
+        event("resume: no steps (FSDP1 load side not trainable)")
     event(f"load: {out.ckpt.load_plan.api} on {load_world}; optimizer {ck.optimizer}")
     if out.ckpt.refreeze or out.ckpt.load_frozen is not None:
         event("freeze change")

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
-from conformance.adapters.fsdp2 import _err
+from conformance.adapters.fsdp2 import _err as _err1
 from conformance.build import build, read_attr
 from conformance.adapters.support import placed, rank_device
 from conformance.observations.checkpoint import CkptObservation
@@ -43,6 +43,22 @@ def _errors() -> tuple[type[BaseException], ...]:
 
 
 ERRORS = _errors()
+
+
+def _err(e: BaseException) -> str:
+    """'Type: first line'; for a CheckpointException (whose first line only
+    names the ranks) the first failing rank's own exception as well:
+    'CheckpointException: rank R: InnerType: its first line'."""
+    failures = getattr(e, "failures", None)
+    if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
+        return _err1(e)
+    rank = min(failures)
+    wrapped = failures[rank]
+    # a (exception, stack summary) pair, or an object with .exc in other releases
+    inner = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
+    if not isinstance(inner, BaseException):
+        return _err1(e)
+    return f"{type(e).__name__}: rank {rank}: {_err1(inner)}"
 
 
 try:  # imported with the adapter, so that a pool's fork server preloads it
@@ -459,6 +475,7 @@ def load(spec: CaseSpec, dir: str) -> dict:
             continue  # presence is OPTIM-STATE's, compared by name
         optim_diff += [f"{fqn}.{k}" for k in _dict_diff(a, b)]
     groups_diff = _groups_diff(full_optim.get("param_groups", []), saved["optim"].get("param_groups", []))
+    groups_params = _groups_params(full_optim.get("param_groups", []), saved["optim"].get("param_groups", []))
     ref_model, ref_opt = single_process(spec, until_save=True)
     ref_state = _ref_state(ref_model, ref_opt)
     ref_diff = []
@@ -484,7 +501,7 @@ def load(spec: CaseSpec, dir: str) -> dict:
     return CkptObservation(
         **base, model_diff=tuple(model_diff), optim_saved=tuple(sorted(saved_state)), optim_loaded=tuple(sorted(got_state)),
         optim_ref=tuple(sorted(ref_state)), optim_diff=tuple(optim_diff), optim_ref_diff=tuple(ref_diff),
-        groups_diff=groups_diff, resume_ref_diff=resume_ref, resume_cont_diff=resume_cont, seconds=tuple(times.items()),
+        groups_diff=groups_diff, groups_params=groups_params, resume_ref_diff=resume_ref, resume_cont_diff=resume_cont, seconds=tuple(times.items()),
     ).to_dict()
 
 
@@ -515,6 +532,17 @@ def _groups_diff(got: list, want: list) -> tuple[str, ...]:
                     out.append(f"group {i}: params")
             elif not _same(g.get(k), w.get(k)):
                 out.append(f"group {i}: {k}")
+    return tuple(out)
+
+
+def _groups_params(got: list, want: list) -> tuple:
+    """(index, loaded-only names, saved-only names) of each group whose
+    params differ."""
+    out = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        a, b = set(g.get("params", ())), set(w.get("params", ()))
+        if a != b:
+            out.append((i, tuple(sorted(a - b)), tuple(sorted(b - a))))
     return tuple(out)
 
 

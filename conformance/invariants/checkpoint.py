@@ -61,8 +61,9 @@ def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
     return Violation(inv, msg, frozenset(tags | set(extra)))
 
 
-def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str]) -> list[Violation]:
+def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str], pred: CkptPrediction | None = None) -> list[Violation]:
     """One violation per distinct error (ranks may raise differently)."""
+    aliases = {a for group in pred.tied for a in group[1:]} if pred is not None else set()
     out, seen = [], set()
     for o in obs if isinstance(obs, list) else [obs]:
         if not o.error or (o.phase, o.error) in seen:
@@ -70,8 +71,61 @@ def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[st
         seen.add((o.phase, o.error))
         etype = o.error.split(":")[0]
         where = "rank:0" if o.rank == 0 else "rank:nonzero"
-        out.append(_v(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where))
+        out.append(_v(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where,
+                      *cause_tags(o.error, aliases)))
     return out
+
+
+def _canon(pred: CkptPrediction) -> dict[str, str]:
+    """Every name of a Parameter that has several -> its first name."""
+    return {a: group[0] for group in pred.tied for a in group}
+
+
+def _renamed_tags(pred: CkptPrediction, obs: CkptObservation) -> tuple[str, ...]:
+    """params:renamed-alias: the groups differ only in which of a shared
+    Parameter's names they list (the same Parameters, other names)."""
+    if not obs.groups_params:
+        return ()
+    canon = _canon(pred)
+    same = all({canon.get(n, n) for n in got} == {canon.get(n, n) for n in want} for _, got, want in obs.groups_params)
+    return ("params:renamed-alias",) if same else ()
+
+
+def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
+    """What a CheckpointException wraps (the adapter writes 'CheckpointException:
+    rank R: InnerType: message'): its type, and which of DCP's load-plan
+    checks it is, so that a finding matches one cause, not every
+    CheckpointException. For a missing key or a size mismatch, the key it
+    names (key:model, key:optim-state, key:param-groups) and key:alias when
+    its FQN is not the first of a Parameter's names (``aliases``: those
+    other names)."""
+    head, sep, rest = error.partition(": rank ")
+    if head != "CheckpointException" or not sep:
+        return ()
+    inner = rest.partition(": ")[2]
+    itype, _, msg = inner.partition(": ")
+    tags = [f"cause:{itype}"]
+    if msg.startswith("Missing key in checkpoint state_dict"):
+        tags.append("cause:missing-key")
+        key = msg.partition(": ")[2].strip().rstrip(".")
+    elif msg.startswith("Size mismatch between saved"):
+        tags.append("cause:size-mismatch")
+        key = msg.rpartition(" for ")[2].strip()
+    else:
+        return tuple(tags)
+    # the key it names: model or optimizer state of which FQN
+    fqn = None
+    if key.startswith("optim.state."):
+        tags.append("key:optim-state")
+        fqn = key[len("optim.state."):].rpartition(".")[0]  # less the state's own key (momentum_buffer, step)
+    elif key.startswith("optim.param_groups"):
+        tags.append("key:param-groups")
+    elif key.startswith("model."):
+        tags.append("key:model")
+        fqn = key[len("model."):]
+    if fqn is not None and fqn in aliases:
+        tags.append("key:alias")
+    return tuple(tags)
 
 
 @invariant(
@@ -88,7 +142,7 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
         return []
     tags = case_tags(spec, pred)
     if any(o.error for o in obs):
-        return _raised("SD-FULL", obs, tags)
+        return _raised("SD-FULL", obs, tags, pred)
     frozen = set(pred.frozen) if spec.ckpt.ignore_frozen else set()
     want = set(pred.sd_keys) - frozen
     out = []
@@ -126,7 +180,7 @@ def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
         return []
     tags = case_tags(spec, pred)
     if any(o.error for o in obs):
-        return _raised("TIES-KEPT", obs, tags)
+        return _raised("TIES-KEPT", obs, tags, pred)
     out = []
     want = {group[0] for group in pred.tied}
     for o in obs:
@@ -154,7 +208,7 @@ def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) ->
         return []
     tags = case_tags(spec, pred)
     if obs.error:
-        return _raised("CKPT-RESHARD", obs, tags)
+        return _raised("CKPT-RESHARD", obs, tags, pred)
     if not obs.values_meaningful:
         return []
     out = []
@@ -163,7 +217,9 @@ def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) ->
     if obs.optim_diff:
         out.append(_v("CKPT-RESHARD", f"optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:optim"))
     if obs.groups_diff:
-        out.append(_v("CKPT-RESHARD", f"param_groups differ from the saved: {list(obs.groups_diff)}", tags, "kind:param-groups"))
+        renamed = [f"group {i}: {list(got)} for the saved {list(want)}" for i, got, want in obs.groups_params]
+        out.append(_v("CKPT-RESHARD", f"param_groups differ from the saved: {list(obs.groups_diff)}" + (f" ({'; '.join(renamed)})" if renamed else ""),
+                      tags, "kind:param-groups", *_renamed_tags(pred, obs)))
     return out
 
 
@@ -180,7 +236,7 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
         return []
     tags = case_tags(spec, pred)
     if obs.error:
-        return _raised("OPTIM-STATE", obs, tags)
+        return _raised("OPTIM-STATE", obs, tags, pred)
     if not obs.values_meaningful:
         return []
     out = []

@@ -38,6 +38,11 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("group:multi-frozen-embedding")
     if any(len(g.modules) > 1 for g in pred.groups) and group_rerun_after_frozen_embedding(spec, pred.groups, _frozen_fqns(spec)):
         tags.add("group:rerun-after-frozen-embedding")  # see that function
+    if any(len(g.modules) > 1 and not g.reshard and any(_frozen_embedding(spec, m) for m in g.modules) and _runs_twice(spec, g.modules)
+           for g in pred.groups):
+        # the same, reshard_after_forward=False: the group runs twice in one
+        # forward (a module of it registered under two names)
+        tags.add("group:multi-frozen-embedding-rerun")
     fsdp = set(pred.fsdp_modules)
     if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
         from conformance.targets import methods_calling_forward
@@ -142,6 +147,16 @@ def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str],
             if not remaining:
                 completed_by = nid
     return False
+def _runs_twice(spec: CaseSpec, paths) -> bool:
+    """Some module at ``paths`` has two names: the case's forward calls it
+    under each."""
+    from conformance.targets import graph_of
+
+    g = graph_of(spec)
+    try:
+        return any(len(g.module_aliases(g.resolve_module(p))) > 1 for p in paths)
+    except KeyError:
+        return False
 
 
 def _container_base(spec: CaseSpec, path: str) -> bool:

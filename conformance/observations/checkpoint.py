@@ -35,6 +35,8 @@ class CkptObservation:
     optim_diff: tuple[str, ...] = ()  # "fqn.key": loaded state differs from the saved
     optim_ref_diff: tuple[str, ...] = ()  # "fqn.key": saved state differs from single-process training's
     groups_diff: tuple[str, ...] = ()  # param_groups hyperparameters that differ after the load
+    # (group index, names only the loaded group has, names only the saved one has)
+    groups_params: tuple[tuple[int, tuple[str, ...], tuple[str, ...]], ...] = ()
     resume_ref_diff: tuple[str, ...] = ()  # params after resumed training differ from single-process training
     resume_cont_diff: tuple[str, ...] | None = None  # ... from the uninterrupted run (None: not compared)
     save: dict | None = None  # the save phase's observation (rank 0), for two-phase cases

@@ -1,6 +1,7 @@
 # fsdp-conformance reproduction: FROZEN-ERROR
 # found with torch 2.13.0+cpu
 # [FROZEN-ERROR] ValueError names module block1.block2.adapter1.norm2, expected block1.proj0
+# (form 2, build_parent: the thorough profile's case: a shared module's parent unit credited with its parameters)
 # run: python repro.py   or   torchrun --nproc-per-node 2 repro.py
 
 import functools
@@ -83,7 +84,48 @@ EXPECTED = "Expected (the oracle, from the FSDP spec):\n  ValueError naming bloc
 
 
 
-def show_pre_wrap_simulation():
+class ModelSeq(nn.Sequential):
+    pass
+
+
+class LayerDict(nn.ModuleDict):
+    pass
+
+
+def build_parent():
+    """Second form (the thorough profile, torch 2.13.0): the shared Linear is
+    first registered inside the Attention unit (attention1.shared0), last at
+    the root ('4'). The simulation visits it at '4', after attention1, so it
+    credits attention1 (frozen weight) with the Linear's trainable weight:
+    attention1 reported as mixed, while the unit that mixes is the root
+    ('3.weight' trainable, the LayerNorm frozen)."""
+    torch.manual_seed(0)
+    m0 = ModelSeq()
+    for i in range(3):
+        m0.add_module(str(i), nn.Linear(1, 1, bias=False))
+    m4 = Block()
+    m0.add_module('3', m4)
+    m4.register_parameter('weight', nn.Parameter(torch.randn(1, 1)))
+    m5 = LayerDict()
+    m4.add_module('layerdict0', m5)
+    m6 = nn.LayerNorm(1)
+    m5.add_module('norm0', m6)
+    m6.weight.requires_grad_(False)
+    m6.bias.requires_grad_(False)
+    m7 = Attention()
+    m5.add_module('attention1', m7)
+    m7.register_parameter('weight', nn.Parameter(torch.randn(1, 1)))
+    m7.weight.requires_grad_(False)
+    m8 = nn.Linear(1, 1, bias=False)
+    m0.add_module('4', m8)
+    m7.add_module('shared0', m8)  # shared module: first registered here
+    return m0, ModuleWrapPolicy({nn.Linear, Attention}), dict(use_orig_params=False)
+
+
+EXPECTED_PARENT = "Expected (the oracle, from the FSDP spec):\n  ValueError naming <root>: trainable ['3.weight'], frozen ['3.layerdict0.norm0.weight', '3.layerdict0.norm0.bias']"
+
+
+def show_pre_wrap_simulation(build=build):
     """What torch's helpers behind _validate_frozen_params say each unit will manage."""
     from torch.distributed.fsdp._wrap_utils import _get_managed_param_to_fqn, _get_post_order_named_modules
 
@@ -106,8 +148,17 @@ def main():
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
+    for form, (build_fn, expected) in enumerate(((build, EXPECTED), (build_parent, EXPECTED_PARENT))):
+        if dist.get_rank() == 0:
+            print(f"--- form {form + 1}")
+        one(build_fn, expected)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def one(build, expected):
     if dist.get_rank() == 0:
-        show_pre_wrap_simulation()
+        show_pre_wrap_simulation(build)
     model, policy, kwargs = build()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -126,9 +177,7 @@ def main():
                 print(f"FSDP unit {name or '<root>'!r} manages {fqns}")
         print("state_dict keys:", [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()])
     if dist.get_rank() == 0:
-        print(EXPECTED)
-    dist.barrier()
-    dist.destroy_process_group()
+        print(expected)
 
 
 if __name__ == "__main__":

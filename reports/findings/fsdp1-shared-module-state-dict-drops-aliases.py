@@ -10,8 +10,22 @@ state_dict: the checkpoint misses keys the unwrapped model has, and loading it
 with strict=True into the unwrapped model fails. With use_orig_params=True the
 keys are complete.
 
+The optimizer sees the same flattening: the optimizer state dict
+(FSDP.optim_state_dict, get_state_dict / get_optimizer_state_dict) keys the
+parameter by its name inside the unit (`block.shared.weight` below), not by
+its first name (`proj.weight`, as the unwrapped model, use_orig_params=True
+and FSDP2 do), in `state` and in `param_groups`. A checkpoint saved with
+torch.distributed.checkpoint under FSDP2 then does not load into the FSDP1
+model: dcp.load asks for optim.state.block.shared.weight.momentum_buffer
+("Missing key in checkpoint state_dict"; when the parameter has no state at
+the load, the param_groups name it block.shared.weight instead of
+proj.weight).
+
 Expected (FullyShardedDataParallel state_dict, FULL_STATE_DICT): the keys of
-the unwrapped model's state_dict. Related but different:
+the unwrapped model's state_dict; (get_state_dict docstring: state dicts that
+"can be resharded with a different number of trainers and/or different
+parallelisms", FSDP1 and FSDP2) the optimizer state under the FQNs the
+unwrapped model and FSDP2 use. Related but different:
 fsdp1-shared-unit-state-dict-alias (the shared module itself is a unit: its
 second name gets '<name>._flat_param'). In T5 under ModuleWrapPolicy({T5Stack})
 the same wrap also places the shared parameter below its users' common
@@ -25,10 +39,15 @@ import os
 import socket
 import warnings
 
+import shutil
+import tempfile
+
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 
@@ -56,6 +75,67 @@ def build():
     return model
 
 
+class Block(nn.Module):  # the wrap unit; it reaches the root's proj under another name
+    def forward(self, x):
+        return self.shared(x)
+
+
+class Net(nn.Module):
+    def forward(self, x):
+        return self.block(self.proj(x))
+
+
+def net():
+    torch.manual_seed(0)
+    model = Net()
+    model.proj = nn.Linear(4, 4, bias=False)  # first name: proj.weight
+    model.block = Block()
+    model.block.shared = model.proj  # second name: block.shared.weight
+    return model
+
+
+def optimizer_names():
+    """get_state_dict's optimizer keys per API, then FSDP2 save -> FSDP1 load."""
+    for api in ("unwrapped", "fsdp2", "fsdp1 use_orig_params=True", "fsdp1 use_orig_params=False"):
+        model = net()
+        if api == "fsdp2":
+            fully_shard(model)
+        elif api != "unwrapped":
+            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=api.endswith("True"), device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _, osd = get_state_dict(model, opt)  # (initializes the state: a zero-gradient step)
+        if dist.get_rank() == 0:
+            print(f"{api}: optimizer state for {sorted(osd['state'])}, param_groups {[g['params'] for g in osd['param_groups']]}")
+    if dist.get_rank() == 0:
+        print("expected: ['proj.weight'] every time")
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    try:
+        model = net()
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
+        model = FSDP(net(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=False, device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        try:
+            dcp.load(state, checkpoint_id=path[0])
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            print(f"rank {dist.get_rank()}: FSDP2 checkpoint loaded into FSDP1 (use_orig_params=False)")
+        except BaseException as e:  # CheckpointException derives from BaseException
+            print(f"rank {dist.get_rank()}: FSDP2 -> FSDP1 dcp.load raised {type(e).__name__}: ...{' '.join(str(e).split())[-100:]}")
+        if dist.get_rank() == 0:
+            print("expected: loaded, with proj.weight's momentum")
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+
+
 def main():
     if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
         with socket.socket() as s:
@@ -71,6 +151,7 @@ def main():
         got = [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()]
         if dist.get_rank() == 0:
             print(f"use_orig_params={use_orig_params}: state_dict missing {sorted(set(want) - set(got))} (expected none), extra {sorted(set(got) - set(want))}")
+    optimizer_names()
     dist.barrier()
     dist.destroy_process_group()
 

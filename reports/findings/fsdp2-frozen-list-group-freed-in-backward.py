@@ -1,6 +1,7 @@
 # fsdp-conformance reproduction (FSDP2): frozenlist
 # found with torch 2.13.0+cpu
 # run: python repro.py   or   torchrun --nproc-per-node 2 repro.py
+# (rerun(): the same backward with reshard_after_forward=False when the group runs twice, seed 31337)
 
 import copy
 import os
@@ -146,8 +147,45 @@ def main():
                         print(f"[rank {rank}] gradient of {fqn} differs from the reference's by {d:.3g}")
         except Exception as e:
             print(f"[rank {rank}] backward raised {type(e).__name__}: {e}")
+    rerun(rank)
     dist.barrier()
     dist.destroy_process_group()
+
+
+class Rerun(nn.Module):
+    forward = generic_forward
+
+
+def rerun(rank):
+    """reshard_after_forward=False, which trains the model above: the same
+    group (a frozen Linear, then a frozen Embedding) run twice in one forward,
+    its ModuleList registered under two names (seed 31337)."""
+    torch.manual_seed(0)
+    m0 = Rerun()
+    m0.register_parameter("weight", nn.Parameter(torch.randn(1, 1)))
+    outer, inner = nn.ModuleList(), nn.ModuleList()
+    m0.add_module("layers0", outer)
+    outer.add_module("0", inner)
+    lin, emb = nn.Linear(1, 1, bias=False), nn.Embedding(1, 1)
+    inner.add_module("0", lin)
+    inner.add_module("1", emb)
+    lin.weight.requires_grad_(False)
+    emb.weight.requires_grad_(False)
+    m0.add_module("shared0", outer)  # the forward runs layers0 and shared0: the group twice
+    m0.case_params, m0.case_buffers = ["weight"], []
+    ref = copy.deepcopy(m0)
+    fully_shard([lin, emb], reshard_after_forward=False)
+    fully_shard(m0)
+    x = torch.linspace(-1.0, 1.0, 2)
+    (ref(x) ** 2).sum().backward()
+    try:
+        (m0(x) ** 2).sum().backward()
+        d = (full(m0.weight.grad) - ref.weight.grad).abs().max().item()
+        print(f"[rank {rank}] group run twice, reshard_after_forward=False: backward ran; |grad - reference| = {d:.3g}")
+    except Exception as e:
+        print(f"[rank {rank}] group run twice, reshard_after_forward=False: backward raised {type(e).__name__}: {str(e).splitlines()[0]}")
+    if rank == 0:
+        print("expected: backward runs, the root weight's gradient as the reference's")
 
 
 if __name__ == "__main__":

@@ -144,3 +144,74 @@ def test_resume_comparison_takes_nan_where_the_reference_has_nan():
     assert _close([nan, 1.0], [nan, 1.0])  # both diverged: the same training
     assert not _close([nan, 1.0], [0.5, 1.0])  # NaN where the reference has a value
     assert not _close([1.0, 1.0], [1.1, 1.0])
+
+
+def _checkpoint_exception(failures: dict[int, BaseException]):
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException("CheckpointException", {r: (e, traceback.StackSummary()) for r, e in failures.items()})
+
+
+def test_a_checkpoint_exception_reports_the_first_failing_ranks_inner_exception():
+    """A CheckpointException's first line names only the ranks; the observation
+    carries the first failing rank's exception (type, first line), and the
+    violation keeps error:CheckpointException with cause: tags beside it."""
+    from conformance.adapters.checkpoint import _err
+    from conformance.invariants.checkpoint import _raised
+    from conformance.observations.checkpoint import CkptObservation
+
+    e = _checkpoint_exception({1: ValueError("Size mismatch between saved torch.Size([7, 7]) and current: torch.Size([25]) for model.w"),
+                               0: RuntimeError("Missing key in checkpoint state_dict: optim.state.a.momentum_buffer.\nsecond line")})
+    assert str(e).splitlines()[0].startswith("CheckpointException ranks:")
+    text = _err(e)
+    assert text == "CheckpointException: rank 0: RuntimeError: Missing key in checkpoint state_dict: optim.state.a.momentum_buffer."
+    obs = CkptObservation(kind="roundtrip", api="fsdp2", rank=0, world_size=2, backend="gloo", torch_version="x", error=text, phase="load")
+    [v] = _raised("CKPT-RESHARD", obs, set())
+    assert {"error:CheckpointException", "cause:RuntimeError", "cause:missing-key", "phase:load"} <= v.tags
+    assert "momentum_buffer" in v.message
+    size = _err(_checkpoint_exception({1: ValueError("Size mismatch between saved torch.Size([7, 7]) and current: torch.Size([25])")}))
+    assert size.startswith("CheckpointException: rank 1: ValueError: Size mismatch")
+    [v] = _raised("CKPT-RESHARD", dataclasses.replace(obs, error=size), set())
+    assert {"error:CheckpointException", "cause:ValueError", "cause:size-mismatch"} <= v.tags and "cause:missing-key" not in v.tags
+    # any other exception: its type and first line, no cause tags
+    assert _err(KeyError("x")) == "KeyError: 'x'"
+    [v] = _raised("CKPT-RESHARD", dataclasses.replace(obs, error="RuntimeError: boom"), set())
+    assert not any(t.startswith("cause:") for t in v.tags)
+
+
+@pytest.mark.parametrize("message,tags", [
+    # a name of a shared Parameter that is not its first: key:alias
+    ("Missing key in checkpoint state_dict: optim.state.block1.tied0.momentum_buffer.", {"key:optim-state", "key:alias"}),
+    ("Missing key in checkpoint state_dict: optim.state.proj0.weight.exp_avg.", {"key:optim-state"}),
+    ("Missing key in checkpoint state_dict: optim.param_groups.", {"key:param-groups"}),
+    ("Size mismatch between saved torch.Size([2, 2]) and current: torch.Size([3]) for model.block1.shared0.weight", {"key:model", "key:alias"}),
+    ("Size mismatch between saved torch.Size([2, 2]) and current: torch.Size([3]) for model.proj0.weight", {"key:model"}),
+])
+def test_the_key_a_checkpoint_exception_names(message, tags):
+    from conformance.invariants.checkpoint import cause_tags
+
+    aliases = {"block1.tied0", "block1.shared0.weight"}  # proj0.weight is the first name
+    got = set(cause_tags(f"CheckpointException: rank 0: RuntimeError: {message}", aliases))
+    assert {t for t in got if t.startswith("key:")} == tags
+
+
+@pytest.mark.parametrize("loaded,saved,renamed", [
+    (("block1.shared0.weight",), ("proj0.weight",), True),  # the same Parameter under its unit's name
+    (("block1.shared0.weight",), ("other.weight",), False),
+    ((), ("proj0.weight",), False),  # a parameter gone from the groups
+])
+def test_param_groups_renamed_alias_tag(loaded, saved, renamed):
+    from conformance.invariants.checkpoint import check_reshard
+    from conformance.observations.checkpoint import CkptObservation
+    from conformance.spec import SharedModule
+
+    tree = ModuleSpec("", "Model", children=(ModuleSpec("proj0", "Linear", (ParamSpec("weight", (2, 2)),)), ModuleSpec("block1", "Block")))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), shared=(SharedModule("block1", "shared0", "proj0"),),
+                    plan=WrapPlan(api="fsdp2"), ckpt=CheckpointPlan(load_plan=WrapPlan(api="fsdp1")))
+    obs = CkptObservation(kind="roundtrip", api="fsdp1", rank=0, world_size=2, backend="gloo", torch_version="x",
+                          groups_diff=("group 0: params",), groups_params=((0, loaded, saved),))
+    [v] = check_reshard(spec, predict_ckpt(spec), obs)
+    assert "kind:param-groups" in v.tags and ("params:renamed-alias" in v.tags) == renamed
+    assert str(list(saved)) in v.message

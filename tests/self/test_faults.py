@@ -196,3 +196,30 @@ def test_ranks_agree_catches_a_rank_dependent_policy(monkeypatch):
     rank1 = observations(FakeEngine(world_size=2, rank=1), spec)
     res = evaluate("RANKS-AGREE", spec, rank0 + rank1)
     assert res.verdict == FAIL and any("kind:units-differ" in v.tags for v in res.violations), res.describe()
+
+
+def test_a_ghost_in_a_shared_parent_error_case_is_not_a_known_finding(fake_engine, monkeypatch):
+    # The thorough profile's case (torch 2.13.0): the simulation credits the
+    # Attention unit with its shared Linear's trainable weight, so the
+    # ValueError names attention1 instead of the root: KNOWN as
+    # fsdp1-frozen-check-shared-module-order (kind:wrong-module,
+    # names:aliased). A regression whose message names a parameter the model
+    # lacks must stay a FAIL, even next to an aliased name.
+    import json
+    from pathlib import Path
+
+    from conformance.spec import CaseSpec
+
+    spec = CaseSpec.from_json(json.dumps(json.loads((Path(__file__).parent / "data" / "frozen-error-shared-parent-credited.json").read_text())))
+    clean = assert_caught("FROZEN-ERROR", spec, fake_engine, None, before=(KNOWN,))
+    assert [fid for _, fid in clean.known] == ["fsdp1-frozen-check-shared-module-order"], clean.describe()
+    orig = _wrap_utils._get_managed_param_to_fqn
+
+    def ghost(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        if out:  # a trainable ghost: every non-empty unit with a frozen parameter mixes
+            out[nn.Parameter(torch.zeros(1), requires_grad=True)] = "ghost"
+        return out
+
+    monkeypatch.setattr(_wrap_utils, "_get_managed_param_to_fqn", ghost)
+    assert_fails("FROZEN-ERROR", spec, fake_engine, "names:unknown")

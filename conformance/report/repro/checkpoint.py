@@ -154,7 +154,7 @@ def load(path):
         dcp.load(state, checkpoint_id=os.path.join(path, "ckpt"))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except BaseException as e:  # CheckpointException is a BaseException
-        show("the load raised", f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}")
+        show("the load raised", f"{type(e).__name__}: {first_failure(e)}")
         return
     opts = StateDictOptions(full_state_dict=True)
     saved = torch.load(os.path.join(path, "saved.pt"), weights_only=False)
@@ -167,6 +167,17 @@ def load(path):
     show("optimizer state that differs from the saved", changed)
 
 
+def first_failure(e):
+    """A CheckpointException's first failing rank's own exception (its str()
+    starts with the ranks and their tracebacks)."""
+    failures = getattr(e, "failures", None) or {}
+    if not failures:
+        return str(e).splitlines()[0] if str(e) else ""
+    rank = min(failures)
+    inner = failures[rank][0] if isinstance(failures[rank], tuple) else getattr(failures[rank], "exc", failures[rank])
+    return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+
+
 def init():
     if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
         with socket.socket() as s:
@@ -176,9 +187,20 @@ def init():
     dist.init_process_group("gloo")
 
 
+def note_world(phase):
+    """The deviation may depend on the case's world sizes (one rank: FSDP1
+    switches to NO_SHARD and keeps whole parameters): say so when this run
+    has another."""
+    worlds = {"save": {SAVE_WORLD}, "load": {LOAD_WORLD}, "both": {SAVE_WORLD, LOAD_WORLD}}.get(phase, {SAVE_WORLD})
+    if dist.get_rank() == 0 and worlds != {dist.get_world_size()}:
+        show("note", f"the case saves on {SAVE_WORLD} rank(s) and loads on {LOAD_WORLD}; this run has {dist.get_world_size()} "
+             "(what depends on the sharding may not show: see the run line at the top)")
+
+
 def main():
     init()
     try:
+        note_world(None if PHASE != "roundtrip" else (sys.argv[1] if len(sys.argv) > 2 else "both"))
         if PHASE == "full":
             full_state_dict()
         elif PHASE == "ties":
@@ -275,6 +297,7 @@ def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "")
         f"OPTIMIZER, STEPS = {ck.optimizer!r}, {ck.steps}",
         f"FULL_SD, OFFLOAD, RANK0_ONLY, IGNORE_FROZEN = {ck.full_sd!r}, {ck.offload}, {ck.rank0_only}, {ck.ignore_frozen}",
         f"LOAD_PATH = {ck.load_path!r}",
+        f"SAVE_WORLD, LOAD_WORLD = {ck.save_world}, {ck.load_world}  # the case's world sizes",
     ]) + "\n"
     classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
     parts = ["\n".join(head), _IMPORTS, _RUNTIME, classes, build, _wrap_code(spec, var), consts, _MAIN]

@@ -1,0 +1,45 @@
+"""The checkpoint strategies: an FSDP1 load side trains on after the load only
+when FSDP1's own training cases would draw its plan (no module under two
+names, tie across units or container unit: recorded findings corrupt FSDP1's
+training there, and the resume then differs for a known reason the resume
+check cannot name)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from conformance.spec import CaseSpec
+from strategies.checkpoint import _trains_after_load, checkpoint_specs
+from strategies.methods import _fsdp1_trainable
+
+pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_the_seed_22_case_does_not_train_its_fsdp1_load_side():
+    """Seed 22 (torch 2.13.0): saved under FSDP2, loaded under FSDP1
+    ModuleWrapPolicy(Layer) with the Layer also registered as model0.shared0,
+    then trained two steps: FSDP1 wraps the Layer under its first name only,
+    the call through the other name bypasses the unit and its gradient is
+    lost, so the resume differed from single-process training."""
+    spec = CaseSpec.from_json(json.dumps(json.loads((DATA / "ckpt-fsdp1-resume-shared-unit.json").read_text())))
+    assert spec.ckpt.steps_after == 2 and spec.ckpt.load_plan.api == "fsdp1"
+    assert not _fsdp1_trainable(dataclasses.replace(spec, plan=spec.ckpt.load_plan))
+    assert not _trains_after_load(spec)
+
+
+@pytest.mark.parametrize("kind", ["reshard", "optim"])
+def test_drawn_cases_train_after_the_load_only_where_fsdp1_trains(kind):
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(spec=checkpoint_specs(kind))
+    def check(spec):
+        if spec.ckpt.steps_after:
+            assert _trains_after_load(spec), spec.to_python()
+
+    check()
