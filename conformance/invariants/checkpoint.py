@@ -37,6 +37,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
         tags.add("tie")
     if spec.shared:
         tags.add("shared-module")
+    if _container_given_to_fully_shard(spec, load):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if pred is not None:
         if any(len(group) > 2 for group in pred.tied):
             tags.add("aliases:3+")  # one Parameter under three or more names
@@ -55,6 +57,16 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("mask-change")
         tags |= {f"shard:{x}" for x in pred.shards}
     return tags
+
+
+def _container_given_to_fully_shard(spec: CaseSpec, load) -> bool:
+    """The save side or the load side is FSDP2 and gives fully_shard a
+    container subclass with a forward."""
+    import dataclasses
+
+    from conformance.invariants.training import _container_given_to_fully_shard as given
+
+    return any(p.api == "fsdp2" and given(dataclasses.replace(spec, plan=p)) for p in (spec.plan, load))
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
