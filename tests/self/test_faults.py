@@ -134,9 +134,8 @@ def test_frozen_warn_catches_wrong_numel(fake_engine, monkeypatch):
     assert_fails("FROZEN-WARN", spec, fake_engine, "kind:wrong-numel")
 
 
-def test_frozen_clean_catches_a_spurious_warning(fake_engine, monkeypatch):
-    spec = cases.two_blocks(use_orig_params=True)
-    assert_caught("FROZEN-CLEAN", spec, fake_engine, None)
+def _add_ghost_param(monkeypatch):
+    """The pre-wrap simulation reports a frozen parameter the model lacks in every non-empty unit."""
     orig = _wrap_utils._get_managed_param_to_fqn
 
     def ghost(*args, **kwargs):
@@ -146,6 +145,12 @@ def test_frozen_clean_catches_a_spurious_warning(fake_engine, monkeypatch):
         return out
 
     monkeypatch.setattr(_wrap_utils, "_get_managed_param_to_fqn", ghost)
+
+
+def test_frozen_clean_catches_a_spurious_warning(fake_engine, monkeypatch):
+    spec = cases.two_blocks(use_orig_params=True)
+    assert_caught("FROZEN-CLEAN", spec, fake_engine, None)
+    _add_ghost_param(monkeypatch)
     assert_fails("FROZEN-CLEAN", spec, fake_engine, "kind:spurious-warning")
 
 
@@ -160,15 +165,7 @@ def test_a_ghost_warning_in_a_shared_module_case_is_not_a_known_finding(fake_eng
 
     spec = dataclasses.replace(cases.two_blocks(use_orig_params=True), shared=(SharedModule("b", "z2", "z"),))
     assert_caught("FROZEN-CLEAN", spec, fake_engine, None, before=(PASS, KNOWN))
-    orig = _wrap_utils._get_managed_param_to_fqn
-
-    def ghost(*args, **kwargs):
-        out = orig(*args, **kwargs)
-        if out:
-            out[nn.Parameter(torch.zeros(1), requires_grad=False)] = "ghost"
-        return out
-
-    monkeypatch.setattr(_wrap_utils, "_get_managed_param_to_fqn", ghost)
+    _add_ghost_param(monkeypatch)
     assert_fails("FROZEN-CLEAN", spec, fake_engine, "names:unknown")
 
 
