@@ -149,7 +149,7 @@ def _fsdp2_case_specs(draw: Any, base: SearchStrategy, max_groups: int, split_ti
                       max_methods: int, max_steps: int, max_calls: int) -> CaseSpec:
     spec = draw(base)
     groups = draw_groups(draw, spec, max_groups=max_groups, split_ties=split_ties)
-    spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2", groups=groups))
+    spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2", groups=groups, ignored_params=spec.plan.ignored_params))
     if methods:
         ms = draw_methods(draw, spec, max_methods=max_methods, max_steps=max_steps)
         spec = dataclasses.replace(spec, methods=ms, calls=draw_calls(draw, ms, max_calls=max_calls))
@@ -169,6 +169,7 @@ def fsdp2_case_specs(
     max_methods: int = 3,
     max_steps: int = 4,
     max_calls: int = 3,
+    allow_ignored: bool = False,
 ) -> SearchStrategy[CaseSpec]:
     """FSDP2 CaseSpecs: a tree (:func:`case_specs`), up to ``max_groups``
     single-module shard groups with reshard_after_forward drawn per group
@@ -179,14 +180,16 @@ def fsdp2_case_specs(
     parameters directly (mostly ones the method's own group manages, tied
     ones included), call submodules, self.forward or self(...); and calls that
     start at the root, run each method, some several times in a row, some
-    with a positional and a keyword argument."""
+    with a positional and a keyword argument. With ``allow_ignored``,
+    sometimes 1..2 parameters passed to every fully_shard call as
+    ``ignored_params`` (torch >= 2.7), which no group may then manage."""
     for name, v in (("max_groups", max_groups), ("max_methods", max_methods), ("max_steps", max_steps), ("max_calls", max_calls)):
         check_int(v, name, min_value=1)
-    for name, v in (("split_ties", split_ties), ("methods", methods)):
+    for name, v in (("split_ties", split_ties), ("methods", methods), ("allow_ignored", allow_ignored)):
         check_bool(v, name)
     base = case_specs(
         max_modules=max_modules, max_depth=max_depth, apis=st.just("fsdp2"), use_orig_params=st.just(False),
-        policies=[None], allow_ties=allow_ties, allow_shared=allow_shared, allow_ignored=False, freeze=freeze,
+        policies=[None], allow_ties=allow_ties, allow_shared=allow_shared, allow_ignored=allow_ignored, freeze=freeze,
     )
     return _fsdp2_case_specs(base, max_groups, split_ties, methods, max_methods, max_steps, max_calls)
 

@@ -44,6 +44,16 @@ def fsdp2_api():
     return fully_shard, FSDPModule, register_fsdp_forward_method
 
 
+def takes_ignored_params() -> bool:
+    """Whether this torch's fully_shard takes ``ignored_params`` (2.7 on)."""
+    import inspect
+
+    try:
+        return "ignored_params" in inspect.signature(fsdp2_api()[0]).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+
+
 def count_collectives():
     """A dispatch mode that counts the collectives issued under it, by op
     name. (torch's CommDebugMode also tracks modules, and its module tracker

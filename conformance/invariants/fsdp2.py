@@ -185,7 +185,7 @@ def applies(pred: FSDP2Prediction) -> bool:
     area="fsdp2",
     api="fsdp2",
     scenario="fsdp2",
-    statement="fully_shard applied bottom-up makes one parameter group per call, holding the parameters of module.parameters() not assigned by an earlier call on a submodule.",
+    statement="fully_shard applied bottom-up makes one parameter group per call, holding the parameters of module.parameters() not assigned by an earlier call on a submodule nor passed as ignored_params.",
     source=DOC_FULLY_SHARD,
 )
 def check_groups(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:

@@ -126,6 +126,17 @@ def managed_states_drop_last():
     return mock.patch.object(init, "_get_managed_states", drop_last)
 
 
+@fault("ignored-params-managed")
+def ignored_params_managed():
+    _, init, *_ = _fsdp()
+    orig = init._get_managed_states
+
+    def manage_all(modules, ignored_params=None):
+        return orig(modules, None)
+
+    return mock.patch.object(init, "_get_managed_states", manage_all)
+
+
 @fault("frozen-made-trainable")
 def frozen_made_trainable():
     _, init, *_ = _fsdp()

@@ -28,7 +28,8 @@ SCENARIO = {"fsdp2": ("fsdp2", FSDP2Observation.from_dict), "fsdp1-methods": ("f
 KIND = {"FWD-SUMMON": "fsdp1-methods", "PARITY": "train"}
 
 
-def lm(*, groups=(ShardGroup(("block",), True),), methods=None, calls=None, api="fsdp2", policy=None, train=None, uop=False) -> CaseSpec:
+def lm(*, groups=(ShardGroup(("block",), True),), methods=None, calls=None, api="fsdp2", policy=None, train=None, uop=False,
+       ignored=()) -> CaseSpec:
     """An LM-like model: embed, block (a Block with proj0 and a frozen bias),
     note (a Block outside any group), head tied to embed.weight; generate()
     on the root reads the tied weight through F.linear and calls block;
@@ -49,7 +50,7 @@ def lm(*, groups=(ShardGroup(("block",), True),), methods=None, calls=None, api=
         )
     if calls is None:
         calls = (MethodCall(-1), MethodCall(0, 2, True), MethodCall(1, 1, True), MethodCall(2))
-    plan = WrapPlan(api="fsdp2", groups=groups) if api == "fsdp2" else WrapPlan(api="fsdp1", policy=policy, use_orig_params=uop)
+    plan = WrapPlan(api="fsdp2", groups=groups, ignored_params=ignored) if api == "fsdp2" else WrapPlan(api="fsdp1", policy=policy, use_orig_params=uop)
     return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), ties=(TiedParam("head", "weight", "embed.weight"),),
                     plan=plan, methods=methods, calls=calls, train=train, seed=3)
 
@@ -75,6 +76,7 @@ def assert_caught(res, kind):
 
 STRUCTURAL = [
     ("FSDP2-GROUPS", "managed-states-drop-last", "kind:managed", {}),
+    ("FSDP2-GROUPS", "ignored-params-managed", "kind:managed", {"ignored": ("block.proj0.weight", "scale")}),
     ("FSDP2-FROZEN", "frozen-made-trainable", "kind:frozen-grad", {}),
     ("FSDP2-TIES", "no-duplicate-check", "kind:duplicated", {"groups": (ShardGroup(("embed",), True),)}),
     ("FWD-ALLGATHER", "register-without-hooks", "kind:entry-sharded", {}),
@@ -101,8 +103,13 @@ def siblings() -> CaseSpec:
 
 
 @pytest.mark.fake
-@pytest.mark.parametrize("invariant,fault,kind,changes", STRUCTURAL, ids=[s[0] for s in STRUCTURAL])
+@pytest.mark.parametrize("invariant,fault,kind,changes", STRUCTURAL, ids=[f"{s[0]}-{s[1]}" for s in STRUCTURAL])
 def test_structural_fault_is_caught(invariant, fault, kind, changes, fake_engine):
+    if "ignored" in changes:
+        from conformance.adapters.fsdp2 import takes_ignored_params
+
+        if not takes_ignored_params():
+            pytest.skip("this torch's fully_shard takes no ignored_params")
     spec = siblings() if fault == "register-on-fsdp-class" else lm(**changes)
     if invariant == "FSDP2-TIES":
         # torch >= 2.13 rejects this tie at the first forward: the case holds
