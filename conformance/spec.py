@@ -202,11 +202,19 @@ class MethodCall:
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """A few optimizer steps on loss = (model(x_step) ** 2).sum() (PARITY)."""
+    """A few optimizer steps on loss = (model(x_step) ** 2).sum() (PARITY).
+
+    FSDP2 only, where fully_shard's module has the setters: ``force_sum``
+    calls set_force_sum_reduction_for_comms(True) on every FSDP module (the
+    collectives only SUM; FSDP divides separately: gradients are still the
+    mean over ranks); ``divide_factor`` calls set_gradient_divide_factor(f)
+    (gradients are the sum over ranks divided by f)."""
 
     optimizer: str = "SGD"  # "SGD" | "Adam"
     steps: int = 2
     lr: float = 0.05
+    force_sum: bool = False
+    divide_factor: float | None = None
 
 
 OPTIMIZERS = ("SGD", "Adam")
@@ -697,6 +705,11 @@ def _validate_methods(spec: CaseSpec, paths: set[str]) -> None:
     t = spec.train
     if t is not None and (t.optimizer not in OPTIMIZERS or t.steps < 1 or not t.lr > 0):
         raise SpecError(f"train plan {t!r}: optimizer one of {OPTIMIZERS}, steps >= 1, lr > 0")
+    if t is not None and (t.force_sum or t.divide_factor is not None):
+        if spec.plan.api != "fsdp2":
+            raise SpecError(f"train plan {t!r}: force_sum and divide_factor are FSDP2 settings")
+        if t.divide_factor is not None and not t.divide_factor > 0:
+            raise SpecError(f"train plan {t!r}: divide_factor must be > 0")
 
 
 def _validate_ckpt(spec: CaseSpec, fqns: set[str]) -> None:

@@ -194,10 +194,23 @@ def fsdp2_case_specs(
     return _fsdp2_case_specs(base, max_groups, split_ties, methods, max_methods, max_steps, max_calls)
 
 
-def train_plans(*, max_steps: int = 3) -> SearchStrategy[TrainPlan]:
-    """SGD (with momentum) or Adam, 1..max_steps steps."""
+# FSDP2's gradient reduction settings a plan may draw: (force_sum,
+# divide_factor). A divide factor goes with force_sum: without it FSDP2
+# reduce-scatters with PREMUL_SUM, which gloo does not have.
+REDUCTIONS = ((False, None), (True, None), (True, 1.0), (True, 3.0))
+
+
+def train_plans(*, max_steps: int = 3, reductions: bool = False) -> SearchStrategy[TrainPlan]:
+    """SGD (with momentum) or Adam, 1..max_steps steps; with ``reductions``
+    (FSDP2), sometimes set_force_sum_reduction_for_comms(True), with or
+    without a gradient divide factor."""
     check_int(max_steps, "max_steps", min_value=1)
-    return st.builds(TrainPlan, optimizer=st.sampled_from(OPTIMIZERS), steps=st.integers(1, max_steps), lr=st.just(0.05))
+    check_bool(reductions, "reductions")
+    red = st.one_of(st.just(REDUCTIONS[0]), st.sampled_from(REDUCTIONS[1:])) if reductions else st.just(REDUCTIONS[0])
+    return st.builds(
+        lambda opt, steps, r: TrainPlan(opt, steps, 0.05, force_sum=r[0], divide_factor=r[1]),
+        st.sampled_from(OPTIMIZERS), st.integers(1, max_steps), red,
+    )
 
 
 @st.composite
@@ -206,12 +219,18 @@ def _training_specs(draw: Any, cases: SearchStrategy, plans: SearchStrategy) -> 
     return dataclasses.replace(spec, train=draw(plans), methods=(), calls=())
 
 
-def training_specs(*, api: str = "fsdp2", max_modules: int = 10, max_depth: int = 3, max_steps: int = 3) -> SearchStrategy[CaseSpec]:
+def training_specs(
+    *, api: str = "fsdp2", max_modules: int = 10, max_depth: int = 3, max_steps: int = 3, reductions: bool = False,
+) -> SearchStrategy[CaseSpec]:
     """PARITY cases for ``api``: FSDP2 (:func:`fsdp2_case_specs` without
     methods) or FSDP1 (either use_orig_params, any policy), frozen and tied
-    parameters included, with a training plan."""
+    parameters included, with a training plan (``reductions``: FSDP2's
+    reduction settings drawn too, see :func:`train_plans`)."""
     if api not in ("fsdp1", "fsdp2"):
         raise InvalidArgument(f"api={api!r} must be 'fsdp1' or 'fsdp2'")
+    check_bool(reductions, "reductions")
+    if reductions and api != "fsdp2":
+        raise InvalidArgument("reductions=True needs api='fsdp2'")
     if api == "fsdp2":
         cases = fsdp2_case_specs(max_modules=max_modules, max_depth=max_depth, methods=False)
     else:
@@ -219,7 +238,7 @@ def training_specs(*, api: str = "fsdp2", max_modules: int = 10, max_depth: int 
         # units, a module under two names) corrupt its collectives, so that
         # ranks hang in training: TIES and the WRAP invariants cover those.
         cases = case_specs(max_modules=max_modules, max_depth=max_depth, allow_ignored=False, allow_shared=False).filter(_fsdp1_trainable)
-    return _training_specs(cases, train_plans(max_steps=max_steps))
+    return _training_specs(cases, train_plans(max_steps=max_steps, reductions=reductions))
 
 
 def _fsdp1_trainable(spec: CaseSpec) -> bool:

@@ -54,6 +54,27 @@ def takes_ignored_params() -> bool:
         return False
 
 
+def has_reduction_setters() -> bool:
+    """Whether this torch's FSDPModule has set_force_sum_reduction_for_comms
+    and set_gradient_divide_factor (2.8 on)."""
+    try:
+        FSDPModule = fsdp2_api()[1]
+    except ImportError:
+        return False
+    return all(hasattr(FSDPModule, n) for n in ("set_force_sum_reduction_for_comms", "set_gradient_divide_factor"))
+
+
+def set_reduction(model, force_sum: bool, divide_factor: float | None) -> None:
+    """The plan's gradient reduction settings on every FSDP module of ``model``."""
+    FSDPModule = fsdp2_api()[1]
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            if force_sum:
+                m.set_force_sum_reduction_for_comms(True)
+            if divide_factor is not None:
+                m.set_gradient_divide_factor(divide_factor)
+
+
 def count_collectives():
     """A dispatch mode that counts the collectives issued under it, by op
     name. (torch's CommDebugMode also tracks modules, and its module tracker

@@ -61,7 +61,8 @@ def _batches(x0: torch.Tensor, step: int, world_size: int) -> list[torch.Tensor]
 def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan, rank: int, world_size: int, *, reference: bool = False) -> list[float]:
     """Train on this rank's batches; the single-process ``reference`` trains
     on the mean loss over every rank's batch (the gradient FSDP's averaging
-    reduction must produce). The losses returned are this rank's batch's."""
+    reduction must produce), or with the plan's divide factor on their sum
+    divided by it. The losses returned are this rank's batch's."""
     trainable = any(p.requires_grad for p in model.parameters())
     opt = _optimizer(plan, model.parameters()) if trainable else None
     losses = []
@@ -71,7 +72,7 @@ def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan, rank: int, world
         xs = _batches(x0, step, world_size)
         if reference:
             per_rank = [(model(x) ** 2).sum() for x in xs]
-            loss, mine = torch.stack(per_rank).mean(), per_rank[rank]
+            loss, mine = torch.stack(per_rank).sum() / (plan.divide_factor or world_size), per_rank[rank]
         else:
             loss = mine = (model(xs[rank]) ** 2).sum()
         if opt is not None:  # everything frozen: forward only
@@ -110,6 +111,9 @@ def compare_training(case, steps, rtol: float, atol: float) -> TrainObservation:
         else:
             a2.shard(case, built)
             model = built.model
+            train = getattr(case, "train", None)
+            if train is not None and (train.force_sum or train.divide_factor is not None):
+                a2.set_reduction(model, train.force_sum, train.divide_factor)
     except Exception as e:
         return TrainObservation(**base, wrap_error=_err(e), seconds=time.perf_counter() - t0)
     try:

@@ -221,6 +221,19 @@ def gradients_doubled():
     return mock.patch.object(group, "foreach_reduce", doubled)
 
 
+@fault("sum-reduction-not-divided")
+def sum_reduction_not_divided():
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+
+    orig = coll._get_gradient_divide_factors
+
+    def no_post_divide(*a, **k):
+        pre, post, rs_op, ar_op = orig(*a, **k)
+        return pre, (None if pre is None else post), rs_op, ar_op
+
+    return mock.patch.object(coll, "_get_gradient_divide_factors", no_post_divide)
+
+
 # ---- test-only scenarios: the fault applied inside each rank ----------------
 
 
@@ -236,7 +249,8 @@ def _faulty(name: str, kind: str):
     return run
 
 
-for _name in ("register-drops-kwargs", "gradients-doubled", "summon-does-nothing", "frozen-made-trainable", "register-on-fsdp-class"):
+for _name in ("register-drops-kwargs", "gradients-doubled", "summon-does-nothing", "frozen-made-trainable", "register-on-fsdp-class",
+              "sum-reduction-not-divided"):
     for _kind in ("fsdp2", "fsdp1-methods", "train"):
         _fn = _faulty(_name, _kind)
         globals()[_fn.__name__] = _fn

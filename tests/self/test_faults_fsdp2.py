@@ -143,6 +143,10 @@ VALUES = [
     ("FWD-PARITY", "register-drops-kwargs", "kind:output", lambda: lm()),
     ("FWD-ISOLATION", "register-on-fsdp-class", "kind:leaked-output", siblings),
     ("PARITY", "gradients-doubled", "kind:param", lambda: dataclasses.replace(lm(), methods=(), calls=(), train=TrainPlan("SGD", 2))),
+    ("PARITY", "sum-reduction-not-divided", "kind:param", lambda: dataclasses.replace(
+        lm(), methods=(), calls=(), train=TrainPlan("SGD", 2, force_sum=True))),
+    ("PARITY", "sum-reduction-not-divided", "kind:param", lambda: dataclasses.replace(
+        lm(), methods=(), calls=(), train=TrainPlan("SGD", 2, force_sum=True, divide_factor=3.0))),
     ("PARITY", "frozen-made-trainable", ("kind:frozen-grad", "kind:frozen-changed"), lambda: dataclasses.replace(lm(), methods=(), calls=(), train=TrainPlan("Adam", 2))),
 ]
 
@@ -151,6 +155,11 @@ VALUES = [
 @pytest.mark.parametrize("invariant,fault,kind,make", VALUES, ids=[f"{v[0]}-{v[1]}" for v in VALUES])
 def test_value_fault_is_caught_inside_the_ranks(invariant, fault, kind, make, pool):
     spec = make()
+    if spec.train is not None and spec.train.force_sum:
+        from conformance.adapters.fsdp2 import has_reduction_setters
+
+        if not has_reduction_setters():
+            pytest.skip("this torch's FSDPModule has no set_force_sum_reduction_for_comms")
     assert_holds(invariant, spec, pool)
     scenario = f"fault:{KIND.get(invariant, 'fsdp2')}:{fault}"
     res = run(invariant, spec, pool, scenario)
