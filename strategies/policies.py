@@ -27,6 +27,8 @@ _IGNORE = ("none", "none", "none", "none", "modules", "params")
 # modules themselves (_Policy._run_policy): ignored modules are drawn more
 # often with them, so that the skip is exercised within the ci budget.
 _IGNORE_OBJECT_POLICY = ("none", "none", "modules", "modules", "params")
+# fully_shard has ignored_params only
+_IGNORE_FSDP2 = ("none", "none", "params")
 OBJECT_POLICIES = (ModuleWrap, CustomWrap)
 
 
@@ -162,7 +164,10 @@ class PlanChoices:
         if not allow_ignored:
             self.ignore = "none"
         else:
-            self.ignore = pick(draw, _IGNORE_OBJECT_POLICY if self.policy_kind in OBJECT_POLICIES and self.api == "fsdp1" else _IGNORE)
+            if self.api == "fsdp2":
+                self.ignore = pick(draw, _IGNORE_FSDP2)
+            else:
+                self.ignore = pick(draw, _IGNORE_OBJECT_POLICY if self.policy_kind in OBJECT_POLICIES else _IGNORE)
 
 
 def draw_plan(
