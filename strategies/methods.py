@@ -90,8 +90,14 @@ def draw_methods(draw: Any, spec: CaseSpec, *, max_methods: int, max_steps: int)
     hosts = [p for p in index.paths if p in index.drawn]  # drawn classes: the root first
     methods: list[ForwardMethod] = []
     count = 1 + draw(ints(max_methods - 1)) if max_methods > 1 else 1
+    # hosts with a sibling of their class (a ModuleList of Blocks): their
+    # methods get an unregistered same-class call (draw_sibling_methods)
+    paired = [p for p in hosts if p and any(q != p and index.modules[q].cls == index.modules[p].cls for q in index.paths)]
     for _ in range(count):
-        host = pick(draw, hosts) if maybe(draw, 1) else ""
+        if maybe(draw, 1):
+            host = pick(draw, paired) if paired and maybe(draw, 1) else pick(draw, hosts)
+        else:
+            host = ""
         node = index.modules[host]
         taken = {x.name for x in node.params + node.buffers + node.children}
         taken |= {s.name for s in spec.shared if s.parent == host} | {t.name for t in spec.ties if t.module == host}
@@ -126,6 +132,34 @@ def draw_methods(draw: Any, spec: CaseSpec, *, max_methods: int, max_steps: int)
     return tuple(methods)
 
 
+def draw_sibling_methods(draw: Any, spec: CaseSpec, methods: tuple[ForwardMethod, ...]) -> tuple[ForwardMethod, ...]:
+    """For a method registered on a module that has a sibling of the same
+    class (FSDP2 gives every FSDP module of a class one class
+    FSDP<cls>), the same-named method of that sibling, unregistered and
+    with an empty body: registration is per instance, so calling it must
+    run without FSDP's hooks and give the reference's output (FWD-ISOLATION)."""
+    index = TreeIndex(spec.tree, spec.classes)
+    out: list[ForwardMethod] = []
+    have = {(m.module, m.name) for m in methods}
+    for m in methods:
+        if not m.register or m.module not in index.modules:
+            continue
+        cls = index.modules[m.module].cls
+        same = [p for p in index.paths if p != m.module and index.modules[p].cls == cls and (p, m.name) not in have]
+        if not same:
+            continue
+        other = pick(draw, same)
+        node = index.modules[other]
+        taken = {x.name for x in node.params + node.buffers + node.children}
+        taken |= {s.name for s in spec.shared if s.parent == other} | {t.name for t in spec.ties if t.module == other}
+        if m.name in taken:
+            continue
+        have.add((other, m.name))
+        event("method on: unregistered same-class sibling")
+        out.append(ForwardMethod(other, m.name, (), register=False))
+    return tuple(out)
+
+
 def draw_calls(draw: Any, methods: tuple[ForwardMethod, ...], *, max_calls: int) -> tuple[MethodCall, ...]:
     # The first call runs the root's hooks: lazy init takes the first
     # module to run forward as the root.
@@ -152,6 +186,7 @@ def _fsdp2_case_specs(draw: Any, base: SearchStrategy, max_groups: int, split_ti
     spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2", groups=groups, ignored_params=spec.plan.ignored_params))
     if methods:
         ms = draw_methods(draw, spec, max_methods=max_methods, max_steps=max_steps)
+        ms += draw_sibling_methods(draw, spec, ms)
         spec = dataclasses.replace(spec, methods=ms, calls=draw_calls(draw, ms, max_calls=max_calls))
     return spec
 
