@@ -218,7 +218,9 @@ def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
 def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation]:
     if pred.applicable or obs.skipped:
         return []
-    tags = case_tags(spec, pred)
+    # the backend: values after a training step depend on its collectives
+    # (fsdp2-gloo-reduce-scatter-avg-sums)
+    tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
     if obs.error:
         return _raised("CKPT-RESHARD", obs, tags, pred)
     if not obs.values_meaningful:
@@ -246,7 +248,9 @@ def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) ->
 def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation]:
     if pred.applicable or obs.skipped:
         return []
-    tags = case_tags(spec, pred)
+    # the backend: values after a training step depend on its collectives
+    # (fsdp2-gloo-reduce-scatter-avg-sums)
+    tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
     if obs.error:
         return _raised("OPTIM-STATE", obs, tags, pred)
     if not obs.values_meaningful:

@@ -43,6 +43,10 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         # the same, reshard_after_forward=False: the group runs twice in one
         # forward (a module of it registered under two names)
         tags.add("group:multi-frozen-embedding-rerun")
+    if any(c.root_group_partial for c in pred.calls):
+        # a call whose first FSDP group is a list group it runs only in part
+        # (fsdp2-list-group-partial-call-stays-unsharded)
+        tags.add("group:multi-partial-root")
     fsdp = set(pred.fsdp_modules)
     if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
         from conformance.targets import methods_calling_forward

@@ -72,6 +72,9 @@ class CallPrediction:
     reads: tuple[ReadPrediction, ...]
     in_promise: bool  # everything it computes with is unsharded: output must equal the reference's
     sharded_after: tuple[bool | None, ...]  # per group (None: not promised)
+    # the call's first FSDP group (the iteration's forward root) is a
+    # multi-module group that the call ran only in part
+    root_group_partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,7 @@ class _Sim:
         self.ok = True  # nothing computed with a sharded parameter
         self.raises = False  # a forward met a sharded parameter (FSDP's DTensor): it raises
         self.nested = False
+        self.root_group_partial = False
 
     def full(self, pid: str) -> bool:
         gi = self.owner.get(pid)
@@ -294,6 +298,8 @@ class _Sim:
         elif self.active[gi] == 0 and self.groups[gi].reshard:
             self.sharded[gi] = True
         if self.iter_root == gi and self.active[gi] == 0:
+            if gi in self.multi and self.pending[gi]:
+                self.root_group_partial = True
             for mi in self.multi:
                 if self.pending[mi] and self.active[mi] == 0:
                     self.pending[mi] = set()
@@ -458,6 +464,7 @@ def _simulate(methods, calls, g: ModelGraph, order, groups, owner, opaque: bool 
                     reads=tuple(reads),
                     in_promise=sim.ok,
                     sharded_after=tuple(None if i in sim.multi or i in sim.empty else sim.sharded[i] for i in range(len(groups))),
+                    root_group_partial=sim.root_group_partial,
                 )
             )
             index += 1

@@ -1,0 +1,37 @@
+"""The tag group:multi-partial-root, which known failure
+fsdp2-list-group-partial-call-stays-unsharded matches on, marks the
+cases where a call's first FSDP group is a list group that the call runs only
+in part: not the same model called through the root's forward only (the
+root's post-forward completes the group)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conformance import corpus
+from conformance.invariants.fsdp2 import case_tags
+from conformance.oracle.fsdp2 import predict_fsdp2
+from conformance.spec import MethodCall
+
+pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
+
+TAG = "group:multi-partial-root"
+
+
+def _case():
+    return next(c.spec for c in corpus.load() if c.name == "fsdp2-list-group-partial-call-stays-unsharded")
+
+
+def _tags(spec) -> set[str]:
+    return case_tags(spec, predict_fsdp2(spec, torch.__version__))
+
+
+def test_a_call_running_one_module_of_a_list_group_is_tagged():
+    assert TAG in _tags(_case())
+
+
+def test_the_root_forward_alone_is_not_tagged():
+    assert TAG not in _tags(dataclasses.replace(_case(), calls=(MethodCall(-1), MethodCall(-1))))
