@@ -31,6 +31,8 @@ def _retag(v: Violation, backend: str) -> Violation:
 @pytest.mark.parametrize("invariant,tags,matched", [
     ("MP-DTYPES", {"api:fsdp2", "reduce:float32", "kind:grad"}, True),
     ("OPTIM-STATE", {"api:fsdp2", "kind:state-value", "optim:Adam"}, True),
+    ("OPTIM-STATE", {"api:fsdp2", "kind:resume-reference", "optim:SGD"}, True),
+    ("OPTIM-STATE", {"api:fsdp2", "kind:resume-uninterrupted", "optim:SGD"}, False),
     ("OPTIM-STATE", {"api:fsdp1", "kind:state-value", "optim:Adam"}, False),
     ("MP-DTYPES", {"api:fsdp2", "reduce:bfloat16", "kind:param"}, True),
     ("MP-DTYPES", {"api:fsdp2", "reduce:float16", "kind:grad"}, False),  # SUM then divide: right on 2.8.0
