@@ -200,25 +200,37 @@ def note_world(phase):
 def main():
     init()
     try:
-        note_world(None if PHASE != "roundtrip" else (sys.argv[1] if len(sys.argv) > 2 else "both"))
-        if PHASE == "full":
-            full_state_dict()
-        elif PHASE == "ties":
-            ties_kept()
-        elif len(sys.argv) > 2:  # save DIR | load DIR: one phase, this world size
-            (save if sys.argv[1] == "save" else load)(sys.argv[2])
-        else:  # both phases in this world size
-            path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(path)
-            try:
-                save(path[0])
-                load(path[0])
-            finally:
-                dist.barrier()
-                if dist.get_rank() == 0:
-                    shutil.rmtree(path[0], ignore_errors=True)
-    finally:
+        run_case()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # every rank leaves here: a barrier, then exit without tearing the group
+    # down (gloo's teardown can abort a rank now and then: "terminate called
+    # without an active exception")
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_case():
+    note_world(None if PHASE != "roundtrip" else (sys.argv[1] if len(sys.argv) > 2 else "both"))
+    if PHASE == "full":
+        full_state_dict()
+    elif PHASE == "ties":
+        ties_kept()
+    elif len(sys.argv) > 2:  # save DIR | load DIR: one phase, this world size
+        (save if sys.argv[1] == "save" else load)(sys.argv[2])
+    else:  # both phases in this world size
+        path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(path)
+        try:
+            save(path[0])
+            load(path[0])
+        finally:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(path[0], ignore_errors=True)
 
 
 if __name__ == "__main__":

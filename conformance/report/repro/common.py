@@ -22,6 +22,18 @@ def init_group():
     if DEVICE.type == "cuda":
         torch.cuda.set_device(DEVICE)
     dist.init_process_group(BACKEND)
+
+
+def end_group():
+    """Every rank leaves here: a barrier, then exit without tearing the group
+    down (gloo's teardown can abort a rank now and then: "terminate called
+    without an active exception")."""
+    import sys
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 '''
 
 _TORCH = {"Module": "nn.Module", "Sequential": "nn.Sequential", "ModuleList": "nn.ModuleList", "ModuleDict": "nn.ModuleDict"}

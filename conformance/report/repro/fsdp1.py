@@ -68,8 +68,7 @@ def main():
             print("the ranks built DIFFERENT FSDP units")
     if dist.get_rank() == 0:
         print(EXPECTED)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":

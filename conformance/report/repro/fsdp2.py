@@ -100,8 +100,7 @@ def main():
                         print(f"[rank {rank}] gradient of {fqn} differs from the reference's by {d:.3g}")
         except Exception as e:
             print(f"[rank {rank}] backward raised {type(e).__name__}: {e}")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":

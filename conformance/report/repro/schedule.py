@@ -147,9 +147,7 @@ def main():
                         loss.backward()
             except Exception as e:
                 print(f"[rank {rank}] step {si} microbatch {k}: {type(e).__name__}: {str(e).splitlines()[0]}")
-                dist.barrier()
-                dist.destroy_process_group()
-                return
+                end_group()
             ref_fn = ref.encode if (si, k, FIRST_METHOD) == (0, 0, True) else ref
             losses = [(ref_fn(data(si, k, r)) ** 2).sum() for r in range(world)]
             total = sum(losses) / world
@@ -185,8 +183,7 @@ def main():
             print(f"[rank {rank}] step {si}: {n} after the step off by {rel(after[n], read_attr(ref, n)):.3g}"
                   f"{' (frozen, unchanged: ' + str(torch.equal(after[n], start[n])) + ')' if n in frozen else ''}")
     print(f"[rank {rank}] buffers after training: {[(n, b.dtype) for n, b in inner.named_buffers()]}")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":
