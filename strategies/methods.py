@@ -98,10 +98,7 @@ def draw_methods(draw: Any, spec: CaseSpec, *, max_methods: int, max_steps: int)
             host = pick(draw, paired) if paired and maybe(draw, 1) else pick(draw, hosts)
         else:
             host = ""
-        node = index.modules[host]
-        taken = {x.name for x in node.params + node.buffers + node.children}
-        taken |= {s.name for s in spec.shared if s.parent == host} | {t.name for t in spec.ties if t.module == host}
-        taken |= {m.name for m in methods if m.module == host}
+        taken = _attribute_names(index, spec, host) | {m.name for m in methods if m.module == host}
         names = [n for n in METHOD_NAMES if n not in taken]
         if not names:
             continue
@@ -132,6 +129,13 @@ def draw_methods(draw: Any, spec: CaseSpec, *, max_methods: int, max_steps: int)
     return tuple(methods)
 
 
+def _attribute_names(index: TreeIndex, spec: CaseSpec, path: str) -> set[str]:
+    """The names the module at ``path`` already holds (a method may not take one)."""
+    node = index.modules[path]
+    taken = {x.name for x in node.params + node.buffers + node.children}
+    return taken | {s.name for s in spec.shared if s.parent == path} | {t.name for t in spec.ties if t.module == path}
+
+
 def draw_sibling_methods(draw: Any, spec: CaseSpec, methods: tuple[ForwardMethod, ...]) -> tuple[ForwardMethod, ...]:
     """For a method registered on a module that has a sibling of the same
     class (FSDP2 gives every FSDP module of a class one class
@@ -149,10 +153,7 @@ def draw_sibling_methods(draw: Any, spec: CaseSpec, methods: tuple[ForwardMethod
         if not same:
             continue
         other = pick(draw, same)
-        node = index.modules[other]
-        taken = {x.name for x in node.params + node.buffers + node.children}
-        taken |= {s.name for s in spec.shared if s.parent == other} | {t.name for t in spec.ties if t.module == other}
-        if m.name in taken:
+        if m.name in _attribute_names(index, spec, other):
             continue
         have.add((other, m.name))
         event("method on: unregistered same-class sibling")
