@@ -398,7 +398,14 @@ def _check(spec, selected, backend: str, world_size: int) -> int:
     from conformance.runner import FAIL, check_case
     from conformance.engine.errors import ExampleFailed
 
-    engine = _engine(backend, world_size)
+    if getattr(spec, "ckpt", None) is not None or getattr(spec, "schedule", None) is not None:
+        if backend == "fake":  # values and world sizes: the suite runs these on real ranks only
+            raise UsageError("a checkpoint or training-schedule case needs real ranks: use --backend gloo (or nccl)")
+    base = engine = _engine(backend, world_size)
+    if getattr(spec, "ckpt", None) is not None:  # a save world and a load world, phase by phase
+        from conformance.engine.worlds import Worlds
+
+        engine = Worlds(base)
     try:
         worst = 0
         for inv in selected:
@@ -413,6 +420,8 @@ def _check(spec, selected, backend: str, world_size: int) -> int:
         return worst
     finally:
         engine.close()
+        if base is not engine:
+            base.close()
 
 
 def _engine(backend: str, world_size: int):

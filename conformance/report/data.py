@@ -341,6 +341,13 @@ def build(
             st = "other-torch"
         elif hits:
             st = "matched"
+        elif checked and all(c["known"] for c in checked):
+            # its minimal case ran but stopped at other findings: it no longer
+            # shows this one either way (a stale case, or a new deviation in front)
+            st = "masked"
+            others = sorted({f for c in checked for f in c["known"]})
+            warnings.append(f"the corpus case of known failure {k.id} showed only {', '.join(others)}: "
+                            "it no longer isolates its finding (neither reproduced nor fixed)")
         elif checked:
             # its minimal case ran and torch no longer deviates: FIXED, whatever the baseline
             st = "fixed"

@@ -69,6 +69,29 @@ def test_check_and_repro_on_a_good_case(tmp_path):
     assert "layers.0.attn has both parameters with requires_grad=True and False" in run.stdout
 
 
+def _corpus_case(name, tmp_path):
+    from conformance import corpus
+
+    path = tmp_path / "case.json"
+    path.write_text(next(c for c in corpus.load() if c.name == name).spec.to_json())
+    return path
+
+
+def test_check_a_checkpoint_case_on_the_fake_tier_is_one_line(tmp_path):
+    proc = cli("check", str(_corpus_case("dcp-optim-state-unfrozen-at-load-missing-key", tmp_path)), "--invariant", "CKPT-RESHARD")
+    assert_one_line_error(proc, "needs real ranks: use --backend gloo")
+
+
+@pytest.mark.gloo
+def test_check_a_checkpoint_case_runs_its_round_trip(tmp_path):
+    """`check` on a checkpoint case saves on its save world and loads on its
+    load world (it raised "unknown scenario 'ckpt-roundtrip'" with a traceback)."""
+    path = _corpus_case("dcp-optim-state-unfrozen-at-load-missing-key", tmp_path)
+    proc = cli("check", str(path), "--backend", "gloo", "--world-size", "2", "--invariant", "CKPT-RESHARD")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "CKPT-RESHARD: KNOWN" in proc.stdout and "dcp-optim-state-unfrozen-at-load-missing-key" in proc.stdout, proc.stdout
+
+
 def test_spec_round_trips_and_rejects_bad_trees():
     spec = lora_model(num_layers=2)
     assert CaseSpec.from_json(spec.to_json()) == spec

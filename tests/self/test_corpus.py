@@ -114,6 +114,42 @@ def test_a_known_finding_turns_fixed_when_its_deviation_is_patched_away(tmp_path
         corpus.load.cache_clear()
 
 
+MASKING = SYNTHETIC + """
+[[finding]]
+id = "synthetic-masked"
+torch = ">=2.0"
+summary = "a finding whose corpus case now stops at another finding first"
+repro = "-"
+[[finding.match]]
+invariant = "WRAP-UNITS"
+when = ["kind:never-produced"]
+"""
+
+
+def test_a_corpus_case_stopped_by_another_finding_is_masked_not_fixed(tmp_path, monkeypatch, fake_engine):
+    """The corpus case of one finding shows only another: the report says
+    the case no longer isolates its finding (status masked, a warning), and
+    no row turns FIXED."""
+    spec = cases.two_blocks()
+    known_path = tmp_path / "known.toml"
+    known_path.write_text(MASKING)
+    corpus.write(tmp_path / "corpus", "synthetic-masked", spec, ["WRAP-UNITS"], "synthetic-masked", "fake", "test")
+    monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path / "corpus"))
+    corpus.load.cache_clear()
+    try:
+        monkeypatch.setattr(ModuleWrapPolicy, "_run_policy", _dropping_last_target(ModuleWrapPolicy._run_policy))
+        s = Session(known_path=known_path)
+        assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == KNOWN
+        r = _report(s)
+        status = {k["id"]: k["status"] for k in r["known_failures"]}
+        assert status == {"synthetic-dropped-unit": "matched", "synthetic-masked": "masked"}
+        assert [c["finding_status"] for c in r["corpus"]] == ["masked"]
+        assert next(x for x in r["results"] if x["invariant"] == "WRAP-UNITS")["verdict"] == KNOWN
+        assert any("synthetic-masked" in w and "synthetic-dropped-unit" in w for w in r["warnings"]), r["warnings"]
+    finally:
+        corpus.load.cache_clear()
+
+
 def test_a_case_outside_the_corpus_is_not_recorded_as_one(fake_engine):
     s = Session()
     s.check("WRAP-UNITS", cases.two_blocks(), fake_engine, "fake")
@@ -132,3 +168,43 @@ def test_a_one_rank_pool_does_not_check_a_rank_corpus_case():
         with RankPool(world, "gloo", deadline=60.0) as pool:
             s.check("RANKS-AGREE", case.spec, pool, "gloo")
         assert bool(s.to_dict()["corpus"]) == recorded, world
+
+
+_RANK_CASES = [c for c in corpus.load() if c.tier == "ranks" and c.finding]
+
+
+@pytest.fixture(scope="module")
+def rank_worlds():
+    """A two-rank gloo pool, behind Worlds for the checkpoint cases (their
+    save and load worlds)."""
+    from conformance.engine.pool import RankPool
+    from conformance.engine.worlds import Worlds
+
+    pool = RankPool(2, "gloo", deadline=60.0)
+    pool.tier = "gloo"
+    worlds = Worlds(pool)
+    yield pool, worlds
+    worlds.close()
+    pool.close()
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", _RANK_CASES, ids=lambda c: c.name)
+def test_a_rank_corpus_case_reproduces_its_finding_under_each_invariant(case, rank_worlds):
+    """A corpus case stands for its finding: on a torch inside the finding's
+    range it shows that finding under every invariant it lists, not only
+    another one that stops the case first (the report would call the finding
+    FIXED: the case of dcp-get-state-dict-initializes-optim-state once hit
+    fsdp2-frozen-root-forward-leaves-params-unsharded before the save)."""
+    from conformance.adapters.checkpoint import missing_api
+
+    k = next(k for k in known.load() if k.id == case.finding)
+    if not known._in_range(torch.__version__, k.torch):
+        pytest.skip(f"{k.id} is recorded for torch {k.torch}, not {torch.__version__}")
+    if getattr(case.spec, "ckpt", None) is not None and missing_api(case.spec):
+        pytest.skip(missing_api(case.spec))
+    pool, worlds = rank_worlds
+    engine = worlds if getattr(case.spec, "ckpt", None) is not None else pool
+    for inv in case.invariants:
+        res = check_case(inv, case.spec, engine)
+        assert case.finding in {fid for _, fid in res.known}, f"{inv}: {res.describe()}"
