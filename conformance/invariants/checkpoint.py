@@ -51,6 +51,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("optim-empty-at-save")
         if pred.nothing_trains_first:
             tags.add("nothing-trains-first")
+        if pred.uneven_steps_in_load_unit:
+            tags.add("load-unit:uneven-steps")
         if pred.frozen:
             tags.add("frozen")
         if pred.mask_changes:
@@ -88,6 +90,11 @@ def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[st
     return out
 
 
+def _diff_tags(diff) -> tuple[str, ...]:
+    """optim-diff:step: of the optimizer state only the "step" counts differ."""
+    return ("optim-diff:step",) if diff and all(k.endswith(".step") for k in diff) else ()
+
+
 def _canon(pred: CkptPrediction) -> dict[str, str]:
     """Every name of a Parameter that has several -> its first name."""
     return {a: group[0] for group in pred.tied for a in group}
@@ -113,7 +120,7 @@ def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
     other names)."""
     head, sep, rest = error.partition(": rank ")
     if head != "CheckpointException" or not sep:
-        return ()
+        return _optim_conversion_tags(error, aliases)
     inner = rest.partition(": ")[2]
     itype, _, msg = inner.partition(": ")
     tags = [f"cause:{itype}"]
@@ -138,6 +145,19 @@ def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
     if fqn is not None and fqn in aliases:
         tags.append("key:alias")
     return tuple(tags)
+
+
+def _optim_conversion_tags(error: str, aliases) -> tuple[str, ...]:
+    """FSDP1's optimizer state dict (use_orig_params=True) looks each of a
+    unit's parameters up by its name inside the unit: 'RuntimeError: <FQN> is
+    not in the optimizer state. The FSDPParamInfo has the param keys ...'.
+    cause:not-in-optim-state, and key:alias when that FQN is not the
+    Parameter's first name."""
+    itype, _, msg = error.partition(": ")
+    fqn, sep, _ = msg.partition(" is not in the optimizer state")
+    if itype != "RuntimeError" or not sep or " " in fqn:
+        return ()
+    return ("cause:not-in-optim-state", *(("key:alias",) if fqn in aliases else ()))
 
 
 @invariant(
@@ -229,7 +249,7 @@ def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) ->
     if obs.model_diff:
         out.append(_v("CKPT-RESHARD", f"model values of {list(obs.model_diff)[:8]} differ from the saved ones", tags, "kind:model"))
     if obs.optim_diff:
-        out.append(_v("CKPT-RESHARD", f"optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:optim"))
+        out.append(_v("CKPT-RESHARD", f"optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:optim", *_diff_tags(obs.optim_diff)))
     if obs.groups_diff:
         renamed = [f"group {i}: {list(got)} for the saved {list(want)}" for i, got, want in obs.groups_params]
         out.append(_v("CKPT-RESHARD", f"param_groups differ from the saved: {list(obs.groups_diff)}" + (f" ({'; '.join(renamed)})" if renamed else ""),
@@ -280,7 +300,7 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     if obs.optim_ref_diff:
         out.append(_v("OPTIM-STATE", f"saved optimizer state {list(obs.optim_ref_diff)[:8]} differs from single-process training's", tags, "kind:state-value"))
     if obs.optim_diff:
-        out.append(_v("OPTIM-STATE", f"loaded optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:state-changed"))
+        out.append(_v("OPTIM-STATE", f"loaded optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:state-changed", *_diff_tags(obs.optim_diff)))
     if obs.resume_ref_diff:
         out.append(_v("OPTIM-STATE", f"after the resume {list(obs.resume_ref_diff)[:8]} differ from single-process training", tags, "kind:resume-reference"))
     if obs.resume_cont_diff:

@@ -35,6 +35,11 @@ class CkptPrediction:
     optim_empty_at_save: bool = False
     # every parameter frozen in the first step (no backward), some unfrozen after it
     nothing_trains_first: bool = False
+    # the load side is FSDP1 with flat parameters (use_orig_params=False) and
+    # one of its units holds parameters that trained different numbers of
+    # steps before the save (Adam's per-parameter "step" differs within a
+    # flat parameter, which has one)
+    uneven_steps_in_load_unit: bool = False
 
 
 @functools.lru_cache(maxsize=512)
@@ -70,7 +75,29 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
         untrained_at_save=tuple(sorted(g.param_fqn[p] for p in untrained)),
         optim_empty_at_save=untrained == set(ids) and bool(set(ids) - at_save),
         nothing_trains_first=initial == set(ids) and bool(ck.refreeze),
+        uneven_steps_in_load_unit=_uneven_steps_in_load_unit(spec, g, initial, at_save, at_load),
     )
+
+
+def _uneven_steps_in_load_unit(spec: CaseSpec, g: ModelGraph, initial: set[str], at_save: set[str], at_load: set[str]) -> bool:
+    """Step 0 trains what the tree leaves trainable, steps 1.. what is
+    trainable at the save: does an FSDP1 flat-parameter unit of the load plan
+    hold parameters with different (non-zero) step counts?"""
+    from conformance.oracle.fsdp1 import predict_fsdp1
+
+    ck = spec.ckpt
+    load = ck.load_plan or spec.plan
+    if load.api != "fsdp1" or load.use_orig_params:
+        return False
+    steps = {pid: (pid not in initial) + (ck.steps - 1) * (pid not in at_save) for _, pid in g.named_parameters()}
+    p1 = predict_fsdp1(dataclasses.replace(spec, plan=load, tree=with_frozen(spec.tree, frozenset(at_load)), ckpt=None))
+    if p1.error is not None:
+        return False
+    for u in p1.units:
+        counts = {steps[g.resolve_param(f)] for f in u.managed} - {0}
+        if len(counts) > 1:
+            return True
+    return False
 
 
 def _chunks(n: int, world: int) -> tuple[bool, bool]:

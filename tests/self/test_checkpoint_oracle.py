@@ -197,6 +197,21 @@ def test_the_key_a_checkpoint_exception_names(message, tags):
     assert {t for t in got if t.startswith("key:")} == tags
 
 
+@pytest.mark.parametrize("error,tags", [
+    # FSDP1's optimizer state dict misses a unit's parameter under its name in the unit
+    ("RuntimeError: block1.shared0.weight is not in the optimizer state. The FSDPParamInfo has the param keys "
+     "['block1.shared0.weight', 'block1.weight'] while the optimizer has the param keys ['block1.weight'].",
+     {"cause:not-in-optim-state", "key:alias"}),
+    ("RuntimeError: proj0.weight is not in the optimizer state. The FSDPParamInfo has ...", {"cause:not-in-optim-state"}),
+    ("AssertionError: block1.shared0.weight is not in the optimizer state.", set()),
+    ("RuntimeError: the parameter is not in the optimizer state", set()),
+])
+def test_fsdp1_optim_state_conversion_error_tags(error, tags):
+    from conformance.invariants.checkpoint import cause_tags
+
+    assert set(cause_tags(error, {"block1.tied0", "block1.shared0.weight"})) == tags
+
+
 @pytest.mark.parametrize("loaded,saved,renamed", [
     (("block1.shared0.weight",), ("proj0.weight",), True),  # the same Parameter under its unit's name
     (("block1.shared0.weight",), ("other.weight",), False),
@@ -215,3 +230,40 @@ def test_param_groups_renamed_alias_tag(loaded, saved, renamed):
     [v] = check_reshard(spec, predict_ckpt(spec), obs)
     assert "kind:param-groups" in v.tags and ("params:renamed-alias" in v.tags) == renamed
     assert str(list(saved)) in v.message
+
+
+def _two_linears(ckpt: CheckpointPlan) -> CaseSpec:
+    tree = ModuleSpec("", "Model", children=(
+        ModuleSpec("proj0", "Linear", (ParamSpec("weight", (4, 4)),)),
+        ModuleSpec("proj1", "Linear", (ParamSpec("weight", (4, 4)),)),
+    ))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp2"), ckpt=ckpt)
+
+
+@pytest.mark.parametrize("ckpt,uneven", [
+    # proj0 frozen after the first of two steps: steps 1 and 2 in one flat parameter
+    (CheckpointPlan(steps=2, refreeze=("proj0.weight",), load_frozen=(), load_plan=WrapPlan(api="fsdp1")), True),
+    # use_orig_params=True: each parameter keeps its own step
+    (CheckpointPlan(steps=2, refreeze=("proj0.weight",), load_frozen=(), load_plan=WrapPlan(api="fsdp1", use_orig_params=True)), False),
+    # one step: proj0 trained it too (1 and 1)
+    (CheckpointPlan(steps=1, refreeze=("proj0.weight",), load_frozen=(), load_plan=WrapPlan(api="fsdp1")), False),
+    # every parameter trained every step
+    (CheckpointPlan(steps=3, load_plan=WrapPlan(api="fsdp1")), False),
+    # loaded under FSDP2: per-parameter state
+    (CheckpointPlan(steps=2, refreeze=("proj0.weight",), load_frozen=()), False),
+], ids=["flat-uneven", "orig-params", "one-step", "even", "fsdp2-load"])
+def test_uneven_steps_in_a_load_unit(ckpt, uneven):
+    spec = _two_linears(ckpt)
+    pred = predict_ckpt(spec)
+    assert pred.uneven_steps_in_load_unit is uneven
+    assert ("load-unit:uneven-steps" in case_tags(spec, pred)) is uneven
+
+
+def test_uneven_steps_in_separate_units_are_not_merged():
+    """ModuleWrapPolicy({Linear}): proj0 and proj1 are units of their own, each
+    flat parameter has one step count."""
+    from conformance.spec import ModuleWrap
+
+    spec = _two_linears(CheckpointPlan(steps=2, refreeze=("proj0.weight",), load_frozen=(),
+                                       load_plan=WrapPlan(api="fsdp1", policy=ModuleWrap(classes=("Linear",)))))
+    assert predict_ckpt(spec).uneven_steps_in_load_unit is False
