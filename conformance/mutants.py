@@ -436,7 +436,6 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
 SURVIVOR_NOTES: dict[str, str] = {
     "fsdp1-custom-policy-wraps-ignored": "survived 60 examples per test; killed by WRAP-UNITS (fake) with 100 examples per test (run0-part.json): it needs a CustomWrap target inside an ignored module, which the strategies draw rarely",
     "fsdp1-post-order-apply-revisits-shared": "survived 60 examples per test; killed by WRAP-UNITS (gloo) with 100 examples per test (run0-part.json): it needs a shared module under two wrapped parents with an object policy, which the strategies draw rarely",
-    "fwd-post-forward-state-not-reset": "not caught (analysis, read from torch 2.13's _fsdp_state.py, not verified by a case): the state left in FORWARD matters only for a second forward before any backward (backward's final callback resets it to IDLE); that forward skips _root_pre_forward, which on CPU does only stream waits and claims iter_forward_root, so a nested state claims it instead and the root's post-forward no longer force-completes groups whose forward ran only some of their modules (a fully_shard([a, b]) group whose b a forward skips). Killing it needs such a partially run list group called twice without backward, and FWD-RESHARD predicting a list group's state after a call; neither exists yet",
 }
 
 

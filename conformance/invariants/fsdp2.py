@@ -47,7 +47,7 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         # a call whose first FSDP group is a list group it runs only in part
         # (fsdp2-list-group-partial-call-stays-unsharded)
         tags.add("group:multi-partial-root")
-    fsdp = set(pred.fsdp_modules)
+    fsdp = set(pred.fsdp_paths)  # every name of those modules
     if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
         from conformance.targets import methods_calling_forward
 

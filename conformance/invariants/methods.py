@@ -162,8 +162,9 @@ def check_reshard(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) 
                 g = pred.groups[gi]
                 where = ", ".join(m or "<root>" for m in g.modules)
                 kind = "kind:not-resharded" if want else "kind:resharded"
+                gtags = {f"group-reshard:{str(g.reshard).lower()}"} | ({"group-kind:multi"} if len(g.modules) > 1 else set())
                 out.append(
-                    _v("FWD-RESHARD", f"after call {c.index} (method {c.method}) group [{where}] (reshard_after_forward={g.reshard}) is {got}", tags | {f"group-reshard:{str(g.reshard).lower()}"}, kind)
+                    _v("FWD-RESHARD", f"after call {c.index} (method {c.method}) group [{where}] (reshard_after_forward={g.reshard}) is {got}", tags | gtags, kind)
                 )
     return out
 
@@ -180,7 +181,7 @@ def check_noop(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> 
     if pred.supported or obs.wrap_error:
         return []
     base = case_tags(spec, pred)
-    fsdp = set(pred.fsdp_modules)
+    fsdp = set(pred.fsdp_paths)  # every name: a method's module may be a shared module's other path
     out = []
     for r in obs.registrations:
         m = spec.methods[r.method]
@@ -208,7 +209,7 @@ def check_missing(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) 
     if pred.supported or obs.wrap_error:
         return []
     base = case_tags(spec, pred)
-    fsdp = set(pred.fsdp_modules)
+    fsdp = set(pred.fsdp_paths)  # every name: a method's module may be a shared module's other path
     out = []
     for path, _, err in obs.missing:
         if path in fsdp and err != "ValueError":

@@ -89,6 +89,9 @@ class FSDP2Prediction:
     frozen: tuple[str, ...]
     tied: tuple[tuple[str, tuple[str, ...]], ...]  # canonical FQN -> its aliases (2+)
     fsdp_modules: tuple[str, ...]  # canonical paths of every module fully_shard was given
+    # every path of those modules (a shared module's other names too): a
+    # method's module, as the spec names it, is an FSDP module if its path is here
+    fsdp_paths: tuple[str, ...] = ()
     # modules given to fully_shard after an earlier call's group already took
     # them in (not bottom-up: a list group that straddles an earlier group)
     resharded: tuple[str, ...] = ()
@@ -235,6 +238,7 @@ def fsdp2_prediction(
         frozen=tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid)),
         tied=tuple(tied),
         fsdp_modules=tuple(m for grp in groups for m in grp.modules),
+        fsdp_paths=tuple(p for grp in order for nid in grp.modules for p in (g.module_aliases(nid) or [g.module_path[nid]])),
         resharded=tuple(g.module_path[m] for m in resharded),
         shared_modules=g.shared_modules(),
         backward_promised=not _reads_other_groups(methods, calls, g, order, owner),
@@ -463,7 +467,7 @@ def _simulate(methods, calls, g: ModelGraph, order, groups, owner, opaque: bool 
                     nested=sim.nested,
                     reads=tuple(reads),
                     in_promise=sim.ok,
-                    sharded_after=tuple(None if i in sim.multi or i in sim.empty else sim.sharded[i] for i in range(len(groups))),
+                    sharded_after=tuple(None if i in sim.empty else sim.sharded[i] for i in range(len(groups))),
                     root_group_partial=sim.root_group_partial,
                 )
             )

@@ -170,6 +170,23 @@ def never_reshard():
     return mock.patch.object(group.FSDPParamGroup, "reshard", reshard)
 
 
+@fault("post-forward-state-not-reset")
+def post_forward_state_not_reset():
+    """FSDPState._post_forward leaves the state in FORWARD (the mutant
+    fwd-post-forward-state-not-reset): until backward, a later forward or
+    registered method skips the root pre-forward, claims no iteration root,
+    and nothing completes a list group it runs in part."""
+    *_, state, _ = _fsdp()
+    orig = state.FSDPState._post_forward
+
+    def post_forward(self, module, input, output):
+        out = orig(self, module, input, output)
+        self._training_state = state.TrainingState.FORWARD
+        return out
+
+    return mock.patch.object(state.FSDPState, "_post_forward", post_forward)
+
+
 @fault("nested-groups-stay-sharded")
 @contextlib.contextmanager
 def nested_groups_stay_sharded():

@@ -81,6 +81,9 @@ STRUCTURAL = [
     ("FSDP2-TIES", "no-duplicate-check", "kind:duplicated", {"groups": (ShardGroup(("embed",), True),)}),
     ("FWD-ALLGATHER", "register-without-hooks", "kind:entry-sharded", {}),
     ("FWD-RESHARD", "never-reshard", "kind:not-resharded", {}),
+    # a list group that generate() (after a forward, before backward) runs in part
+    ("FWD-RESHARD", "post-forward-state-not-reset", "kind:not-resharded",
+     {"groups": (ShardGroup(("block", "note"), True),), "calls": (MethodCall(-1), MethodCall(0))}),
     ("FWD-NOOP", "register-non-fsdp-too", "kind:patched", {}),
     ("FWD-MISSING", "register-ignores-missing", "kind:no-error", {}),
     ("FWD-NESTED", "nested-groups-stay-sharded", "kind:raised", {}),

@@ -94,3 +94,46 @@ def test_gradients_are_promised_only_through_a_methods_own_group():
     assert not predict_fsdp2(spec, "2.13.0").backward_promised
     own = dataclasses.replace(spec, methods=tuple(dataclasses.replace(m, steps=tuple(s for s in m.steps if s.op != "param")) for m in spec.methods))
     assert predict_fsdp2(own, "2.13.0").backward_promised
+
+
+def _shared_group_case(register: bool) -> CaseSpec:
+    """b is registered first as a.shared0 (a comes first), then as b; the
+    plan names its group by the second path, and so does the method."""
+    from conformance.spec import ClassSpec, ModuleSpec, ParamSpec, SharedModule, WrapPlan
+
+    tree = ModuleSpec("", "Model", children=(
+        ModuleSpec("a", "Block", (ParamSpec("w", (3,)),)),
+        ModuleSpec("b", "Block", (ParamSpec("w", (3,)),)),
+    ))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), shared=(SharedModule("a", "shared0", "b"),),
+                    plan=WrapPlan(api="fsdp2", groups=(ShardGroup(("b",), True),)),
+                    methods=(ForwardMethod("b", "score", (MethodStep("param", "w"),), register=register),),
+                    calls=(MethodCall(-1), MethodCall(0)))
+
+
+def test_a_shared_fsdp_module_is_one_under_each_of_its_names(fake_engine):
+    """FWD-NOOP read 'registering score on non-FSDP module b patched it' (seed
+    3): the group's canonical path is a.shared0, the method names it b."""
+    from conformance.runner import PASS, check_case
+
+    spec = _shared_group_case(register=True)
+    pred = predict_fsdp2(spec, "2.13.0")
+    assert "a.shared0" in pred.fsdp_modules and "b" not in pred.fsdp_modules
+    assert {"a.shared0", "b"} <= set(pred.fsdp_paths)
+    for inv in ("FWD-NOOP", "FWD-MISSING"):
+        res = check_case(inv, spec, fake_engine)
+        assert res.verdict == PASS, res.describe()
+
+
+def test_list_group_after_a_method_that_runs_it_in_part():
+    """generate() (after a forward, before backward) runs block but not note,
+    of the list group [block, note]: the method's root post-forward completes
+    the group, so it is predicted sharded after the call (the mutant
+    fwd-post-forward-state-not-reset left it unsharded); inside the method
+    call, block is unsharded."""
+    spec = lm(groups=(ShardGroup(("block", "note"), True),), calls=(MethodCall(-1), MethodCall(0)))
+    pred = predict_fsdp2(spec, "2.13.0")
+    gi = pred.group_index("block")
+    assert pred.groups[gi].modules == ("block", "note")
+    assert [c.sharded_after[gi] for c in pred.calls] == [True, True]
+    assert not any(c.root_group_partial for c in pred.calls)
