@@ -15,6 +15,14 @@ last). Expected (set_model_state_dict docstring: loads a full state dict, as
 state_dict() gives one, into an FSDP model): the values loaded, the module
 still shared, the tie kept.
 
+With broadcast_from_rank0=True and a shared module that holds only a buffer
+(BufferHolder, shown after the first three), the ranks diverge: rank 0 loads,
+every other rank raises 'Missing key(s) in state_dict: "shared.running"' (the
+broadcast walks the same deduplicated state dict, so the other ranks never
+get the second name). A job that catches nothing then hangs in its next
+collective on rank 0; the suite saw that hang (seed 2601, 3 ranks). Run it
+with 2 ranks to see the divergence.
+
 Run: python fsdp2-set-model-state-dict-shared-module.py   (one gloo rank), or
      torchrun --nproc-per-node 2 fsdp2-set-model-state-dict-shared-module.py
 """
@@ -59,6 +67,33 @@ class TiedAcrossModules(nn.Module):  # for contrast: loads
         return self.b(self.a(x))
 
 
+class BufferHolder(nn.Module):  # a shared module with a buffer and no parameter
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.stats = nn.Module()
+        self.stats.register_buffer("running", torch.zeros(4))
+        self.shared = self.stats
+
+    def forward(self, x):
+        return self.proj(x) + self.shared.running
+
+
+def load_broadcast(cls):
+    torch.manual_seed(1)
+    full = {k: v.clone() for k, v in cls().state_dict().items()}
+    model = cls()
+    fully_shard(model)
+    rank = dist.get_rank()
+    try:
+        set_model_state_dict(model, dict(full) if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        got = "loaded"
+    except Exception as e:
+        got = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    print(f"rank {rank}: {cls.__name__} (broadcast_from_rank0): {got}", flush=True)
+
+
 def load(cls):
     torch.manual_seed(1)
     full = {k: v.clone() for k, v in cls().state_dict().items()}
@@ -83,7 +118,9 @@ def main():
     dist.init_process_group("gloo")
     for cls in (Model, TiedInOneModule, TiedAcrossModules):
         load(cls)
-    dist.destroy_process_group()
+    load_broadcast(BufferHolder)
+    dist.barrier()
+    os._exit(0)  # every rank leaves here: no gloo teardown
 
 
 if __name__ == "__main__":

@@ -267,3 +267,20 @@ def test_uneven_steps_in_separate_units_are_not_merged():
     spec = _two_linears(CheckpointPlan(steps=2, refreeze=("proj0.weight",), load_frozen=(),
                                        load_plan=WrapPlan(api="fsdp1", policy=ModuleWrap(classes=("Linear",)))))
     assert predict_ckpt(spec).uneven_steps_in_load_unit is False
+
+
+def test_a_diverged_reference_is_not_compared_after_the_resume():
+    """Seed 2601: squared loss through a chain of Linears reaches 4.7e18
+    after four SGD steps; the resumed run on 3 ranks and the reference then
+    differ by 1% from summation order alone. The resume comparison is
+    skipped once the reference's parameters leave DIVERGED times their
+    initial size or stop being finite; a bounded reference is compared."""
+    import torch
+
+    from conformance.adapters.checkpoint import _diverged
+
+    spec = _two_linears(CheckpointPlan(steps=2))
+    ok = {"proj0.weight": torch.full((4, 4), 3.0), "proj1.weight": torch.zeros(4, 4)}
+    assert not _diverged(spec, ok)
+    assert _diverged(spec, {**ok, "proj1.weight": torch.full((4, 4), 4.7e18)})
+    assert _diverged(spec, {**ok, "proj0.weight": torch.full((4, 4), float("nan"))})
