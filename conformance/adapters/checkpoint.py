@@ -124,11 +124,17 @@ def wrap(spec: CaseSpec, built, meta_init: bool = False) -> nn.Module:
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     # every parameter, frozen ones included: a parameter that trains later
     # (or trained before) keeps its place and its state
+    # eps: Adam is scale-free, so a gradient that is zero in exact arithmetic
+    # but rounding noise (a LayerNorm weight under a mean: seed 2602, as seed
+    # 66 for PARITY) would move its parameter by a whole lr in a direction the
+    # summation order picks; see conformance.adapters.training.ADAM_EPS
+    from conformance.adapters.training import ADAM_EPS
+
     params = list(params)
     if name == "Adam":
-        return torch.optim.Adam(params, lr=LR)
+        return torch.optim.Adam(params, lr=LR, eps=ADAM_EPS)
     if name == "AdamW":
-        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 

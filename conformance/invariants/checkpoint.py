@@ -53,6 +53,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("nothing-trains-first")
         if pred.uneven_steps_in_load_unit:
             tags.add("load-unit:uneven-steps")
+        if pred.fsdp1_paramless_root:
+            tags.add("root-unit:no-params")
         if pred.frozen:
             tags.add("frozen")
         if pred.mask_changes:
@@ -181,7 +183,9 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
     for o in obs:
         if pred.rank0_only and o.rank != 0:
             if o.keys:
-                out.append(_v("SD-FULL", f"rank {o.rank} got {len(o.keys)} keys, expected an empty dict", tags, "kind:nonzero-rank-keys"))
+                # keys:buffers-only: the rank got only buffers, no parameter
+                only = ("keys:buffers-only",) if set(o.keys) <= set(pred.buffers) else ()
+                out.append(_v("SD-FULL", f"rank {o.rank} got {len(o.keys)} keys, expected an empty dict: {sorted(o.keys)[:6]}", tags, "kind:nonzero-rank-keys", *only))
             continue
         got = set(o.keys)
         if got != want:

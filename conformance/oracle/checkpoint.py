@@ -40,6 +40,9 @@ class CkptPrediction:
     # steps before the save (Adam's per-parameter "step" differs within a
     # flat parameter, which has one)
     uneven_steps_in_load_unit: bool = False
+    # the save plan is FSDP1 and its root unit manages no parameter (every
+    # parameter in a child unit); its buffers are the root's alone
+    fsdp1_paramless_root: bool = False
 
 
 @functools.lru_cache(maxsize=512)
@@ -76,7 +79,17 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
         optim_empty_at_save=untrained == set(ids) and bool(set(ids) - at_save),
         nothing_trains_first=initial == set(ids) and bool(ck.refreeze),
         uneven_steps_in_load_unit=_uneven_steps_in_load_unit(spec, g, initial, at_save, at_load),
+        fsdp1_paramless_root=_fsdp1_paramless_root(spec),
     )
+
+
+def _fsdp1_paramless_root(spec: CaseSpec) -> bool:
+    from conformance.oracle.fsdp1 import predict_fsdp1
+
+    if spec.plan.api != "fsdp1":
+        return False
+    p1 = predict_fsdp1(dataclasses.replace(spec, ckpt=None))
+    return p1.error is None and any(u.path == "" and not u.managed for u in p1.units)
 
 
 def _uneven_steps_in_load_unit(spec: CaseSpec, g: ModelGraph, initial: set[str], at_save: set[str], at_load: set[str]) -> bool:

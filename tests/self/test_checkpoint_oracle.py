@@ -284,3 +284,28 @@ def test_a_diverged_reference_is_not_compared_after_the_resume():
     assert not _diverged(spec, ok)
     assert _diverged(spec, {**ok, "proj1.weight": torch.full((4, 4), 4.7e18)})
     assert _diverged(spec, {**ok, "proj0.weight": torch.full((4, 4), float("nan"))})
+
+
+def test_paramless_fsdp1_root_and_buffers_only_keys():
+    """root-unit:no-params: every parameter in a child unit (seed 2602); a
+    non-zero rank holding only buffers is tagged keys:buffers-only, one that
+    holds a parameter is not (fsdp1-rank0-only-no-shard-unit-keys)."""
+    from conformance.invariants.checkpoint import check_full
+    from conformance.observations.checkpoint import CkptObservation
+    from conformance.spec import BufferSpec, ModuleWrap
+
+    tree = ModuleSpec("", "Model", buffers=(BufferSpec("running", (1,)),), children=(
+        ModuleSpec("proj0", "Linear", (ParamSpec("weight", (2, 2)),)),))
+    ck = CheckpointPlan(full_sd="fsdp1-full", rank0_only=True)
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp1", policy=ModuleWrap(("Linear",))), ckpt=ck)
+    pred = predict_ckpt(spec)
+    assert pred.fsdp1_paramless_root and "root-unit:no-params" in case_tags(spec, pred)
+    root_only = dataclasses.replace(spec, plan=WrapPlan(api="fsdp1"))
+    assert not predict_ckpt(root_only).fsdp1_paramless_root
+    obs = [CkptObservation(kind="sd-full", api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="x", keys=keys)
+           for r, keys in ((0, ("proj0.weight", "running")), (1, ("running",)))]
+    [v] = check_full(spec, pred, obs)
+    assert {"kind:nonzero-rank-keys", "keys:buffers-only"} <= v.tags
+    obs[1] = dataclasses.replace(obs[1], keys=("proj0.weight", "running"))
+    [v] = check_full(spec, pred, obs)
+    assert "kind:nonzero-rank-keys" in v.tags and "keys:buffers-only" not in v.tags

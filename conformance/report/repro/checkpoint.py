@@ -46,9 +46,9 @@ def full(t):
 def optimizer(params):
     params = list(params)
     if OPTIMIZER == "Adam":
-        return torch.optim.Adam(params, lr=0.05)
+        return torch.optim.Adam(params, lr=0.05, eps=1e-3)
     if OPTIMIZER == "AdamW":
-        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, eps=1e-3)
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
