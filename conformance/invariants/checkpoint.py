@@ -37,6 +37,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
         tags.add("tie")
     if spec.shared:
         tags.add("shared-module")
+    if _tie_in_unresharded_list_group(spec):
+        tags.add("group:multi-no-reshard-tie-reversed")
     if _container_given_to_fully_shard(spec, load):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if pred is not None:
@@ -55,6 +57,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("load-unit:uneven-steps")
         if pred.fsdp1_paramless_root:
             tags.add("root-unit:no-params")
+        if pred.no_backward_before_save:
+            tags.add("no-backward-before-save")
         if pred.frozen:
             tags.add("frozen")
         if pred.mask_changes:
@@ -71,6 +75,30 @@ def _container_given_to_fully_shard(spec: CaseSpec, load) -> bool:
     from conformance.invariants.training import _container_given_to_fully_shard as given
 
     return any(p.api == "fsdp2" and given(dataclasses.replace(spec, plan=p)) for p in (spec.plan, load))
+
+
+def _tie_in_unresharded_list_group(spec: CaseSpec) -> bool:
+    """The save plan's fully_shard([b, a, ...], reshard_after_forward=False),
+    its modules listed out of registration order, holds both ends of a tied
+    Parameter (fsdp2-tied-list-group-unsharded-save-segfault)."""
+    if spec.plan.api != "fsdp2":
+        return False
+
+    def under(path: str, mods) -> bool:
+        return any(path == m or path.startswith(m + ".") or m == "" for m in mods)
+
+    from conformance.spec import walk
+
+    order = {path: i for i, (path, _) in enumerate(walk(spec.tree))}
+    for g in spec.plan.groups:
+        if len(g.modules) > 1 and g.reshard_after_forward is False:
+            listed = [order.get(m, -1) for m in g.modules]
+            if listed == sorted(listed):
+                continue  # given in registration order: saves (checked, torch 2.13.0)
+            for t in spec.ties:
+                if under(t.module, g.modules) and under(t.source.rpartition(".")[0], g.modules):
+                    return True
+    return False
 
 
 def _v(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
@@ -312,5 +340,13 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     return out
 
 
+def _engine_failure_tags(spec: CaseSpec) -> set[str]:
+    """A HANG or CRASH of a checkpoint example: the case's tags, the
+    oracle's facts included."""
+    from conformance.oracle.checkpoint import predict_ckpt
+
+    return case_tags(spec, predict_ckpt(spec))
+
+
 for _id in ("SD-FULL", "TIES-KEPT", "CKPT-RESHARD", "OPTIM-STATE"):
-    ENGINE_FAILURE_TAGS[_id] = case_tags
+    ENGINE_FAILURE_TAGS[_id] = _engine_failure_tags

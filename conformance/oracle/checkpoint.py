@@ -43,6 +43,9 @@ class CkptPrediction:
     # the save plan is FSDP1 and its root unit manages no parameter (every
     # parameter in a child unit); its buffers are the root's alone
     fsdp1_paramless_root: bool = False
+    # every parameter is frozen in the last step before the save: its forward
+    # runs no backward, so reshard_after_forward=False groups stay unsharded
+    no_backward_before_save: bool = False
 
 
 @functools.lru_cache(maxsize=512)
@@ -80,6 +83,7 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
         nothing_trains_first=initial == set(ids) and bool(ck.refreeze),
         uneven_steps_in_load_unit=_uneven_steps_in_load_unit(spec, g, initial, at_save, at_load),
         fsdp1_paramless_root=_fsdp1_paramless_root(spec),
+        no_backward_before_save=(initial if ck.steps == 1 else at_save) >= set(ids),
     )
 
 

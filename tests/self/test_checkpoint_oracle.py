@@ -309,3 +309,29 @@ def test_paramless_fsdp1_root_and_buffers_only_keys():
     obs[1] = dataclasses.replace(obs[1], keys=("proj0.weight", "running"))
     [v] = check_full(spec, pred, obs)
     assert "kind:nonzero-rank-keys" in v.tags and "keys:buffers-only" not in v.tags
+
+
+@pytest.mark.parametrize("order,reversed_", [(("3", "2"), True), (("2", "3"), False)])
+def test_a_crash_of_a_tied_reversed_list_group_save_is_known(order, reversed_):
+    """Seed 2607: everything frozen, fully_shard(['3', '2'],
+    reshard_after_forward=False) holding 2.weight = 3.weight; the save's rank
+    died (SIGSEGV). The engine CRASH is matched on the case's tags (the
+    oracle's included); listed in registration order it is not this finding."""
+    import torch
+
+    from conformance import known
+    from conformance.invariants.checkpoint import _engine_failure_tags
+    from conformance.spec import ShardGroup
+    from conformance.violation import Violation
+
+    tree = ModuleSpec("", "ModelSeq", children=tuple(ModuleSpec(str(i), "Linear", (ParamSpec("weight", (7, 7), False),)) for i in range(4)))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("ModelSeq", "Sequential"),), ties=(TiedParam("2", "weight", "3.weight"),),
+                    plan=WrapPlan(api="fsdp2", groups=(ShardGroup(order, False),)), ckpt=CheckpointPlan(steps=1))
+    tags = _engine_failure_tags(spec)
+    assert ("group:multi-no-reshard-tie-reversed" in tags) is reversed_ and "no-backward-before-save" in tags
+    v = Violation("CKPT-RESHARD", "CRASH: rank 1 killed by signal 11", frozenset(tags | {"kind:crash"}))
+    entry = next(e for e in known.load() if e.id == "fsdp2-tied-list-group-unsharded-save-segfault")
+    if not known._in_range(torch.__version__, entry.torch):
+        pytest.skip(f"recorded for torch {entry.torch}")
+    k = known.match(v, known.load(), torch.__version__)
+    assert (k is not None and k.id == entry.id) is reversed_
