@@ -542,11 +542,10 @@ def _diverged(spec: CaseSpec, ref_values: dict[str, torch.Tensor]) -> bool:
 
     initial = placed(build(spec)).model
     for f, v in ref_values.items():
-        v = v.float()
+        v, start = v.float(), read_attr(initial, f).detach().float()
         if not bool(torch.isfinite(v).all()):
             return True
-        start = read_attr(initial, f).detach().float().abs().max().item() if read_attr(initial, f).numel() else 0.0
-        if v.numel() and v.abs().max().item() > DIVERGED * max(start, 1.0):
+        if v.numel() and v.abs().max().item() > DIVERGED * max(start.abs().max().item() if start.numel() else 0.0, 1.0):
             return True
     return False
 

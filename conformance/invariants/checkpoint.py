@@ -8,7 +8,7 @@ from __future__ import annotations
 from conformance.invariants.catalog import ENGINE_FAILURE_TAGS, invariant
 from conformance.observations.checkpoint import CkptObservation
 from conformance.oracle.checkpoint import CkptPrediction
-from conformance.spec import CaseSpec
+from conformance.spec import CaseSpec, walk
 from conformance.violation import Violation, set_diff
 
 DOC_DCP_SD = "torch.distributed.checkpoint.state_dict: StateDictOptions, get_model_state_dict / get_optimizer_state_dict / set_state_dict docstrings"
@@ -86,8 +86,6 @@ def _tie_in_unresharded_list_group(spec: CaseSpec) -> bool:
 
     def under(path: str, mods) -> bool:
         return any(path == m or path.startswith(m + ".") or m == "" for m in mods)
-
-    from conformance.spec import walk
 
     order = {path: i for i, (path, _) in enumerate(walk(spec.tree))}
     for g in spec.plan.groups:

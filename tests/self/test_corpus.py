@@ -51,11 +51,15 @@ def test_the_conformance_tests_check_every_corpus_case():
     assert not missing, f"corpus cases no conformance test runs: {missing}"
 
 
-@pytest.mark.parametrize("case", [c for c in corpus.load() if c.tier == "fake" and c.finding], ids=lambda c: c.name)
-def test_a_corpus_case_reproduces_its_finding(case, fake_engine):
+def _skip_outside_its_range(case) -> None:
     k = next(k for k in known.load() if k.id == case.finding)
     if not known._in_range(torch.__version__, k.torch):
         pytest.skip(f"{k.id} is recorded for torch {k.torch}, not {torch.__version__}")
+
+
+@pytest.mark.parametrize("case", [c for c in corpus.load() if c.tier == "fake" and c.finding], ids=lambda c: c.name)
+def test_a_corpus_case_reproduces_its_finding(case, fake_engine):
+    _skip_outside_its_range(case)
     res = check_case(case.invariants[0], case.spec, fake_engine)
     assert (res.verdict, case.finding) in {(KNOWN, fid) for _, fid in res.known}, res.describe()
 
@@ -70,6 +74,18 @@ repro = "-"
 invariant = "WRAP-UNITS"
 when = ["kind:missing-unit"]
 """
+
+
+def _synthetic_corpus(tmp_path, monkeypatch, known_text: str, finding: str, spec):
+    """known_failures.toml ``known_text`` and a corpus of one case (for
+    ``finding``, WRAP-UNITS, fake tier) in tmp_path; returns the TOML's path.
+    The caller clears corpus.load's cache when done."""
+    known_path = tmp_path / "known.toml"
+    known_path.write_text(known_text)
+    corpus.write(tmp_path / "corpus", finding, spec, ["WRAP-UNITS"], finding, "fake", "test")
+    monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path / "corpus"))
+    corpus.load.cache_clear()
+    return known_path
 
 
 def _report(session: Session) -> dict:
@@ -87,11 +103,7 @@ def test_a_known_finding_turns_fixed_when_its_deviation_is_patched_away(tmp_path
     the case is KNOWN; once it is patched away, the report says FIXED and
     warns of nothing."""
     spec = cases.two_blocks()
-    known_path = tmp_path / "known.toml"
-    known_path.write_text(SYNTHETIC)
-    corpus.write(tmp_path / "corpus", "synthetic-dropped-unit", spec, ["WRAP-UNITS"], "synthetic-dropped-unit", "fake", "test")
-    monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path / "corpus"))
-    corpus.load.cache_clear()
+    known_path = _synthetic_corpus(tmp_path, monkeypatch, SYNTHETIC, "synthetic-dropped-unit", spec)
     try:
         with monkeypatch.context() as m:
             m.setattr(ModuleWrapPolicy, "_run_policy", _dropping_last_target(ModuleWrapPolicy._run_policy))
@@ -131,11 +143,7 @@ def test_a_corpus_case_stopped_by_another_finding_is_masked_not_fixed(tmp_path, 
     the case no longer isolates its finding (status masked, a warning), and
     no row turns FIXED."""
     spec = cases.two_blocks()
-    known_path = tmp_path / "known.toml"
-    known_path.write_text(MASKING)
-    corpus.write(tmp_path / "corpus", "synthetic-masked", spec, ["WRAP-UNITS"], "synthetic-masked", "fake", "test")
-    monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path / "corpus"))
-    corpus.load.cache_clear()
+    known_path = _synthetic_corpus(tmp_path, monkeypatch, MASKING, "synthetic-masked", spec)
     try:
         monkeypatch.setattr(ModuleWrapPolicy, "_run_policy", _dropping_last_target(ModuleWrapPolicy._run_policy))
         s = Session(known_path=known_path)
@@ -198,9 +206,7 @@ def test_a_rank_corpus_case_reproduces_its_finding_under_each_invariant(case, ra
     fsdp2-frozen-root-forward-leaves-params-unsharded before the save)."""
     from conformance.adapters.checkpoint import missing_api
 
-    k = next(k for k in known.load() if k.id == case.finding)
-    if not known._in_range(torch.__version__, k.torch):
-        pytest.skip(f"{k.id} is recorded for torch {k.torch}, not {torch.__version__}")
+    _skip_outside_its_range(case)
     if getattr(case.spec, "ckpt", None) is not None and missing_api(case.spec):
         pytest.skip(missing_api(case.spec))
     pool, worlds = rank_worlds
