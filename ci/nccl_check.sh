@@ -70,10 +70,10 @@ echo "== suite exit code $rc ($(( $(date +%s) - start )) s)"
 echo "== repro scripts under torchrun --nproc-per-node $WORLD, FSDP_REPRO_BACKEND=$BACKEND"
 "$PY" - "$WORK" <<'EOF'
 import dataclasses, sys
-from conformance.examples import lora_model
+from conformance.case.examples import lora_model
 from conformance.report.repro.fsdp1 import fsdp1_script
 from conformance.report.repro.fsdp2 import fsdp2_script
-from conformance.spec import WrapPlan
+from conformance.case.spec import WrapPlan
 
 spec = lora_model(num_layers=2, dim=8, rank=2, use_orig_params=True)  # wraps (mixed units warn)
 open(f"{sys.argv[1]}/repro_fsdp1.py", "w").write(fsdp1_script(spec, title="nccl check"))

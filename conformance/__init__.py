@@ -23,3 +23,15 @@ def check_model(target: str, **kwargs):
     from conformance.models import check_model as run
 
     return run(target, **kwargs)
+
+
+def __getattr__(name: str):
+    """``conformance.Target`` and ``conformance.MethodCall``, what a model's
+    target module imports (conformance.case.target), loaded on first use: the
+    pytest plugin imports this package in every pytest run, torch-free ones
+    too."""
+    if name in ("Target", "MethodCall"):
+        from conformance.case import target
+
+        return getattr(target, name)
+    raise AttributeError(f"module 'conformance' has no attribute {name!r}")

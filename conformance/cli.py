@@ -174,7 +174,7 @@ def _target_args(targets: list[str] | None) -> list[str]:
     the current directory as `fsdp-conformance model` finds it."""
     if not targets:
         return []
-    from conformance.targets import TargetError, check_target
+    from conformance.case.target import TargetError, check_target
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -297,8 +297,8 @@ def _run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = Fal
 
 
 def _load_spec(path: str):
-    from conformance.model_case import case_from_json
-    from conformance.spec import SpecError
+    from conformance.case.model_case import case_from_json
+    from conformance.case.spec import SpecError
 
     try:
         text = Path(path).read_text()
@@ -313,10 +313,10 @@ def _load_spec(path: str):
 def _valid_case(case):
     """A ModelCase names its target: that target must import and have every
     name the case uses (TargetError: one line, exit 2)."""
-    from conformance.model_case import ModelCase
+    from conformance.case.model_case import ModelCase
 
     if isinstance(case, ModelCase):
-        from conformance.targets import TargetError, check_case
+        from conformance.case.target import TargetError, check_case
 
         try:
             check_case(case)
@@ -329,9 +329,9 @@ def _load_case(path: str, finding_id: str | None):
     """(spec, invariant or None, finding or None) from a CaseSpec JSON, a
     report JSON (with --finding, or its only failing finding), or one finding
     object copied out of a report."""
-    from conformance.model_case import case_from_json
+    from conformance.case.model_case import case_from_json
     from conformance.report import data
-    from conformance.spec import SpecError
+    from conformance.case.spec import SpecError
 
     try:
         text = Path(path).read_text()
@@ -524,7 +524,7 @@ def cmd_bench(ns) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     _need_distributed()
     from conformance.engine.errors import EngineError
-    from conformance.targets import TargetError
+    from conformance.case.target import TargetError
 
     if ns.target and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a user's target, as `fsdp-conformance model` finds it

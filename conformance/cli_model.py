@@ -11,7 +11,7 @@ DEFAULT_REPORT_DIR = "reports/latest-model"
 
 
 def add_parser(sub, usage_error, backends) -> None:
-    m = sub.add_parser("model", help="check a real model: TARGET is 'package.module:attr' naming a conformance.targets.Target")
+    m = sub.add_parser("model", help="check a real model: TARGET is 'package.module:attr' naming a conformance.Target")
     m.add_argument("target", metavar="TARGET")
     m.add_argument("--invariant", action="append", help="invariant ID or area (repeatable); default every one that applies")
     m.add_argument("--profile", default=None, help="dev | ci | thorough: the example budget (default: $FSDP_CONFORMANCE_PROFILE or dev)")
@@ -44,7 +44,7 @@ def _budget(profile: str | None, examples: int | None, usage_error) -> int:
 def cmd_model(ns, usage_error, backends) -> int:
     from conformance import invariants
     from conformance.models import check_model, model_invariants, report
-    from conformance.targets import TargetError
+    from conformance.case.target import TargetError
 
     examples = _budget(ns.profile, ns.examples, usage_error)
     if ns.backend and ns.tiers:

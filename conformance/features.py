@@ -6,8 +6,8 @@ counts them per invariant, so that a profile's reach is measured, not guessed.""
 
 from __future__ import annotations
 
-from conformance.oracle.graph import ModelGraph
-from conformance.spec import CaseSpec
+from conformance.case.graph import ModelGraph
+from conformance.case.spec import CaseSpec
 
 FEATURES = (
     "tie",
@@ -23,7 +23,7 @@ FEATURES = (
 def case_features(spec: CaseSpec, world_size: int) -> list[str]:
     """For a CaseSpec or a ModelCase (a real model's ties and shared modules
     are read off its graph)."""
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     params = [pid for _, pid in g.named_parameters()]

@@ -11,7 +11,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from conformance.violation import Violation
+from conformance.case.violation import Violation
 
 DEFAULT_PATH = Path(__file__).with_name("known_failures.toml")
 # The release matrix (ci/matrix.py) sets this: a known failure then matches at

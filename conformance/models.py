@@ -102,7 +102,7 @@ def check_model(
     from hypothesis import strategies as st
 
     from conformance.session import Session
-    from conformance.targets import check_target
+    from conformance.case.target import check_target
     from strategies.targets import model_cases
 
     check_target(target)

@@ -39,7 +39,7 @@ def pytest_addoption(parser):
     g.addoption("--save-partials", default=None, help="write this run's per-process results to this JSON file (hunt)")
     g.addoption("--prior-partials", action="append", default=None, help="include the results saved by an earlier run (repeatable; hunt)")
     # real models (conformance/suite/test_models.py)
-    g.addoption("--target", action="append", default=None, help="a real model, 'package.module:attr' naming a conformance.targets.Target (repeatable): the suite checks it too")
+    g.addoption("--target", action="append", default=None, help="a real model, 'package.module:attr' naming a conformance.Target (repeatable): the suite checks it too")
 
 
 def requested(config) -> bool:

@@ -9,7 +9,7 @@ model from its own test suite.
 The marker sets the defaults (target, invariants, tiers, examples, seed);
 ``fsdp_model.check(...)`` takes the same keyword arguments to override them
 and returns the conformance.models.ModelRun. A target that cannot be used
-fails the test with one line (conformance.targets.TargetError)."""
+fails the test with one line (conformance.case.target.TargetError)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ _KEYS = ("target", "invariants", "tiers", "examples", "seed", "world_size", "fak
 
 MARKER_DOC = (
     f"{MARKER}(target, invariants=None, tiers=('fake',), examples=5, seed=None): "
-    "the real model (a conformance.targets.Target, 'package.module:attr') the fsdp_model fixture checks"
+    "the real model (a conformance.Target, 'package.module:attr') the fsdp_model fixture checks"
 )
 
 
@@ -44,7 +44,7 @@ class ModelChecker:
             raise TypeError(f"fsdp_model.check() got unknown options {bad}; known: {', '.join(_KEYS)}")
         if not opts.get("target"):
             raise pytest.UsageError(f"fsdp_model: no target; give @pytest.mark.{MARKER}('pkg.module:attr') or check(target=...)")
-        from conformance.targets import TargetError
+        from conformance.case.target import TargetError
 
         tgt = opts.pop("target")
         try:

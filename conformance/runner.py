@@ -12,8 +12,8 @@ from conformance import known as known_mod
 from conformance.invariants import get
 from conformance.observations import Observation
 from conformance.oracle import predict_fsdp1
-from conformance.spec import CaseSpec
-from conformance.violation import Violation
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
 
 PASS, FAIL, KNOWN = "PASS", "FAIL", "KNOWN"
 

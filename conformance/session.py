@@ -15,7 +15,8 @@ from conformance import corpus as corpus_mod
 from conformance import known as known_mod
 from conformance.report.repro import repro_script
 from conformance.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, check_case
-from conformance.spec import CaseSpec, walk
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import walk
 
 EXPECTTEST_HINT = "expected-output snapshots: rerun with EXPECTTEST_ACCEPT=1 to accept new texts"
 
@@ -280,7 +281,7 @@ class Session:
         """A HANG / CRASH that a known failure describes (only for invariants
         that register their case tags for it): recorded KNOWN."""
         from conformance.invariants.catalog import ENGINE_FAILURE_TAGS
-        from conformance.violation import Violation
+        from conformance.case.violation import Violation
 
         tags_of = ENGINE_FAILURE_TAGS.get(invariant)
         if tags_of is None:

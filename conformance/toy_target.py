@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conformance.targets import MethodCall, Target
+from conformance.case.target import MethodCall, Target
 
 VOCAB, DIM, LAYERS, SEQ = 16, 8, 2, 4
 

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.spec import LEAF_TYPES, ClassSpec, ModuleSpec, ParamSpec, join
+from conformance.case.spec import LEAF_TYPES, ClassSpec, ModuleSpec, ParamSpec
+from conformance.case.tree import join
 
 # Prefixes that mark a module as an adapter (LoRA-like): its parameters are the
 # trainable ones under the "adapters" freeze mask.

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 from hypothesis import event, strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 from strategies._common import TreeIndex, check_bool, check_int, check_strategy, ints, pick
 from strategies.freeze import FREEZE_KINDS, apply_freeze_mask, draw_freeze_mask

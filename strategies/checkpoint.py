@@ -13,11 +13,9 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.oracle.checkpoint import predict_ckpt
-from conformance.oracle.graph import ModelGraph
+from conformance.case.graph import ModelGraph
 from conformance.oracle.methods import predict_parity
-from conformance.spec import (
-    CKPT_OPTIMIZERS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan,
-)
+from conformance.case.spec import CKPT_OPTIMIZERS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan
 
 from strategies._common import TreeIndex, check_int, ints, maybe, pick, pick_subset
 from strategies.cases import case_specs

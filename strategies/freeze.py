@@ -7,7 +7,8 @@ from typing import Any, Iterable, Mapping
 from hypothesis import event, strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from conformance.spec import ModuleSpec, ParamSpec, TiedParam, join
+from conformance.case.spec import ModuleSpec, ParamSpec, TiedParam
+from conformance.case.tree import join
 
 from strategies._common import TreeIndex, check_kinds, check_tree, ints, pick, pick_subset
 

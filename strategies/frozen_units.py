@@ -16,7 +16,7 @@ from hypothesis import assume, event, strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from conformance.oracle import predict_fsdp1
-from conformance.spec import CaseSpec, CustomWrap, ModuleWrap
+from conformance.case.spec import CaseSpec, CustomWrap, ModuleWrap
 from strategies._common import check_strategy, pick, pick_subset
 from strategies.cases import case_specs
 from strategies.freeze import apply_freeze_mask

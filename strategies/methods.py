@@ -12,10 +12,9 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.oracle.fsdp2 import TORCH_CONTAINERS, predict_fsdp2
-from conformance.oracle.graph import ModelGraph
-from conformance.spec import (
-    METHOD_NAMES, OPTIMIZERS, CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup, TrainPlan, WrapPlan, join,
-)
+from conformance.case.graph import ModelGraph
+from conformance.case.spec import METHOD_NAMES, OPTIMIZERS, CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup, TrainPlan, WrapPlan
+from conformance.case.tree import join
 
 from strategies._common import TreeIndex, check_bool, check_int, ints, maybe, pick, pick_subset
 from strategies.cases import case_specs

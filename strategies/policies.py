@@ -9,10 +9,8 @@ from hypothesis import event, strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.spec import (
-    CUSTOM_KWARGS, CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, Policy, SharedModule, SizeBasedWrap,
-    TiedParam, TransformerWrap, WrapPlan, join,
-)
+from conformance.case.spec import CUSTOM_KWARGS, CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, Policy, SharedModule, SizeBasedWrap, TiedParam, TransformerWrap, WrapPlan
+from conformance.case.tree import join
 
 from strategies._common import TreeIndex, check_bool, check_kinds, check_strategy, maybe, pick, pick_subset
 
@@ -132,7 +130,7 @@ def _policies(draw: Any, spec: CaseSpec, kinds: tuple) -> Policy | None:
 
 def policies(spec: CaseSpec, *, kinds: Iterable | None = None) -> SearchStrategy[Policy | None]:
     """An auto-wrap policy for ``spec`` (its plan is ignored), of one of
-    ``kinds``: policy classes from conformance.spec and None for no policy
+    ``kinds``: policy classes from conformance.case.spec and None for no policy
     (default: all of them). ModuleWrap / TransformerWrap name 1..3 classes
     of the tree, base classes and torch's own included; CustomWrap names 1..4
     paths, some with kwargs from CUSTOM_KWARGS; LambdaWrap 1..4 paths;

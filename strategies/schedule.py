@@ -14,12 +14,11 @@ from hypothesis import event, strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.oracle.graph import ModelGraph
+from conformance.case.graph import ModelGraph
 from conformance.oracle.methods import predict_parity
 from conformance.oracle.schedule import used_params
-from conformance.spec import (
-    SCHEDULE_OPTIMIZERS, CaseSpec, ForwardMethod, MethodStep, Microbatch, Precision, Schedule, ScheduleStep, walk,
-)
+from conformance.case.spec import SCHEDULE_OPTIMIZERS, CaseSpec, ForwardMethod, MethodStep, Microbatch, Precision, Schedule, ScheduleStep
+from conformance.case.tree import walk
 
 from strategies._common import check_bool, check_int, ints, maybe, pick, pick_subset
 from strategies.cases import case_specs

@@ -15,21 +15,10 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.model_case import ModelCase
+from conformance.case.model_case import ModelCase
 from conformance.oracle.fsdp2 import TORCH_CONTAINERS
-from conformance.spec import (
-    CUSTOM_KWARGS,
-    CustomWrap,
-    ForwardMethod,
-    LambdaWrap,
-    ModuleWrap,
-    ShardGroup,
-    SizeBasedWrap,
-    TrainPlan,
-    TransformerWrap,
-    WrapPlan,
-)
-from conformance.targets import TargetError, base_graph, cached_target
+from conformance.case.spec import CUSTOM_KWARGS, CustomWrap, ForwardMethod, LambdaWrap, ModuleWrap, ShardGroup, SizeBasedWrap, TrainPlan, TransformerWrap, WrapPlan
+from conformance.case.target import TargetError, base_graph, cached_target
 
 from strategies._common import check_kinds, check_strategy
 

@@ -8,7 +8,8 @@ from typing import Any, Iterable
 from hypothesis import event, strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from conformance.spec import ModuleSpec, SharedModule, TiedParam, join
+from conformance.case.spec import ModuleSpec, SharedModule, TiedParam
+from conformance.case.tree import join
 
 from strategies._common import TreeIndex, check_int, check_kinds, check_tree, maybe, pick
 

@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from conformance.spec import BufferSpec, ClassSpec, ModuleSpec, ParamSpec
+from conformance.case.spec import BufferSpec, ClassSpec, ModuleSpec, ParamSpec
 
 from strategies._common import check_int, ints, pick
 

@@ -17,11 +17,12 @@ import torch.nn as nn
 from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err as _err1
-from conformance.build import build, read_attr
+from conformance.case.build import build, read_attr
 from conformance.adapters.support import placed, rank_device
 from conformance.observations.checkpoint import CkptObservation
 from conformance.oracle.checkpoint import with_frozen
-from conformance.spec import CaseSpec, join
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import join
 
 # Resumed training against single-process training: rounding differs (the
 # reduce-scatter averages in another order), as in PARITY.
@@ -171,7 +172,7 @@ def single_process(spec: CaseSpec, *, until_save: bool) -> tuple[nn.Module, torc
 
 def _by_id(spec: CaseSpec) -> dict[str, str]:
     """Parameter id (the spec FQN where it was made) -> canonical FQN."""
-    from conformance.oracle.graph import ModelGraph
+    from conformance.case.graph import ModelGraph
 
     return {pid: fqn for fqn, pid in ModelGraph(spec).named_parameters()}
 
@@ -448,7 +449,8 @@ def save(spec: CaseSpec, dir: str) -> dict:
 
 def _mask(spec: CaseSpec) -> frozenset[str]:
     """The parameters frozen at the save (the tree's mask, refreeze applied)."""
-    from conformance.spec import param_fqns, walk
+    from conformance.case.spec import param_fqns
+    from conformance.case.tree import walk
 
     frozen = {join(path, p.name) for path, m in walk(spec.tree) for p in m.params if not p.requires_grad}
     frozen ^= set(spec.ckpt.refreeze)

@@ -23,10 +23,10 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 
-from conformance.build import Built, build
+from conformance.case.build import Built, build
 from conformance.adapters.support import placed, rank_device
 from conformance.observations import FROZEN_MARK, FrozenMessage, Observation, UnitObservation
-from conformance.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
+from conformance.case.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
 

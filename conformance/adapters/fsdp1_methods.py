@@ -11,10 +11,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from conformance.adapters.fsdp1 import wrap
 from conformance.adapters.fsdp2 import ATOL, RTOL, _err
-from conformance.build import build, call_args, method_callable
+from conformance.case.build import build, call_args, method_callable
 from conformance.adapters.support import placed
 from conformance.observations import CallObservation, FSDP2Observation
-from conformance.spec import CaseSpec, effective_calls
+from conformance.case.spec import CaseSpec, effective_calls
 
 
 def observe(spec: CaseSpec) -> FSDP2Observation:

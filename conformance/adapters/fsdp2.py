@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.adapters.fsdp1 import Aliases
-from conformance.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
+from conformance.case.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
 from conformance.adapters.support import fsdp2_mesh, placed
 from conformance.observations import (
     CallObservation,
@@ -24,8 +24,9 @@ from conformance.observations import (
     RegistrationObservation,
 )
 from conformance.oracle.fsdp2 import shard_order
-from conformance.targets import graph_of
-from conformance.spec import CaseSpec, effective_calls, join
+from conformance.case.target import graph_of
+from conformance.case.spec import CaseSpec, effective_calls
+from conformance.case.tree import join
 
 MISSING_NAME = "no_such_forward_method"
 RTOL, ATOL = 1e-4, 1e-5
@@ -203,7 +204,7 @@ def register(spec: CaseSpec, built: Built, ref: Built) -> list[RegistrationObser
 
 
 def _spec_cls(spec: CaseSpec, path: str) -> str:
-    from conformance.spec import module_at
+    from conformance.case.spec import module_at
 
     return module_at(spec.tree, path).cls
 

@@ -17,11 +17,12 @@ from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err as _err2
 from conformance.adapters.fsdp2 import full_tensor
-from conformance.build import BATCH, Built, build, method_callable, read_attr
+from conformance.case.build import BATCH, Built, build, method_callable, read_attr
 from conformance.adapters.support import on_rank_device, placed
 from conformance.observations.schedule import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
 from conformance.oracle.schedule import predict_schedule
-from conformance.spec import CaseSpec, Precision, module_at, walk
+from conformance.case.spec import CaseSpec, Precision, module_at
+from conformance.case.tree import walk
 
 REDUCE_OPS = ("reduce_scatter", "all_reduce", "allreduce")
 

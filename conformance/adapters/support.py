@@ -92,7 +92,7 @@ def on_rank_device(obj):
 
 
 def placed(built):
-    """A conformance.build.Built moved to the rank's device (its model, and
+    """A conformance.case.build.Built moved to the rank's device (its model, and
     the device its example inputs are made on); a model built under
     torch.device("meta") stays there (param_init_fn / to_empty place it)."""
     device = rank_device()

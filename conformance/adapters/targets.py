@@ -19,12 +19,12 @@ from conformance.adapters.fsdp2 import _err, _group_states, _grads, _ties, count
 from conformance.adapters.training import RTOL as TRAIN_RTOL
 from conformance.adapters.training import ATOL as TRAIN_ATOL
 from conformance.adapters.training import _optimizer, compare_training
-from conformance.build import build
+from conformance.case.build import build
 from conformance.adapters.support import on_rank_device, placed
-from conformance.model_case import ModelCase
+from conformance.case.model_case import ModelCase
 from conformance.observations import CallObservation, FSDP2Observation, RegistrationObservation, TrainObservation
-from conformance.spec import TrainPlan
-from conformance.targets import default_loss, method_kwargs
+from conformance.case.spec import TrainPlan
+from conformance.case.target import default_loss, method_kwargs
 
 RTOL, ATOL = a2.RTOL, a2.ATOL
 

@@ -13,10 +13,10 @@ import torch.nn as nn
 from conformance.adapters import fsdp1 as a1
 from conformance.adapters import fsdp2 as a2
 from conformance.adapters.fsdp2 import _err, full_tensor
-from conformance.build import build, read_attr
+from conformance.case.build import build, read_attr
 from conformance.adapters.support import placed
 from conformance.observations import GradObservation, TrainObservation
-from conformance.spec import CaseSpec, TrainPlan
+from conformance.case.spec import CaseSpec, TrainPlan
 
 # Training accumulates rounding differences (reduce-scatter averages in
 # another order than one process sums): looser than a single forward.

@@ -13,12 +13,12 @@ from typing import Sequence
 from conformance.bench import BenchError
 from conformance.engine.fake import FakeEngine
 from conformance.engine.pool import RankPool
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 
 def default_specs(n: int) -> list[CaseSpec]:
     """``n`` hand-written cases: LoraModel variants (source 000)."""
-    from conformance.examples import lora_model
+    from conformance.case.examples import lora_model
 
     return [
         lora_model(num_layers=1 + i % 3, use_orig_params=bool(i % 2), seed=i)

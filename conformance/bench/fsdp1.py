@@ -9,7 +9,7 @@ from conformance.bench import draw
 from conformance.invariants import CATALOG
 from conformance.known import load
 from conformance.runner import evaluate, observations
-from conformance.spec import walk
+from conformance.case.tree import walk
 
 
 def _measure(engine, specs, scenario: str, invariants: list, known) -> dict:

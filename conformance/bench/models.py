@@ -21,7 +21,7 @@ def bench(target: str, examples: int = 20, world_size: int = 2, fake_world_size:
     from conformance.engine.pool import RankPool
     from conformance.invariants import CATALOG
     from conformance.runner import evaluate, handler, observations
-    from conformance.targets import check_target
+    from conformance.case.target import check_target
     from strategies.targets import model_cases
 
     from conformance.known import load

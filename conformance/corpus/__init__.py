@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from conformance.spec import CaseSpec, SpecError
+from conformance.case.spec import CaseSpec, SpecError
 
 DEFAULT_DIR = Path(__file__).resolve().parent
 ENV_VAR = "FSDP_CONFORMANCE_CORPUS"  # another corpus directory (tests of the suite)

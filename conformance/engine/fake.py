@@ -9,8 +9,8 @@ from typing import Iterator
 
 from conformance.engine.errors import EngineError
 from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
-from conformance.model_case import ModelCase
-from conformance.spec import CaseSpec
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import CaseSpec
 
 # (world_size, rank) of the fake default group a FakeEngine made, if any.
 _fake_group: tuple[int, int] | None = None

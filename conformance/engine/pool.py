@@ -34,8 +34,8 @@ from conformance.engine.errors import (
     RankState,
 )
 from conformance.engine.scenarios import default_preload, get_scenario
-from conformance.model_case import ModelCase
-from conformance.spec import CaseSpec
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import CaseSpec
 
 BACKENDS = ("auto", "gloo", "nccl", "fake")
 # Torchrun / launcher variables a rank must not mistake for its own.

@@ -14,7 +14,7 @@ import tempfile
 from conformance.engine.errors import EngineError
 from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
 from conformance.engine.scenarios.checkpoint import PHASES
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 TMP_PREFIX = "fsdp-conformance-ckpt-"
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 from conformance.invariants.catalog import ENGINE_FAILURE_TAGS, invariant
 from conformance.observations.checkpoint import CkptObservation
 from conformance.oracle.checkpoint import CkptPrediction
-from conformance.spec import CaseSpec, walk
-from conformance.violation import Violation, set_diff
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import walk
+from conformance.case.violation import Violation, set_diff
 
 DOC_DCP_SD = "torch.distributed.checkpoint.state_dict: StateDictOptions, get_model_state_dict / get_optimizer_state_dict / set_state_dict docstrings"
 DOC_DCP = "torch.distributed.checkpoint save / load docstrings (load-time resharding: 'supports loading into a different world size')"

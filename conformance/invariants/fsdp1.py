@@ -7,9 +7,9 @@ from collections import Counter
 from conformance.invariants.catalog import DOC_FSDP, S000, invariant
 from conformance.observations import FROZEN_MARK, FrozenMessage, Observation
 from conformance.oracle.fsdp1 import FSDP1Prediction, UnitPrediction
-from conformance.spec import CaseSpec
-from conformance.violation import Violation
-from conformance.violation import set_diff as _diff
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
+from conformance.case.violation import set_diff as _diff
 
 STRUCTURE = "fsdp1-structure"  # no state_dict(): what most invariants need
 CALLABLE_POLICIES = {"SizeBasedWrap", "LambdaWrap", "TransformerWrap"}
@@ -113,11 +113,11 @@ ROOT_KWARGS = {"sharding_strategy": "FULL_SHARD", "forward_prefetch": False}  # 
     source=DOC_CUSTOM_POLICY,
 )
 def check_wrap_kwargs(spec: CaseSpec, pred: FSDP1Prediction, obs: Observation) -> list[Violation]:
-    from conformance.spec import CustomWrap
+    from conformance.case.spec import CustomWrap
 
     if not isinstance(spec.plan.policy, CustomWrap) or not _wrapped(pred, obs):
         return []
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     tags = case_tags(spec, pred)
     # Keyed by module, not by path: the policy's lambda sees a module, and a
@@ -270,7 +270,7 @@ def _claims_shared_unit(spec: CaseSpec, units: tuple[UnitPrediction, ...], path:
     simulation comes last) can look mixed although it is not."""
     if not path:
         return False
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     for u in units:
@@ -289,7 +289,7 @@ def _names_tags(spec: CaseSpec | None, fqns) -> set[str]:
     message naming something the model lacks stays a FAIL."""
     if spec is None:
         return set()
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     g, out = graph_of(spec), set()
     for fqn in fqns:

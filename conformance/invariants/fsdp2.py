@@ -8,9 +8,9 @@ from collections import Counter
 from conformance.invariants.catalog import invariant
 from conformance.observations import FSDP2Observation
 from conformance.oracle.fsdp2 import TIE_CHECK_SINCE, FSDP2Prediction
-from conformance.spec import CaseSpec
-from conformance.violation import Violation
-from conformance.violation import set_diff as _diff
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
+from conformance.case.violation import set_diff as _diff
 
 DOC_FULLY_SHARD = "fully_shard docstring (parameter groups: module.parameters() less those assigned by earlier calls; reshard_after_forward; the list form)"
 DOC_REGISTER = "register_fsdp_forward_method docstring"
@@ -49,7 +49,7 @@ def case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("group:multi-partial-root")
     fsdp = set(pred.fsdp_paths)  # every name of those modules
     if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
-        from conformance.targets import methods_calling_forward
+        from conformance.case.target import methods_calling_forward
 
         if "" in fsdp and any(m.register and m.name in methods_calling_forward(spec.target) for m in spec.methods):
             tags.add("method-calls-self")
@@ -70,7 +70,7 @@ def backend_tag(obs) -> str:
 
 def _frozen_fqns(spec: CaseSpec) -> set[str]:
     """Canonical FQNs of the parameters the case builds frozen."""
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     return {g.param_fqn[pid] for pid in g.param_fqn if not g.requires_grad(pid)}
@@ -79,7 +79,7 @@ def _frozen_fqns(spec: CaseSpec) -> set[str]:
 def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
     """The module at ``path`` is an Embedding whose parameters are all frozen:
     its output needs no gradient (the indices never do)."""
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     try:
@@ -93,9 +93,9 @@ def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = ()) -> list[str]:
     """Node ids of the modules whose forward (and so whose FSDP hooks) the
     case's generic forward runs, in order, with multiplicity: a module
     registered under two parents runs once per parent; torch's own containers
-    are walked, not called (conformance.build.call_child). ``skip``: spec paths
+    are walked, not called (conformance.case.build.call_child). ``skip``: spec paths
     a microbatch passes over (as conformance.oracle.schedule.used_params)."""
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     containers = ("ModuleList", "ModuleDict", "Sequential")
@@ -125,7 +125,7 @@ def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str],
     the FSDP2 prediction's groups (canonical module paths)."""
     if getattr(spec, "tree", None) is None:  # a ModelCase: its own forward, order unknown
         return False
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     calls = forward_calls(spec, skip)
@@ -154,7 +154,7 @@ def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str],
 def _runs_twice(spec: CaseSpec, paths) -> bool:
     """Some module at ``paths`` has two names: the case's forward calls it
     under each."""
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     try:
@@ -164,7 +164,7 @@ def _runs_twice(spec: CaseSpec, paths) -> bool:
 
 
 def _container_base(spec: CaseSpec, path: str) -> bool:
-    from conformance.spec import SpecError, module_at
+    from conformance.case.spec import SpecError, module_at
 
     if getattr(spec, "tree", None) is None:  # a ModelCase: the target's own classes
         return False

@@ -8,8 +8,8 @@ from conformance.invariants.fsdp2 import DOC_FULLY_SHARD, DOC_REGISTER, _v, appl
 from conformance.observations import CallObservation, FSDP2Observation, TrainObservation
 from conformance.oracle.fsdp2 import CallPrediction, FSDP2Prediction
 from conformance.oracle.methods import ParityPrediction, SummonPrediction
-from conformance.spec import CaseSpec
-from conformance.violation import Violation
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
 
 
 def call_tags(spec: CaseSpec, pred: FSDP2Prediction, c: CallPrediction) -> set[str]:
@@ -294,7 +294,7 @@ def _registered_sibling(spec: CaseSpec, index: int) -> str | None:
     no such sibling."""
     if index == -1:
         return None
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     m = spec.methods[index]
     if m.register:

@@ -7,8 +7,8 @@ from conformance.invariants.catalog import invariant
 from conformance.invariants.fsdp2 import backend_tag
 from conformance.observations.schedule import ScheduleObservation
 from conformance.oracle.schedule import SchedulePrediction, step_tolerance
-from conformance.spec import CaseSpec
-from conformance.violation import Violation
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
 
 DOC_MP2 = "MixedPrecisionPolicy docstring (param_dtype: unsharded parameters and compute; reduce_dtype: gradient reduction, defaults to param_dtype; output_dtype; cast_forward_inputs)"
 DOC_MP1 = "MixedPrecision docstring (param_dtype, reduce_dtype, buffer_dtype: cast in the first forward and kept thereafter, keep_low_precision_grads: gradients in the reduction dtype, else upcast to full precision; cast_forward_inputs, cast_root_forward_inputs)"
@@ -18,7 +18,7 @@ DOC_SYNC = "FullyShardedDataParallel.no_sync docstring (gradients accumulate in 
 def _smallest_unit_numel(spec: CaseSpec) -> int | None:
     """FSDP1: the fewest elements one unit's flat parameter holds."""
     from conformance.oracle import predict_fsdp1
-    from conformance.oracle.graph import ModelGraph
+    from conformance.case.graph import ModelGraph
 
     g = ModelGraph(spec)
     sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in predict_fsdp1(spec).units if u.managed]

@@ -8,8 +8,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from conformance.oracle.graph import ModelGraph
-from conformance.spec import CaseSpec, ModuleSpec, ParamSpec, join
+from conformance.case.graph import ModelGraph
+from conformance.case.spec import CaseSpec, ModuleSpec, ParamSpec
+from conformance.case.tree import join
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from conformance.oracle.graph import ModelGraph
-from conformance.spec import (
-    CustomWrap,
-    WrapPlan,
-    LambdaWrap,
-    ModuleWrap,
-    SizeBasedWrap,
-    TransformerWrap,
-)
+from conformance.case.graph import ModelGraph
+from conformance.case.spec import CustomWrap, WrapPlan, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 
 # size_based_auto_wrap_policy's documented defaults (torch.nn classes)
 SIZE_EXCLUDE_WRAP = ("ModuleList", "ModuleDict")
@@ -124,7 +117,7 @@ def _lca(g: ModelGraph, nids: list[str]) -> str:
 def predict_fsdp1(spec) -> FSDP1Prediction:
     """For a CaseSpec or a ModelCase: its graph and its plan. Cached: every
     invariant of an example asks for the same prediction."""
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     return fsdp1_prediction(graph_of(spec), spec.plan)
 

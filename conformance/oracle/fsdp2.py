@@ -8,8 +8,9 @@ import functools
 
 from dataclasses import dataclass
 
-from conformance.oracle.graph import ModelGraph
-from conformance.spec import ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls, join
+from conformance.case.graph import ModelGraph
+from conformance.case.spec import ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls
+from conformance.case.tree import join
 
 # The torch release from which fully_shard rejects a parameter that two
 # groups see (ValueError at the first forward that names it and prescribes
@@ -141,8 +142,8 @@ def _unsupported(methods, calls, g: ModelGraph, order: list[ShardGroup]) -> str:
 def predict_fsdp2(spec, torch_version: str) -> FSDP2Prediction:
     """For a CaseSpec or a ModelCase: its graph, plan, methods and calls.
     A ModelCase's methods are the model's own code (opaque to the oracle)."""
-    from conformance.model_case import ModelCase
-    from conformance.targets import graph_of
+    from conformance.case.model_case import ModelCase
+    from conformance.case.target import graph_of
 
     return fsdp2_prediction(
         graph_of(spec), spec.plan, spec.methods, effective_calls(spec), torch_version, opaque=isinstance(spec, ModelCase)

@@ -12,8 +12,8 @@ import torch
 
 from conformance.oracle.fsdp1 import FSDP1Prediction, predict_fsdp1
 from conformance.oracle.fsdp2 import TORCH_CONTAINERS, FSDP2Prediction, _resolve_from, predict_fsdp2
-from conformance.targets import graph_of
-from conformance.spec import CaseSpec, effective_calls
+from conformance.case.target import graph_of
+from conformance.case.spec import CaseSpec, effective_calls
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from conformance.oracle.graph import ModelGraph
-from conformance.spec import CaseSpec, Precision
+from conformance.case.graph import ModelGraph
+from conformance.case.spec import CaseSpec, Precision
 
 F32 = "float32"
 # Value tolerance by the lowest precision a run involves, relative to

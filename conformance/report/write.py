@@ -15,7 +15,7 @@ def write_repros(report: dict, report_dir: Path) -> None:
     to the report directory. A script that cannot be generated is noted, not
     fatal: the report must still be written."""
     from conformance.session import write_repro_file
-    from conformance.model_case import case_from_json
+    from conformance.case.model_case import case_from_json
 
     import json
 

@@ -6,10 +6,10 @@ import expecttest
 import pytest
 
 from conformance.adapters.fsdp1 import post_order_names
-from conformance.build import build
+from conformance.case.build import build
 from conformance.engine.fake import FakeEngine
-from conformance.examples import lora_model
-from conformance.oracle.graph import ModelGraph
+from conformance.case.examples import lora_model
+from conformance.case.graph import ModelGraph
 from conformance.runner import evaluate, observations
 
 pytestmark = pytest.mark.fake

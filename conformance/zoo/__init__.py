@@ -4,7 +4,7 @@ Each model is built in-process from a config (no hub download, no network),
 deterministic from the seed, dropout off, eager attention, vocabulary 128,
 hidden size 32, two layers: one FSDP example costs milliseconds. They need the
 optional extra (``pip install -e ".[zoo]"``: transformers 4.57.6, peft).
-Load one by name: ``conformance.targets.load_target("conformance.zoo.gpt2:target")``.
+Load one by name: ``conformance.case.target.load_target("conformance.zoo.gpt2:target")``.
 
 What each holds, and what real FSDP (torch 2.13.0 and 2.14.1, gloo, 2 ranks)
 did with it when checked by hand:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from conformance.targets import Target
+from conformance.case.target import Target
 from conformance.zoo._common import VOCAB, require_transformers, seeded, tokens
 
 transformers = require_transformers()

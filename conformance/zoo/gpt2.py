@@ -3,7 +3,7 @@ is lm_head.weight); generate() greedy-decodes a few tokens."""
 
 from __future__ import annotations
 
-from conformance.targets import MethodCall, Target
+from conformance.case.target import MethodCall, Target
 from conformance.zoo._common import GENERATE_KWARGS, VOCAB, causal_lm_inputs, prompt, require_transformers, seeded
 
 transformers = require_transformers()

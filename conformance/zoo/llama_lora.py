@@ -5,7 +5,7 @@ which calls the base model's) greedy-decodes a few tokens. Untied embeddings
 
 from __future__ import annotations
 
-from conformance.targets import MethodCall, Target
+from conformance.case.target import MethodCall, Target
 from conformance.zoo._common import GENERATE_KWARGS, VOCAB, causal_lm_inputs, prompt, require_transformers, seeded
 
 transformers = require_transformers()

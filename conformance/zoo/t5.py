@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from conformance.targets import MethodCall, Target
+from conformance.case.target import MethodCall, Target
 from conformance.zoo._common import BATCH, GENERATE_KWARGS, SEQ, VOCAB, prompt, require_transformers, seeded, tokens
 
 transformers = require_transformers()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from conformance.spec import CaseSpec, ClassSpec, ModuleSpec, ModuleWrap, ParamSpec, TiedParam, WrapPlan
+from conformance.case.spec import CaseSpec, ClassSpec, ModuleSpec, ModuleWrap, ParamSpec, TiedParam, WrapPlan
 
 CLASSES = (ClassSpec("M"), ClassSpec("A"), ClassSpec("B", "A"))
 

@@ -11,7 +11,7 @@ import time
 from unittest import mock
 
 from conformance.engine.scenarios import scenario
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 FAULTS = {}
 

@@ -9,7 +9,7 @@ import functools
 from unittest import mock
 
 from conformance.engine.scenarios import scenario
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 
 def _fsdp():

@@ -8,7 +8,7 @@ import contextlib
 from unittest import mock
 
 from conformance.engine.scenarios import scenario
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 FAULTS = {}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from conformance.targets import Target
+from conformance.case.target import Target
 
 VOCAB, DIM = 16, 8
 

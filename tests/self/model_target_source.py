@@ -7,7 +7,7 @@ SOURCE = '''
 import torch
 import torch.nn as nn
 
-from conformance.targets import MethodCall, Target
+from conformance import MethodCall, Target
 
 
 class Layer(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from conformance.targets import MethodCall, Target
+from conformance.case.target import MethodCall, Target
 
 VOCAB, DIM, RANK = 16, 8, 2
 

@@ -11,7 +11,7 @@ import pytest
 
 from conformance.invariants.checkpoint import case_tags
 from conformance.oracle.checkpoint import predict_ckpt
-from conformance.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, TiedParam, WrapPlan
+from conformance.case.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, TiedParam, WrapPlan
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 
@@ -68,7 +68,7 @@ def test_tie_in_one_module_tag(tied_name, source, same):
 
 def test_the_load_side_keeps_the_mask_of_the_save_without_load_frozen():
     from conformance.adapters.checkpoint import load_spec
-    from conformance.oracle.graph import ModelGraph
+    from conformance.case.graph import ModelGraph
 
     def frozen(spec: CaseSpec) -> set[str]:
         g = ModelGraph(spec)
@@ -126,7 +126,7 @@ def test_nothing_trains_first_tag(spec, tagged):
 
 
 def test_no_shard_unit_tag():
-    from conformance.spec import CustomWrap
+    from conformance.case.spec import CustomWrap
 
     spec = linear(CheckpointPlan(full_sd="fsdp1-full", rank0_only=True))
     no_shard = CustomWrap(targets=("proj0",), kwargs=(("proj0", (("sharding_strategy", "NO_SHARD"),)),))
@@ -220,7 +220,7 @@ def test_fsdp1_optim_state_conversion_error_tags(error, tags):
 def test_param_groups_renamed_alias_tag(loaded, saved, renamed):
     from conformance.invariants.checkpoint import check_reshard
     from conformance.observations.checkpoint import CkptObservation
-    from conformance.spec import SharedModule
+    from conformance.case.spec import SharedModule
 
     tree = ModuleSpec("", "Model", children=(ModuleSpec("proj0", "Linear", (ParamSpec("weight", (2, 2)),)), ModuleSpec("block1", "Block")))
     spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), shared=(SharedModule("block1", "shared0", "proj0"),),
@@ -262,7 +262,7 @@ def test_uneven_steps_in_a_load_unit(ckpt, uneven):
 def test_uneven_steps_in_separate_units_are_not_merged():
     """ModuleWrapPolicy({Linear}): proj0 and proj1 are units of their own, each
     flat parameter has one step count."""
-    from conformance.spec import ModuleWrap
+    from conformance.case.spec import ModuleWrap
 
     spec = _two_linears(CheckpointPlan(steps=2, refreeze=("proj0.weight",), load_frozen=(),
                                        load_plan=WrapPlan(api="fsdp1", policy=ModuleWrap(classes=("Linear",)))))
@@ -292,7 +292,7 @@ def test_paramless_fsdp1_root_and_buffers_only_keys():
     holds a parameter is not (fsdp1-rank0-only-no-shard-unit-keys)."""
     from conformance.invariants.checkpoint import check_full
     from conformance.observations.checkpoint import CkptObservation
-    from conformance.spec import BufferSpec, ModuleWrap
+    from conformance.case.spec import BufferSpec, ModuleWrap
 
     tree = ModuleSpec("", "Model", buffers=(BufferSpec("running", (1,)),), children=(
         ModuleSpec("proj0", "Linear", (ParamSpec("weight", (2, 2)),)),))
@@ -321,8 +321,8 @@ def test_a_crash_of_a_tied_reversed_list_group_save_is_known(order, reversed_):
 
     from conformance import known
     from conformance.invariants.checkpoint import _engine_failure_tags
-    from conformance.spec import ShardGroup
-    from conformance.violation import Violation
+    from conformance.case.spec import ShardGroup
+    from conformance.case.violation import Violation
 
     tree = ModuleSpec("", "ModelSeq", children=tuple(ModuleSpec(str(i), "Linear", (ParamSpec("weight", (7, 7), False),)) for i in range(4)))
     spec = CaseSpec(tree=tree, classes=(ClassSpec("ModelSeq", "Sequential"),), ties=(TiedParam("2", "weight", "3.weight"),),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 from strategies.checkpoint import _trains_after_load, checkpoint_specs
 from strategies.methods import _fsdp1_trainable
 

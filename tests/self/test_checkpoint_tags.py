@@ -12,8 +12,8 @@ import pytest
 
 from conformance import known
 from conformance.invariants.checkpoint import case_tags
-from conformance.spec import CaseSpec
-from conformance.violation import Violation
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
 
 pytestmark = pytest.mark.selfcheck
 

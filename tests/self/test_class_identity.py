@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance.model_case import ModelCase
+from conformance.case.model_case import ModelCase
 from conformance.oracle import predict_fsdp1
 from conformance.runner import PASS, evaluate, observations
-from conformance.spec import ModuleWrap, TransformerWrap, WrapPlan
-from conformance.targets import TargetError, base_graph, check_case
+from conformance.case.spec import ModuleWrap, TransformerWrap, WrapPlan
+from conformance.case.target import TargetError, base_graph, check_case
 
 pytestmark = pytest.mark.selfcheck
 
@@ -100,7 +100,7 @@ def test_size_policy_never_wraps_inside_multihead_attention(fake_engine, min_num
     """force_leaf_modules (nn.MultiheadAttention by default): "their
     children will never be wrapped"; the oracle knows the type by identity."""
     from conformance.observations import Observation
-    from conformance.spec import SizeBasedWrap
+    from conformance.case.spec import SizeBasedWrap
 
     case = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp1", SizeBasedWrap(min_num_params)))
     units = [u.path for u in predict_fsdp1(case).units]
@@ -119,7 +119,7 @@ def test_a_unit_whose_forward_never_runs_is_outside_the_parity_promise(fake_engi
     container unit; the structure invariants still run."""
     from conformance.observations import Observation, TrainObservation
     from conformance.oracle.methods import predict_parity
-    from conformance.spec import TrainPlan
+    from conformance.case.spec import TrainPlan
 
     g = base_graph("tests.self.mha_target:target")
     assert g.not_called == {"blocks", "blocks.0.attn.out_proj", "blocks.1.attn.out_proj"}  # the ModuleList too
@@ -128,7 +128,7 @@ def test_a_unit_whose_forward_never_runs_is_outside_the_parity_promise(fake_engi
     assert evaluate("PARITY", case, observations(fake_engine, case, "train", TrainObservation.from_dict)).verdict == PASS
     assert evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", Observation.from_dict)).verdict == PASS
     from conformance.oracle.fsdp2 import predict_fsdp2
-    from conformance.spec import ShardGroup
+    from conformance.case.spec import ShardGroup
 
     fsdp2 = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp2", groups=(ShardGroup(("blocks.0.attn.out_proj",)),)))
     assert "never runs" in predict_fsdp2(fsdp2, "2.13.0").supported

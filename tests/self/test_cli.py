@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from conformance.examples import lora_model
-from conformance.spec import CaseSpec, SpecError
+from conformance.case.examples import lora_model
+from conformance.case.spec import CaseSpec, SpecError
 
 pytestmark = pytest.mark.selfcheck
 

@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
 from conformance.adapters import support
-from conformance.build import build, call_args, method_callable
-from conformance.model_case import ModelCase
-from conformance.spec import WrapPlan, effective_calls
+from conformance.case.build import build, call_args, method_callable
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import WrapPlan, effective_calls
 from conformance.toy_target import lm_loss
 from strategies.methods import fsdp2_case_specs
 

@@ -26,8 +26,8 @@ from conformance.engine import (
     resolve_backend,
     scenario_names,
 )
-from conformance.examples import lora_model
-from conformance.spec import CaseSpec, ModuleSpec, ParamSpec
+from conformance.case.examples import lora_model
+from conformance.case.spec import CaseSpec, ModuleSpec, ParamSpec
 
 pytestmark = pytest.mark.selfcheck
 
@@ -229,7 +229,7 @@ DRIVER = textwrap.dedent(
     import json, signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     from conformance.engine import RankPool
-    from conformance.spec import CaseSpec, ModuleSpec
+    from conformance.case.spec import CaseSpec, ModuleSpec
     spec = CaseSpec(tree=ModuleSpec("", "Module"))
     if sys.argv[2] == "thread":  # ranks spawned by a thread that has ended
         import threading

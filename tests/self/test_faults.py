@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import _init_utils, _state_dict_utils, _wrap_utils
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from conformance.examples import lora_model
+from conformance.case.examples import lora_model
 from conformance.runner import FAIL, PASS, KNOWN, observations, evaluate
 from tests.self import cases
 
@@ -161,7 +161,7 @@ def test_a_ghost_warning_in_a_shared_module_case_is_not_a_known_finding(fake_eng
     # must stay a FAIL there (CI once absorbed this very fault as KNOWN).
     import dataclasses
 
-    from conformance.spec import SharedModule
+    from conformance.case.spec import SharedModule
 
     spec = dataclasses.replace(cases.two_blocks(use_orig_params=True), shared=(SharedModule("b", "z2", "z"),))
     assert_caught("FROZEN-CLEAN", spec, fake_engine, None, before=(PASS, KNOWN))
@@ -205,7 +205,7 @@ def test_a_ghost_in_a_shared_parent_error_case_is_not_a_known_finding(fake_engin
     import json
     from pathlib import Path
 
-    from conformance.spec import CaseSpec
+    from conformance.case.spec import CaseSpec
 
     spec = CaseSpec.from_json(json.dumps(json.loads((Path(__file__).parent / "data" / "frozen-error-shared-parent-credited.json").read_text())))
     clean = assert_caught("FROZEN-ERROR", spec, fake_engine, None, before=(KNOWN,))

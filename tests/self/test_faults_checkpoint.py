@@ -16,9 +16,7 @@ import pytest
 
 from conformance.observations.checkpoint import CkptObservation
 from conformance.runner import FAIL, PASS, clear_cache, evaluate, observations
-from conformance.spec import (
-    CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan,
-)
+from conformance.case.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan
 
 # the driver checks scenario names too: register the fault scenarios here as well
 import tests.self.faults_checkpoint  # noqa: E402,F401

@@ -16,10 +16,7 @@ import pytest
 
 from conformance.observations import FSDP2Observation, TrainObservation
 from conformance.runner import FAIL, PASS, evaluate, observations
-from conformance.spec import (
-    CaseSpec, ClassSpec, CustomWrap, ForwardMethod, MethodCall, MethodStep, ModuleSpec, ParamSpec, ShardGroup,
-    TiedParam, TrainPlan, WrapPlan,
-)
+from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ForwardMethod, MethodCall, MethodStep, ModuleSpec, ParamSpec, ShardGroup, TiedParam, TrainPlan, WrapPlan
 from tests.self import faults_fsdp2 as faults
 
 pytestmark = pytest.mark.selfcheck

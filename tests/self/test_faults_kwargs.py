@@ -10,7 +10,7 @@ import pytest
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from conformance.runner import FAIL, PASS, evaluate, observations
-from conformance.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ParamSpec, SharedModule, WrapPlan
+from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ParamSpec, SharedModule, WrapPlan
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

@@ -9,7 +9,7 @@ import pytest
 from torch.distributed.fsdp import _wrap_utils
 
 from conformance.runner import FAIL, KNOWN, PASS, evaluate, observations
-from conformance.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ModuleWrap, ParamSpec, SharedModule, WrapPlan
+from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ModuleWrap, ParamSpec, SharedModule, WrapPlan
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

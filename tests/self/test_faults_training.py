@@ -13,10 +13,7 @@ import pytest
 
 from conformance.observations.schedule import ScheduleObservation
 from conformance.runner import FAIL, PASS, evaluate, observations
-from conformance.spec import (
-    BufferSpec, CaseSpec, ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Precision, Schedule, ScheduleStep,
-    ShardGroup, WrapPlan,
-)
+from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Precision, Schedule, ScheduleStep, ShardGroup, WrapPlan
 
 from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenarios in the driver)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conformance import fsdp_source
-from conformance.examples import lora_model
+from conformance.case.examples import lora_model
 
 pytestmark = pytest.mark.selfcheck
 

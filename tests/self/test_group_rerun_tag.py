@@ -14,7 +14,7 @@ from conformance import corpus
 from conformance.invariants.fsdp2 import forward_calls
 from conformance.invariants.training import case_tags
 from conformance.oracle.schedule import predict_schedule
-from conformance.spec import Microbatch, ModuleSpec, ParamSpec
+from conformance.case.spec import Microbatch, ModuleSpec, ParamSpec
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from conformance import known
-from conformance.violation import Violation
+from conformance.case.violation import Violation
 
 pytestmark = pytest.mark.selfcheck
 

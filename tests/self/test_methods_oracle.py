@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 from conformance.oracle.fsdp2 import predict_fsdp2
 from conformance.oracle.methods import predict_summon
-from conformance.spec import CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup
+from conformance.case.spec import CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup
 from strategies.methods import fsdp2_case_specs, summon_specs, training_specs
 from tests.self.test_faults_fsdp2 import lm
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.selfcheck
 @given(spec=fsdp2_case_specs())
 def test_fsdp2_cases_are_valid_and_promised(spec):
     assert CaseSpec.from_json(spec.to_json()) == spec
-    assert eval(repr(spec), {**vars(__import__("conformance.spec", fromlist=["*"]))}) == spec
+    assert eval(repr(spec), {**vars(__import__("conformance.case.spec", fromlist=["*"]))}) == spec
     pred = predict_fsdp2(spec, "2.13.0")
     assert not pred.split_ties  # split_ties=False
     assert not pred.supported, pred.supported  # the first call runs the root's hooks
@@ -70,7 +70,7 @@ def test_split_tie_prediction_depends_on_the_release():
 
 
 def test_summon_promise_is_the_root_unit():
-    from conformance.spec import CustomWrap
+    from conformance.case.spec import CustomWrap
 
     reads = lambda *t: ForwardMethod("", "generate", tuple(MethodStep("param", x) for x in t))
     base = lm(api="fsdp1", policy=CustomWrap(("block",)), uop=True, calls=(MethodCall(0),), methods=(reads("embed.weight"),))
@@ -99,7 +99,7 @@ def test_gradients_are_promised_only_through_a_methods_own_group():
 def _shared_group_case(register: bool) -> CaseSpec:
     """b is registered first as a.shared0 (a comes first), then as b; the
     plan names its group by the second path, and so does the method."""
-    from conformance.spec import ClassSpec, ModuleSpec, ParamSpec, SharedModule, WrapPlan
+    from conformance.case.spec import ClassSpec, ModuleSpec, ParamSpec, SharedModule, WrapPlan
 
     tree = ModuleSpec("", "Model", children=(
         ModuleSpec("a", "Block", (ParamSpec("w", (3,)),)),

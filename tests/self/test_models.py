@@ -16,15 +16,13 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from conformance.build import build
-from conformance.model_case import ModelCase, case_from_json
+from conformance.case.build import build
+from conformance.case.model_case import ModelCase, case_from_json
 from conformance.oracle import predict_fsdp1
 from conformance.oracle.fsdp2 import predict_fsdp2
-from conformance.oracle.graph import ModelGraph
+from conformance.case.graph import ModelGraph
 from conformance.runner import FAIL, KNOWN, PASS, evaluate, observations
-from conformance.spec import (
-    CustomWrap, ForwardMethod, ModuleWrap, ShardGroup, SpecError, TrainPlan, WrapPlan,
-)
+from conformance.case.spec import CustomWrap, ForwardMethod, ModuleWrap, ShardGroup, SpecError, TrainPlan, WrapPlan
 from strategies import case_specs
 from strategies.targets import model_cases
 from tests.self.model_target_source import SOURCE
@@ -109,7 +107,7 @@ def test_shrinking_ends_at_one_class_and_one_frozen_parameter():
 def test_presets_come_from_the_target():
     """"Train only what matches" the target's trainable_patterns, and BitFit,
     are among the freeze masks drawn."""
-    from conformance.targets import base_graph
+    from conformance.case.target import base_graph
     from strategies.targets import freeze_masks
 
     params = [f for f, _ in base_graph(TOY).named_parameters()]

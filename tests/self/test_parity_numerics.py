@@ -19,7 +19,7 @@ from conformance.invariants.methods import check_training
 from conformance.observations import GradObservation, TrainObservation
 from conformance.oracle.methods import predict_parity
 from conformance.runner import FAIL, PASS, evaluate, observations
-from conformance.spec import BufferSpec, CaseSpec, ClassSpec, ModuleSpec, ParamSpec, SharedModule, TiedParam, TrainPlan, WrapPlan
+from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, ModuleSpec, ParamSpec, SharedModule, TiedParam, TrainPlan, WrapPlan
 
 from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenario in the driver)
 

@@ -14,7 +14,7 @@ import torch
 from conformance import corpus
 from conformance.invariants.fsdp2 import case_tags
 from conformance.oracle.fsdp2 import predict_fsdp2
-from conformance.spec import MethodCall
+from conformance.case.spec import MethodCall
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

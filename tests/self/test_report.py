@@ -17,7 +17,7 @@ from conformance.known import KnownFailure, Match
 from conformance.report import compare, data, junit, markdown, write
 from conformance.runner import CaseResult
 from conformance.session import Session
-from conformance.violation import Violation
+from conformance.case.violation import Violation
 from tests.self import cases
 
 pytestmark = pytest.mark.selfcheck

@@ -8,12 +8,12 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conformance.model_case import ModelCase
+from conformance.case.model_case import ModelCase
 from conformance.report import compare, data, html, junit, markdown
 from conformance.runner import CaseResult
 from conformance.session import Session
-from conformance.spec import ModuleWrap, WrapPlan
-from conformance.violation import Violation
+from conformance.case.spec import ModuleWrap, WrapPlan
+from conformance.case.violation import Violation
 from tests.self import cases
 from tests.self.test_report import CATALOG, ENV, KNOWN, RUN
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conformance import corpus
-from conformance.build import build
+from conformance.case.build import build
 from conformance.report.repro.schedule import schedule_script
 
 pytestmark = pytest.mark.selfcheck

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import InvalidArgument
 
 from conformance.oracle.schedule import predict_schedule, used_params
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 from strategies.schedule import schedule_specs
 
 pytestmark = pytest.mark.selfcheck
@@ -43,7 +43,7 @@ def test_fsdp1_flat_parameters_give_unused_parameters_of_a_used_unit_a_zero_grad
     reference gives them zeros only where the optimizer sees FlatParameters."""
     import dataclasses
 
-    from conformance.spec import ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Schedule, ScheduleStep, WrapPlan
+    from conformance.case.spec import ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Schedule, ScheduleStep, WrapPlan
 
     tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), children=(
         ModuleSpec("block", "Block", (ParamSpec("w", (3,)),), children=(ModuleSpec("proj", "Linear", (ParamSpec("weight", (3, 3)),)),)),

@@ -10,11 +10,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings, strategies as st
 from hypothesis.errors import InvalidArgument
 
-from conformance.build import build
-from conformance.spec import (
-    CONTAINER_BASES, CUSTOM_KWARGS, LEAF_TYPES, CaseSpec, CustomWrap, LambdaWrap, ModuleSpec, ModuleWrap,
-    SizeBasedWrap, TransformerWrap, join, module_at, validate, walk,
-)
+from conformance.case.build import build
+from conformance.case.spec import CONTAINER_BASES, CUSTOM_KWARGS, LEAF_TYPES, CaseSpec, CustomWrap, LambdaWrap, ModuleSpec, ModuleWrap, SizeBasedWrap, TransformerWrap, module_at, validate
+from conformance.case.tree import join, walk
 from strategies import (
     FREEZE_KINDS, POLICY_KINDS, SHARED_KINDS, TIE_KINDS, apply_freeze_mask, case_specs, freeze_masks,
     module_trees, policies, shared_modules, subtree_numels, ties, wrap_plans,
@@ -338,7 +336,7 @@ def test_shared_modules_of_each_kind(data):
 
 def _hand_written_tree() -> tuple[ModuleSpec, tuple]:
     # Attribute names the strategies would otherwise pick for what they add.
-    from conformance.spec import ClassSpec, ParamSpec
+    from conformance.case.spec import ClassSpec, ParamSpec
 
     lin = ModuleSpec("shared0", "Linear", (ParamSpec("weight", (2, 2)),))
     block = ModuleSpec("b", "M", (ParamSpec("tied0", (2, 2)),), children=(ModuleSpec("tied1", "Linear", (ParamSpec("weight", (2, 2)),)),))
@@ -426,7 +424,7 @@ _TREE = ModuleSpec("", "M")
 
 
 def _spec() -> CaseSpec:
-    from conformance.spec import ClassSpec
+    from conformance.case.spec import ClassSpec
 
     return CaseSpec(tree=_TREE, classes=(ClassSpec("M"),))
 

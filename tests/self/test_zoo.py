@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers", reason='the zoo needs the optional extra: pip install -e ".[zoo]"')
 torch = pytest.importorskip("torch")
 
-from conformance.targets import Target, default_loss, load_target  # noqa: E402
+from conformance.case.target import Target, default_loss, load_target  # noqa: E402
 
 pytestmark = pytest.mark.selfcheck
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from conformance.engine.errors import EngineError
-from conformance.model_case import case_from_json
-from conformance.spec import CaseSpec
+from conformance.case.model_case import case_from_json
+from conformance.case.spec import CaseSpec
 
 ScenarioFn = Callable[[CaseSpec], dict]
 

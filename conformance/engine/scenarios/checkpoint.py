@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.engine.scenarios import scenario
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 PRELOAD = ("conformance.adapters.checkpoint",)
 # A round trip: save on the case's save world, load on its load world; the

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.engine.scenarios import scenario
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 
 def _observation_comparable(value: dict) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.engine.scenarios import scenario
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 
 def _comparable(value: dict) -> Any:

@@ -8,7 +8,7 @@ import os
 import time
 
 from conformance.engine.scenarios import scenario
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 
 def _device():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.engine.scenarios import scenario
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 
 def _comparable(value: dict) -> Any:
@@ -18,7 +18,7 @@ def _comparable(value: dict) -> Any:
 @scenario("train", comparable=_comparable, preload=("conformance.adapters.training",))
 def train(spec: CaseSpec) -> dict:
     """A few optimizer steps under the case's API against single-process training."""
-    from conformance.model_case import ModelCase
+    from conformance.case.model_case import ModelCase
 
     if isinstance(spec, ModelCase):  # a real model: conformance.adapters.targets
         from conformance.adapters import targets

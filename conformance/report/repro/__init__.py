@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from conformance.report.repro.fsdp1 import fsdp1_script
 from conformance.report.repro.fsdp2 import fsdp2_script
-from conformance.spec import CaseSpec
+from conformance.case.spec import CaseSpec
 
 # API -> fn(spec, violations, title) -> script: the torch-only generator for
 # cases of that API, one module per API.
@@ -17,7 +17,7 @@ def repro_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     """The standalone repro script of a case: torch-only where a generator
     exists for its API, else one that replays the case through this suite.
     A real model's case (ModelCase) has its own generator, training included."""
-    from conformance.model_case import ModelCase
+    from conformance.case.model_case import ModelCase
 
     if isinstance(spec, ModelCase):
         from conformance.report.repro.models import model_script

@@ -10,11 +10,12 @@ from __future__ import annotations
 import textwrap
 
 from conformance.oracle.fsdp2 import shard_order
-from conformance.oracle.graph import ModelGraph
+from conformance.case.graph import ModelGraph
 from conformance.report.repro.common import class_code, model_lines
 from conformance.report.repro.fsdp1 import _policy_code
 from conformance.report.repro.fsdp2 import _RUNTIME
-from conformance.spec import CaseSpec, WrapPlan, walk
+from conformance.case.spec import CaseSpec, WrapPlan
+from conformance.case.tree import walk
 
 _IMPORTS = '''
 import functools

@@ -3,7 +3,8 @@ module tree (shared modules and ties included) and its classes."""
 
 from __future__ import annotations
 
-from conformance.spec import CaseSpec, walk
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import walk
 
 # The backend and device a repro script runs on, chosen by an environment
 # variable so that the same script runs on CPU (gloo, the default) and on GPUs.

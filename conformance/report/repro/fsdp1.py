@@ -8,14 +8,7 @@ import textwrap
 
 from conformance.oracle import predict_fsdp1
 from conformance.report.repro.common import DEVICE_CODE, class_code, class_ref, model_lines
-from conformance.spec import (
-    CaseSpec,
-    CustomWrap,
-    LambdaWrap,
-    ModuleWrap,
-    SizeBasedWrap,
-    TransformerWrap,
-)
+from conformance.case.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 
 _OBSERVE = '''
 def show_pre_wrap_simulation():

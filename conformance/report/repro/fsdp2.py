@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import textwrap
 
-from conformance.build import SCALE, SHIFT
+from conformance.case.build import SCALE, SHIFT
 from conformance.oracle.fsdp2 import shard_order
-from conformance.oracle.graph import ModelGraph
+from conformance.case.graph import ModelGraph
 from conformance.report.repro.common import DEVICE_CODE, class_code, model_lines
-from conformance.spec import CaseSpec, effective_calls, walk
+from conformance.case.spec import CaseSpec, effective_calls
+from conformance.case.tree import walk
 
 # The case's forward and helpers, as conformance/build.py defines them.
 _RUNTIME = '''

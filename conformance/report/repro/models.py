@@ -7,8 +7,8 @@ what FSDP did and what the spec says it must do."""
 
 from __future__ import annotations
 
-from conformance.model_case import ModelCase
-from conformance.spec import CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 
 _COMMON = '''
 import functools
@@ -274,7 +274,7 @@ def _policy_literal(pol, ref: str) -> str:
     if pol is None:
         return "(None, None)"
     if isinstance(pol, (ModuleWrap, TransformerWrap)):
-        from conformance.targets import base_graph
+        from conformance.case.target import base_graph
 
         g = base_graph(ref)  # the script names each class by its id
         return repr((type(pol).__name__, tuple(g.resolve_class(c) for c in pol.classes)))
@@ -317,7 +317,7 @@ def model_script(case: ModelCase, violations: list | None = None, title: str = "
     import torch
 
     from conformance.oracle.fsdp2 import predict_fsdp2, shard_order
-    from conformance.targets import graph_of
+    from conformance.case.target import graph_of
 
     head = [
         f'"""fsdp-conformance reproduction{": " + title if title else ""} on target {case.target} ({case.plan.api})',

@@ -8,11 +8,12 @@ from __future__ import annotations
 import textwrap
 
 from conformance.oracle.fsdp2 import shard_order
-from conformance.oracle.graph import ModelGraph
+from conformance.case.graph import ModelGraph
 from conformance.oracle.schedule import predict_schedule
 from conformance.report.repro.common import DEVICE_CODE, class_code, model_lines
 from conformance.report.repro.fsdp1 import _policy_code
-from conformance.spec import CaseSpec, walk
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import walk
 
 # The case's forward (conformance/build.py), with the microbatch's skips.
 _RUNTIME = '''
@@ -225,7 +226,7 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
         imports += ["from torch.distributed.device_mesh import init_device_mesh",
                     "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method"]
     lines, var = model_lines(spec)
-    # the suite's own initial values (conformance.build): the same generator,
+    # the suite's own initial values (conformance.case.build): the same generator,
     # order and scale, so that the script computes the very numbers the
     # suite saw (rounding errors and tolerances depend on them)
     lines.append("gen = torch.Generator().manual_seed(SEED)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conformance.spec import CaseSpec, ClassSpec, ModuleSpec, ModuleWrap, ParamSpec, WrapPlan
+from conformance.case.spec import CaseSpec, ClassSpec, ModuleSpec, ModuleWrap, ParamSpec, WrapPlan
 
 
 def _linear(name: str, n_in: int, n_out: int, trainable: bool = True) -> ModuleSpec:

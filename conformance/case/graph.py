@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.spec import CaseSpec, class_ancestry, join, walk
+from conformance.case.tree import class_ancestry, join, walk
 
 
 @dataclass
@@ -45,21 +45,21 @@ class ModelGraph:
     (the first name nn.Module gives that object), found by identity."""
 
     def __init__(self, source: Any):
-        self.spec: CaseSpec | None = None
+        self.spec = None  # the CaseSpec, for a graph built from one
         self.nodes: dict[str, Node] = {}
         self.param_info: dict[str, ParamInfo] = {}
         self._torch_ids: dict[str, str] = {}  # torch.nn class name -> its id in this graph
         # Node ids of modules whose forward the model's own forward never
         # runs (nn.MultiheadAttention reads out_proj.weight without calling
         # out_proj): a fact about a live model found by running it
-        # (conformance.targets.base_graph); FSDP gathers a unit's parameters
+        # (conformance.case.target.base_graph); FSDP gathers a unit's parameters
         # only when its forward runs. Empty for a CaseSpec.
         self.not_called: frozenset[str] = frozenset()
-        if isinstance(source, CaseSpec):
+        if hasattr(source, "_modules") and hasattr(source, "_parameters"):
+            self._from_module(source)
+        elif hasattr(source, "tree") and hasattr(source, "classes"):  # a CaseSpec (the graph sits below it)
             self.spec = source
             self._from_spec(source)
-        elif hasattr(source, "_modules") and hasattr(source, "_parameters"):
-            self._from_module(source)
         else:
             raise TypeError(f"ModelGraph needs a CaseSpec or an nn.Module, got {type(source).__name__}")
         self._index()
@@ -69,7 +69,7 @@ class ModelGraph:
         return cls(model)
 
     # -- construction ---------------------------------------------------------
-    def _from_spec(self, spec: CaseSpec) -> None:
+    def _from_spec(self, spec) -> None:
         for path, m in walk(spec.tree):
             mro = tuple(class_ancestry(spec, m.cls))
             self.nodes[path] = Node(

@@ -6,7 +6,10 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Union
+from typing import Any, Union
+
+from conformance.case.graph import ModelGraph
+from conformance.case.tree import class_ancestry, join, walk
 
 SPEC_VERSION = 1
 
@@ -296,7 +299,7 @@ class CaseSpec:
 
     def to_python(self) -> str:
         """Python source that rebuilds this spec (the repr, with its import)."""
-        return "from conformance.spec import *\n\nspec = " + repr(self) + "\n"
+        return "from conformance.case.spec import *\n\nspec = " + repr(self) + "\n"
 
 
 # ---- training schedules (MP-DTYPES, ACCUM) ----------------------------------
@@ -360,8 +363,6 @@ def validate_schedule(spec: "CaseSpec") -> None:
         return
     if s.optimizer not in SCHEDULE_OPTIMIZERS or not s.lr > 0 or not s.steps:
         raise SpecError(f"schedule: optimizer one of {SCHEDULE_OPTIMIZERS}, lr > 0, at least one step")
-    from conformance.oracle.graph import ModelGraph  # the names the built model gives its parameters
-
     paths = {p for p, _ in walk(spec.tree)}
     fqns = {f for f, _ in ModelGraph(spec).named_parameters(remove_duplicate=False)}
     for st in s.steps:
@@ -387,18 +388,6 @@ def validate_schedule(spec: "CaseSpec") -> None:
 
 
 # ---- tree queries (pure) ---------------------------------------------------
-
-
-def join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def walk(tree: ModuleSpec, prefix: str = "") -> Iterator[tuple[str, ModuleSpec]]:
-    """(path, module) in pre-order, registration order; the spec's own tree
-    (shared modules and ties are not part of it)."""
-    yield prefix, tree
-    for child in tree.children:
-        yield from walk(child, join(prefix, child.name))
 
 
 def module_at(tree: ModuleSpec, path: str) -> ModuleSpec:
@@ -582,18 +571,6 @@ def container_kind(spec: CaseSpec, cls: str) -> str:
     while cls in bases:
         cls = bases[cls]
     return cls
-
-
-def class_ancestry(spec: CaseSpec, cls: str) -> list[str]:
-    """cls and every class it derives from, drawn or torch's (nn.Module last)."""
-    bases = {c.name: c.base for c in spec.classes}
-    out = [cls]
-    while cls in bases:
-        cls = bases[cls]
-        out.append(cls)
-    if out[-1] != "Module":
-        out.append("Module")
-    return out
 
 
 def _validate_plan(spec: CaseSpec, paths: set[str], fqns: set[str]) -> None:

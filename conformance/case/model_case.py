@@ -15,19 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from conformance import spec as _spec
-from conformance.spec import (
-    CUSTOM_KWARGS,
-    OPTIMIZERS,
-    POLICY_TYPES,
-    CaseSpec,
-    CustomWrap,
-    ForwardMethod,
-    MethodCall,
-    SpecError,
-    TrainPlan,
-    WrapPlan,
-)
+from conformance.case import spec as _spec
+from conformance.case.spec import CUSTOM_KWARGS, OPTIMIZERS, POLICY_TYPES, CaseSpec, CustomWrap, ForwardMethod, MethodCall, SpecError, TrainPlan, WrapPlan
 
 MODEL_CASE_VERSION = 1
 
@@ -89,7 +78,7 @@ class ModelCase:
             raise SpecError(f"ModelCase JSON does not describe a case: {type(e).__name__}: {e}") from None
 
     def to_python(self) -> str:
-        return "from conformance.spec import *\nfrom conformance.model_case import ModelCase\n\nspec = " + repr(self) + "\n"
+        return "from conformance.case.spec import *\nfrom conformance.case.model_case import ModelCase\n\nspec = " + repr(self) + "\n"
 
 
 _spec._TYPES["ModelCase"] = ModelCase
@@ -117,7 +106,7 @@ def case_from_dict(data: dict):
 
 def validate_model_case(case: ModelCase) -> None:
     """What can be checked without importing the target (the rest:
-    conformance.targets.check_case, against the model's graph)."""
+    conformance.case.target.check_case, against the model's graph)."""
     mod, sep, attr = case.target.partition(":")
     if not isinstance(case.target, str) or not sep or not mod or not attr:
         raise SpecError(f"ModelCase.target must be 'package.module:attr', got {case.target!r}")

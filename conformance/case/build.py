@@ -9,7 +9,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conformance.spec import CaseSpec, MethodCall, ModuleSpec, join, walk
+from conformance.case.graph import class_id
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import CaseSpec, MethodCall, ModuleSpec
+from conformance.case.target import Target, apply_freeze, cached_target, make_model
+from conformance.case.tree import join, walk
 
 _TORCH_BASES = {
     "Module": nn.Module,
@@ -179,10 +183,8 @@ def _make_module(m: ModuleSpec, classes: dict[str, type]) -> nn.Module:
 
 def build(spec: CaseSpec) -> Built:
     """The case's model: same spec and seed, same module and values. A
-    ModelCase builds its target's model (conformance.targets.build_target)."""
-    if not isinstance(spec, CaseSpec):
-        from conformance.targets import build_target
-
+    ModelCase builds its target's model (conformance.case.build.build_target)."""
+    if isinstance(spec, ModelCase):
         return build_target(spec)
     classes = make_classes(spec)
     modules: dict[str, nn.Module] = {}
@@ -219,3 +221,51 @@ def build(spec: CaseSpec) -> Built:
             setattr(cls, m.name, _make_method(m.name))
         modules[m.module].__dict__.setdefault("_case_methods", {})[m.name] = m.steps
     return Built(model=modules[""], classes=classes, modules=modules)
+
+
+# ---- a real model (a Target) ----------------------------------------------
+
+
+@dataclass
+class TargetBuilt(Built):
+    """Built for a target: example inputs are the target's keyword arguments."""
+
+    target: Target | None = None
+    seed: int = 0
+
+    def example_input(self):
+        return {k: v.to(self.device) if hasattr(v, "to") and hasattr(v, "device") else v
+                for k, v in dict(self.target.inputs(self.seed)).items()}
+
+
+def build_target(case):
+    """A ModelCase's model, as conformance.case.build.Built: the target's factory
+    at the case's seed with its freeze mask; modules by canonical path,
+    classes by the names a policy may use for them (classes_by_name)."""
+    model = make_model(case.target, case.seed)
+    apply_freeze(model, case.frozen)
+    modules: dict[str, Any] = {}
+    for path, m in model.named_modules():
+        modules.setdefault(path, m)
+    return TargetBuilt(model=model, classes=classes_by_name(model), modules=modules, target=cached_target(case.target), seed=case.seed)
+
+
+def classes_by_name(model) -> dict[str, type]:
+    """Every nn.Module class in the model's modules' MROs under the names
+    ModelGraph.resolve_class accepts for it: its id ``module.QualName``,
+    and its bare name where no other class of the model has that name (two
+    classes of one name, PEFT's lora.Linear and torch's nn.Linear, are
+    reachable only by their ids)."""
+    by_id: dict[str, type] = {}
+    for m in model.modules():
+        for k in type(m).__mro__:
+            if isinstance(k, type) and issubclass(k, nn.Module):
+                by_id.setdefault(class_id(k), k)
+    out = dict(by_id)
+    short: dict[str, list[type]] = {}
+    for k in by_id.values():
+        short.setdefault(k.__name__, []).append(k)
+    for name, ks in short.items():
+        if len(ks) == 1 and name not in out:
+            out[name] = ks[0]
+    return out

@@ -10,13 +10,17 @@ without touching the suite.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from conformance.build import Built
-from conformance.oracle.graph import ClassLookupError
+import torch
+import torch.nn as nn
+
+from conformance.case.graph import ClassLookupError, ModelGraph, ParamInfo
+from conformance.case.model_case import ModelCase
 
 Inputs = Callable[[int], Mapping[str, Any]]  # seed -> keyword arguments
 
@@ -91,7 +95,7 @@ def load_target(ref: str) -> Target:
         except Exception as e:
             raise TargetError(f"target {ref!r}: calling {attr}() raised {type(e).__name__}: {e}") from None
     if not isinstance(obj, Target):
-        raise TargetError(f"target {ref!r}: {attr!r} is a {type(obj).__name__}, not a conformance.targets.Target")
+        raise TargetError(f"target {ref!r}: {attr!r} is a {type(obj).__name__}, not a conformance.Target")
     return obj
 
 
@@ -113,8 +117,6 @@ def _fail(ref: str, what: str) -> TargetError:
 
 def make_model(ref: str, seed: int):
     """The target's fresh model for ``seed`` (TargetError if the factory fails)."""
-    import torch.nn as nn
-
     target = cached_target(ref)
     try:
         model = target.factory(seed)
@@ -143,61 +145,10 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else ""
 
 
-def build_target(case):
-    """A ModelCase's model, as conformance.build.Built: the target's factory
-    at the case's seed with its freeze mask; modules by canonical path,
-    classes by the names a policy may use for them (classes_by_name)."""
-    model = make_model(case.target, case.seed)
-    apply_freeze(model, case.frozen)
-    modules: dict[str, Any] = {}
-    for path, m in model.named_modules():
-        modules.setdefault(path, m)
-    return TargetBuilt(model=model, classes=classes_by_name(model), modules=modules, target=cached_target(case.target), seed=case.seed)
-
-
-def classes_by_name(model) -> dict[str, type]:
-    """Every nn.Module class in the model's modules' MROs under the names
-    ModelGraph.resolve_class accepts for it: its id ``module.QualName``,
-    and its bare name where no other class of the model has that name (two
-    classes of one name, PEFT's lora.Linear and torch's nn.Linear, are
-    reachable only by their ids)."""
-    import torch.nn as nn
-
-    from conformance.oracle.graph import class_id
-
-    by_id: dict[str, type] = {}
-    for m in model.modules():
-        for k in type(m).__mro__:
-            if isinstance(k, type) and issubclass(k, nn.Module):
-                by_id.setdefault(class_id(k), k)
-    out = dict(by_id)
-    short: dict[str, list[type]] = {}
-    for k in by_id.values():
-        short.setdefault(k.__name__, []).append(k)
-    for name, ks in short.items():
-        if len(ks) == 1 and name not in out:
-            out[name] = ks[0]
-    return out
-
-
-@dataclass
-class TargetBuilt(Built):
-    """Built for a target: example inputs are the target's keyword arguments."""
-
-    target: Target | None = None
-    seed: int = 0
-
-    def example_input(self):
-        return {k: v.to(self.device) if hasattr(v, "to") and hasattr(v, "device") else v
-                for k, v in dict(self.target.inputs(self.seed)).items()}
-
-
 @functools.lru_cache(maxsize=32)
 def base_graph(ref: str):
     """The target's module graph (seed 0, the factory's own requires_grad).
     A target's structure must not depend on the seed; its values do."""
-    from conformance.oracle.graph import ModelGraph
-
     model = make_model(ref, 0)
     g = ModelGraph(model)
     g.not_called = modules_not_called(ref, model)
@@ -209,8 +160,6 @@ def modules_not_called(ref: str, model) -> frozenset[str]:
     model's forward never runs on the target's inputs, found with forward
     pre-hooks on an unsharded model. Empty when forward fails (check_target
     reports that)."""
-    import torch
-
     called: set[int] = set()
     handles = [m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for m in model.modules()]
     try:
@@ -233,8 +182,6 @@ def modules_not_called(ref: str, model) -> frozenset[str]:
 def graph_of(case):
     """The graph the oracle reads: a CaseSpec's own, or a ModelCase's target
     graph with the case's freeze mask applied."""
-    from conformance.model_case import ModelCase
-
     if not isinstance(case, ModelCase):
         return _spec_graph(case)
     return _masked_graph(case.target, frozenset(case.frozen))
@@ -242,16 +189,11 @@ def graph_of(case):
 
 @functools.lru_cache(maxsize=256)
 def _spec_graph(spec):
-    from conformance.oracle.graph import ModelGraph
-
     return ModelGraph(spec)
 
 
 @functools.lru_cache(maxsize=256)
 def _masked_graph(ref: str, frozen: frozenset):
-    import copy
-
-    from conformance.oracle.graph import ParamInfo
 
     g = copy.copy(base_graph(ref))
     g.param_info = {
@@ -302,8 +244,6 @@ def check_target(ref: str, *, wrap_classes: tuple[str, ...] | None = None) -> Ta
     module with parameters; its forward takes the inputs; the loss is a
     scalar; each listed method exists and runs; its wrap classes are classes
     of the model. TargetError (naming the target and what is wrong) otherwise."""
-    import torch
-
     target = load_target(ref)
     cached_target.cache_clear()
     model = make_model(ref, 0)
@@ -356,8 +296,6 @@ def methods_calling_forward(ref: str) -> frozenset[str]:
     as HF generate does), found by running each once on an unsharded model
     with a forward pre-hook on the root: a fact about the model that the
     oracle's tags need (register_fsdp_forward_method's hooks then nest)."""
-    import torch
-
     target = cached_target(ref)
     model = make_model(ref, 0)
     count = [0]
