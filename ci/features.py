@@ -1,4 +1,4 @@
-"""Print how often the strategies draw each case feature (conformance.features)
+"""Print how often the strategies draw each case feature (conformance.run.features)
 in a report: the README's table. Usage: python ci/features.py REPORT.json"""
 
 import json

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 # the latest patch release of each minor release, oldest first
 RELEASES = ["2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1"]
 TIERS = (("fake", 4), ("gloo", 2))
-ANY_RELEASE_ENV = "FSDP_CONFORMANCE_KNOWN_ANY_RELEASE"  # = conformance.known.ANY_RELEASE_ENV
+ANY_RELEASE_ENV = "FSDP_CONFORMANCE_KNOWN_ANY_RELEASE"  # = conformance.run.known.ANY_RELEASE_ENV
 
 
 class NotRun(Exception):

@@ -71,8 +71,8 @@ echo "== repro scripts under torchrun --nproc-per-node $WORLD, FSDP_REPRO_BACKEN
 "$PY" - "$WORK" <<'EOF'
 import dataclasses, sys
 from conformance.case.examples import lora_model
-from conformance.report.repro.fsdp1 import fsdp1_script
-from conformance.report.repro.fsdp2 import fsdp2_script
+from conformance.areas.autowrap.repro import fsdp1_script
+from conformance.areas.fully_shard.repro import fsdp2_script
 from conformance.case.spec import WrapPlan
 
 spec = lora_model(num_layers=2, dim=8, rank=2, use_orig_params=True)  # wraps (mixed units warn)

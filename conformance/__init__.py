@@ -1,6 +1,6 @@
 """fsdp-conformance: a property-based conformance suite for PyTorch FSDP."""
 
-# FSDP from a source tree (conformance.fsdp_source): every process of a run
+# FSDP from a source tree (conformance.selfcheck.fsdp_source): every process of a run
 # imports this package before torch.distributed.fsdp (the driver, the pool's
 # fork server and its ranks, the torchrun entry), so the overlay that the
 # environment names is put in effect here, once, before FSDP is imported.
@@ -9,7 +9,7 @@ import os as _os
 if _os.environ.get("FSDP_CONFORMANCE_FSDP_SOURCE"):
     import sys as _sys
 
-    from conformance import fsdp_source as _fsdp_source
+    from conformance.selfcheck import fsdp_source as _fsdp_source
 
     try:
         _fsdp_source.install_from_env()
@@ -19,8 +19,8 @@ if _os.environ.get("FSDP_CONFORMANCE_FSDP_SOURCE"):
 
 
 def check_model(target: str, **kwargs):
-    """Every applicable invariant on a real model: see conformance.models.check_model."""
-    from conformance.models import check_model as run
+    """Every applicable invariant on a real model: see conformance.run.models.check_model."""
+    from conformance.run.models import check_model as run
 
     return run(target, **kwargs)
 

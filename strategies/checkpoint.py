@@ -12,9 +12,9 @@ from hypothesis import event, strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.oracle.checkpoint import predict_ckpt
+from conformance.areas.checkpoint.oracle import predict_ckpt
 from conformance.case.graph import ModelGraph
-from conformance.oracle.methods import predict_parity
+from conformance.areas.common.training_oracle import predict_training
 from conformance.case.spec import CKPT_OPTIMIZERS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan
 
 from strategies._common import TreeIndex, check_int, ints, maybe, pick, pick_subset
@@ -28,7 +28,7 @@ WORLDS = (2, 1, 3)
 
 
 def _trainable(spec: CaseSpec) -> bool:
-    return not predict_parity(spec).applicable
+    return not predict_training(spec).applicable
 
 
 def _bases(api: str, max_modules: int, ties: bool) -> SearchStrategy[CaseSpec]:

@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import assume, event, strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from conformance.oracle import predict_fsdp1
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.case.spec import CaseSpec, CustomWrap, ModuleWrap
 from strategies._common import check_strategy, pick, pick_subset
 from strategies.cases import case_specs

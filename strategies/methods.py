@@ -11,7 +11,7 @@ from hypothesis import event, strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.oracle.fsdp2 import TORCH_CONTAINERS, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import METHOD_NAMES, OPTIMIZERS, CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup, TrainPlan, WrapPlan
 from conformance.case.tree import join
@@ -277,8 +277,8 @@ def training_specs(
 
 
 def _fsdp1_trainable(spec: CaseSpec) -> bool:
-    from conformance.invariants.fsdp1 import case_tags
-    from conformance.oracle.fsdp1 import predict_fsdp1
+    from conformance.areas.common.fsdp1_oracle import fsdp1_case_tags
+    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 
     pred = predict_fsdp1(spec)
     # A unit that is torch's own container: the case iterates its children
@@ -286,7 +286,7 @@ def _fsdp1_trainable(spec: CaseSpec) -> bool:
     # FSDP promises; the ranks then fail on their own shards and hang).
     g = ModelGraph(spec)
     containers = any(g.is_torch(g.resolve_module(u.path), TORCH_CONTAINERS, exact=True) for u in pred.units)
-    return "tie:cross-unit" not in case_tags(spec, pred) and not pred.shared_modules and not containers
+    return "tie:cross-unit" not in fsdp1_case_tags(spec, pred) and not pred.shared_modules and not containers
 
 
 def summon_specs(*, max_modules: int = 10, max_depth: int = 3) -> SearchStrategy[CaseSpec]:
@@ -307,7 +307,7 @@ def _summon(draw: Any, base: SearchStrategy) -> CaseSpec:
     # Only parameters the root unit manages: with use_orig_params=False a
     # nested unit's parameter read outside its forward is a view of freed
     # storage (reading it can crash the process, not just give wrong values).
-    from conformance.oracle.fsdp1 import predict_fsdp1
+    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 
     p1 = predict_fsdp1(spec)
     root = set(p1.unit("").managed) if p1.error is None else set()

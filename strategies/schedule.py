@@ -15,8 +15,8 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.case.graph import ModelGraph
-from conformance.oracle.methods import predict_parity
-from conformance.oracle.schedule import used_params
+from conformance.areas.common.training_oracle import predict_training
+from conformance.areas.schedule.oracle import used_params
 from conformance.case.spec import SCHEDULE_OPTIMIZERS, CaseSpec, ForwardMethod, MethodStep, Microbatch, Precision, Schedule, ScheduleStep
 from conformance.case.tree import walk
 
@@ -86,7 +86,7 @@ def _schedule_specs(draw: Any, cases: SearchStrategy, max_steps: int, max_microb
 def _trainable(spec: CaseSpec) -> bool:
     """Cases the API trains at all (PARITY's own conditions: no FSDP1 frozen
     error or container unit, no FSDP2 tie split between groups)."""
-    return not predict_parity(spec).applicable and any(True for _ in ModelGraph(spec).named_parameters())
+    return not predict_training(spec).applicable and any(True for _ in ModelGraph(spec).named_parameters())
 
 
 def schedule_specs(

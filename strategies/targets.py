@@ -16,7 +16,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.case.model_case import ModelCase
-from conformance.oracle.fsdp2 import TORCH_CONTAINERS
+from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS
 from conformance.case.spec import CUSTOM_KWARGS, CustomWrap, ForwardMethod, LambdaWrap, ModuleWrap, ShardGroup, SizeBasedWrap, TrainPlan, TransformerWrap, WrapPlan
 from conformance.case.target import TargetError, base_graph, cached_target
 

@@ -14,6 +14,7 @@ from conformance.case.model_case import ModelCase
 from conformance.case.spec import CaseSpec, MethodCall, ModuleSpec
 from conformance.case.target import Target, apply_freeze, cached_target, make_model
 from conformance.case.tree import join, walk
+from typing import Any
 
 _TORCH_BASES = {
     "Module": nn.Module,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from conformance.case.graph import ModelGraph
-from conformance.case.tree import class_ancestry, join, walk
+from conformance.case.tree import join, walk
 
 SPEC_VERSION = 1
 

@@ -71,6 +71,11 @@ def default_loss(output: Any):
     return logits.float().sum()
 
 
+def target_loss(target: Target, output: Any):
+    """The target's loss of one forward's output (its own, else default_loss)."""
+    return (target.loss or default_loss)(output)
+
+
 class TargetError(ValueError):
     """A target that cannot be used; the message names the target and why."""
 

@@ -13,7 +13,6 @@ import tempfile
 
 from conformance.engine.errors import EngineError
 from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
-from conformance.engine.scenarios.checkpoint import PHASES
 from conformance.case.spec import CaseSpec
 
 TMP_PREFIX = "fsdp-conformance-ckpt-"
@@ -75,7 +74,7 @@ class Worlds:
         self.deadline = deadline if deadline is not None else getattr(base, "deadline", 60.0)
         self._engines = {getattr(base, "world_size", None): base}
         self._owned = []
-        self.phases = {**PHASES, **(phases or {})}  # scenario -> (save, load); a test may swap in faults
+        self.phases = dict(phases or {})  # scenario -> (save, load) instead of its registered phases: a test's faults
         self.dirs_made: list[str] = []  # temporary checkpoint directories (each removed after its example)
 
     def engine(self, world_size: int):
@@ -95,8 +94,8 @@ class Worlds:
         ck = getattr(spec, "ckpt", None)
         if ck is None:
             raise EngineError("Worlds runs checkpoint cases (spec.ckpt)")
-        phases = self.phases.get(scenario)
-        if phases is None:
+        phases = self.phases.get(scenario) or get_scenario(scenario).phases
+        if not phases:
             return self._run(ck.save_world, scenario, spec)
         save, load = phases
         d = tempfile.mkdtemp(prefix=TMP_PREFIX)

@@ -67,7 +67,7 @@ def _describe(r: dict) -> str:
     tiers = ",".join(f"{x.get('tier')}:W{x.get('world_size')}" for x in run.get("tiers", []))
     src = ""
     if r.get("fsdp_source"):
-        from conformance.fsdp_source import label
+        from conformance.selfcheck.fsdp_source import label
 
         src = f", FSDP from {label(r['fsdp_source'])}"
     return f"torch {t.get('version')} ({(t.get('git_version') or '?')[:12]}){src}, {tiers or '?'}, profile {run.get('profile')}"

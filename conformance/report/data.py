@@ -83,8 +83,8 @@ def torch_info() -> dict:
 
 def fsdp_source_info() -> dict | None:
     """The FSDP source tree this run imported FSDP from (None: the installed
-    torch's own): path, git commit, hashes (conformance.fsdp_source)."""
-    from conformance import fsdp_source
+    torch's own): path, git commit, hashes (conformance.selfcheck.fsdp_source)."""
+    from conformance.selfcheck import fsdp_source
 
     return fsdp_source.report_info()
 
@@ -203,9 +203,9 @@ def build(
     ``run``: options (tiers, profile, seed, selection); ``tests``: one
     record per pytest test (nodeid, outcome, invariant, tier, message)."""
     if catalog is None:
-        from conformance.invariants import CATALOG as catalog
+        from conformance.areas import CATALOG as catalog
     if known is None:
-        from conformance import known as known_mod
+        from conformance.run import known as known_mod
 
         known = known_mod.load()
     env = environment or {"suite": suite_info(), "torch": torch_info(), "platform": platform_info(), "fsdp_source": fsdp_source_info()}
@@ -318,7 +318,7 @@ def build(
                 results.append(row)
 
     # known failures: matched, unmatched (warned), fixed, not run, other torch
-    from conformance.known import _in_range
+    from conformance.run.known import _in_range
 
     base_known = {}
     for b in baselines or []:
@@ -326,7 +326,7 @@ def build(
             if k.get("status") == "matched":
                 base_known[k["id"]] = k
     corpus_runs = merge_corpus(partials)
-    from conformance import corpus as corpus_mod
+    from conformance.run import corpus as corpus_mod
 
     corpus_findings = {c.finding for c in corpus_mod.load() if c.finding}
     known_out, warnings = [], []

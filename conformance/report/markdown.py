@@ -25,7 +25,7 @@ def headline(report: dict) -> str:
 
 
 def fsdp_source_label(report: dict) -> str:
-    from conformance.fsdp_source import label
+    from conformance.selfcheck.fsdp_source import label
 
     return label(report.get("fsdp_source"))
 
@@ -96,8 +96,8 @@ def render(report: dict, *, details: bool = True) -> str:
 
 def features_table(report: dict) -> str:
     """How often each case feature was drawn, per test area and tier: the
-    share of examples (conformance.features)."""
-    from conformance.features import FEATURES
+    share of examples (conformance.run.features)."""
+    from conformance.run.features import FEATURES
 
     rows: dict[tuple[str, str], dict] = {}
     for r in report["results"]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from conformance import known as known_mod
+from conformance.run import known as known_mod
 from conformance.report.data import VERDICTS
 from conformance.report.html import _ENV
 from conformance.report.markdown import MARK, _cell

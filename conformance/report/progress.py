@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from conformance.report.data import merge_tallies
-from conformance.report.pytest_plugin import PARTIAL
+from conformance.plugin.report import PARTIAL
 
 STYLE = {"PASS": "green", "FAIL": "bold red", "KNOWN": "yellow", "FIXED": "cyan", "SKIP": "dim", "running": "blue"}
 

@@ -14,7 +14,7 @@ def write_repros(report: dict, report_dir: Path) -> None:
     """Give every finding a repro script (its smallest case), path relative
     to the report directory. A script that cannot be generated is noted, not
     fatal: the report must still be written."""
-    from conformance.session import write_repro_file
+    from conformance.run.session import write_repro_file
     from conformance.case.model_case import case_from_json
 
     import json

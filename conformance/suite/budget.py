@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hypothesis import settings
 
-CI_EXAMPLES = 500  # the ci profile's max_examples (conformance.profiles)
+CI_EXAMPLES = 500  # the ci profile's max_examples (conformance.run.profiles)
 
 
 def examples(at_ci: int) -> int:

@@ -10,7 +10,7 @@ torch.distributed.checkpoint and .state_dict docstrings (catalog entries).
 import pytest
 from hypothesis import given, settings
 
-from conformance import corpus
+from conformance.run import corpus
 from conformance.suite.budget import examples
 from strategies.checkpoint import checkpoint_specs
 
@@ -27,7 +27,7 @@ def worlds(engine):
 
 
 def _check(invariant_id, spec, worlds, conformance):
-    from conformance.adapters.checkpoint import missing_api
+    from conformance.areas.checkpoint.adapter import missing_api
 
     why = missing_api(spec)
     if why:

@@ -11,7 +11,7 @@ FSDP1) and the register_fsdp_forward_method / fully_shard docstrings.
 import pytest
 from hypothesis import given, settings
 
-from conformance import corpus
+from conformance.run import corpus
 from strategies.methods import fsdp2_case_specs, summon_specs
 from conformance.suite.budget import examples
 

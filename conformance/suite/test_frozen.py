@@ -10,8 +10,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from conformance import corpus
-from conformance.oracle import predict_fsdp1
+from conformance.run import corpus
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from strategies import case_specs
 
 

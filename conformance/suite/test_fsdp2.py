@@ -9,8 +9,8 @@ the torch release's own check (>= 2.13: ValueError naming it).
 import pytest
 from hypothesis import given, settings
 
-from conformance import corpus
-from conformance.adapters.fsdp2 import takes_ignored_params
+from conformance.run import corpus
+from conformance.areas.common.fsdp2_adapter import takes_ignored_params
 from strategies.methods import fsdp2_case_specs
 from conformance.suite.budget import examples
 

@@ -5,12 +5,12 @@ Exact texts are expecttest snapshots: update with EXPECTTEST_ACCEPT=1."""
 import expecttest
 import pytest
 
-from conformance.adapters.fsdp1 import post_order_names
+from conformance.areas.autowrap.adapter import post_order_names
 from conformance.case.build import build
 from conformance.engine.fake import FakeEngine
 from conformance.case.examples import lora_model
 from conformance.case.graph import ModelGraph
-from conformance.runner import evaluate, observations
+from conformance.run.runner import evaluate, observations
 
 pytestmark = pytest.mark.fake
 

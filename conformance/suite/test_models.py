@@ -7,15 +7,15 @@ imports the target.
 
 Spec: the invariant catalog (each invariant's own source); the target's
 methods are checked for what FSDP promises whatever their body runs
-(conformance.oracle.fsdp2: opaque calls).
+(conformance.areas.common.fsdp2_oracle: opaque calls).
 """
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.invariants import get
-from conformance.models import model_invariants
+from conformance.areas import get
+from conformance.run.models import model_invariants
 from conformance.suite.budget import examples
 from strategies.targets import model_cases
 

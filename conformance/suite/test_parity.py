@@ -12,8 +12,8 @@ the sum over ranks divided by it), per their docstrings.
 import pytest
 from hypothesis import given, settings
 
-from conformance import corpus
-from conformance.adapters.fsdp2 import has_reduction_setters
+from conformance.run import corpus
+from conformance.areas.common.fsdp2_adapter import has_reduction_setters
 from strategies.methods import training_specs
 from conformance.suite.budget import examples
 

@@ -5,7 +5,7 @@ runs on the gloo pool only (the fake tier is one rank)."""
 import pytest
 from hypothesis import given
 
-from conformance import corpus
+from conformance.run import corpus
 from strategies import case_specs
 
 pytestmark = [pytest.mark.needs_ranks, pytest.mark.several_ranks]

@@ -9,8 +9,8 @@ with a clear error; silent duplication is a finding.
 import pytest
 from hypothesis import assume, given
 
-from conformance import corpus
-from conformance.oracle import predict_fsdp1
+from conformance.run import corpus
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from strategies import case_specs
 
 

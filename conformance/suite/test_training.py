@@ -11,7 +11,7 @@ real collectives: real ranks only.
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conformance import corpus
+from conformance.run import corpus
 from conformance.suite.budget import examples
 from strategies.schedule import schedule_specs
 
@@ -19,7 +19,7 @@ TRAINING = ["MP-DTYPES", "ACCUM"]
 
 
 def _missing_api() -> str | None:
-    from conformance.adapters.schedule import missing_api
+    from conformance.areas.schedule.adapter import missing_api
 
     return missing_api()
 

@@ -8,7 +8,7 @@ FullyShardedDataParallel docstring (auto_wrap_policy, ignored_modules).
 import pytest
 from hypothesis import given
 
-from conformance import corpus
+from conformance.run import corpus
 from strategies import case_specs
 
 

@@ -119,7 +119,7 @@ def optim_state_dropped():
 
 
 def _adapter():
-    from conformance.adapters import checkpoint
+    from conformance.areas.checkpoint import adapter as checkpoint
 
     return checkpoint
 
@@ -160,7 +160,7 @@ def save_unwritable(spec: CaseSpec, dir: str) -> dict:
     directory goes (not a permission: the ranks may run as root)."""
     import torch.distributed as dist
 
-    from conformance.adapters.checkpoint import ckpt_dir
+    from conformance.areas.checkpoint.adapter import ckpt_dir
 
     if dist.get_rank() == 0:
         with open(ckpt_dir(dir), "w") as f:

@@ -164,7 +164,7 @@ def rank1_optimizer_raises():
 
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
-        from conformance.adapters import schedule
+        from conformance.areas.schedule import adapter as schedule
 
         with FAULTS[name]():
             return schedule.observe(spec).to_dict()
@@ -194,7 +194,8 @@ def _train_with_default_adam_eps(spec: CaseSpec) -> dict:
     """PARITY's training with Adam's default eps (1e-8) instead of the suite's
     (tests/self/test_parity_numerics.py: rounding noise then moves a
     parameter whose exact gradient is zero by a whole lr)."""
-    from conformance.adapters import training
+    from conformance.areas.common import training as common_training
+    from conformance.areas.parity import adapter as training
 
-    with mock.patch.object(training, "ADAM_EPS", 1e-8):
+    with mock.patch.object(common_training, "ADAM_EPS", 1e-8):
         return training.observe(spec).to_dict()

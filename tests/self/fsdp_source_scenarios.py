@@ -10,7 +10,7 @@ def fsdp_source_where(spec) -> dict:
     from torch.distributed._composable import fsdp as composable
     from torch.distributed.fsdp._fully_shard import _fully_shard
 
-    from conformance import fsdp_source
+    from conformance.selfcheck import fsdp_source
 
     return {
         "marker": getattr(fsdp, "CONFORMANCE_OVERLAY_MARKER", None),

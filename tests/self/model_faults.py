@@ -10,9 +10,10 @@ from tests.self.faults_fsdp2 import FAULTS
 
 def _faulty(name: str, kind: str):
     def run(case) -> dict:
-        from conformance.adapters import targets
+        from conformance.areas.fully_shard.adapter import observe_fsdp2
+        from conformance.areas.parity.adapter import observe_train
 
-        observe = {"fsdp2": targets.observe_fsdp2, "train": targets.observe_train}[kind]
+        observe = {"fsdp2": observe_fsdp2, "train": observe_train}[kind]
         with FAULTS[name]():
             return observe(case).to_dict()
 

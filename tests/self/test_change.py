@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conformance import fsdp_source
+from conformance.selfcheck import fsdp_source
 
 pytestmark = pytest.mark.selfcheck
 
@@ -45,9 +45,9 @@ def test_change_reports_a_deliberate_regression_with_its_repro(tmp_path):
     # the repro of the regression, run against NEW's FSDP, shows the warning
     # where the spec promises a ValueError
     (repro,) = summary["regression_repros"]
-    assert repro["command"] == f"python -m conformance.fsdp_source run {new} {repro['repro']}"
+    assert repro["command"] == f"python -m conformance.selfcheck.fsdp_source run {new} {repro['repro']}"
     assert repro["command"] in text
-    run = subprocess.run([sys.executable, "-m", "conformance.fsdp_source", "run", str(new), repro["repro"]],
+    run = subprocess.run([sys.executable, "-m", "conformance.selfcheck.fsdp_source", "run", str(new), repro["repro"]],
                          capture_output=True, text=True, timeout=300, env=env)
     shown = run.stdout + run.stderr
     assert "UserWarning" in shown and "FSDP does not support wrapping such modules when use_orig_params=False" in shown

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from conformance.invariants.checkpoint import case_tags
-from conformance.oracle.checkpoint import predict_ckpt
+from conformance.areas.checkpoint.invariants import case_tags
+from conformance.areas.checkpoint.oracle import predict_ckpt
 from conformance.case.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, TiedParam, WrapPlan
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
@@ -67,7 +67,7 @@ def test_tie_in_one_module_tag(tied_name, source, same):
 
 
 def test_the_load_side_keeps_the_mask_of_the_save_without_load_frozen():
-    from conformance.adapters.checkpoint import load_spec
+    from conformance.areas.checkpoint.adapter import load_spec
     from conformance.case.graph import ModelGraph
 
     def frozen(spec: CaseSpec) -> set[str]:
@@ -138,7 +138,7 @@ def test_no_shard_unit_tag():
 def test_resume_comparison_takes_nan_where_the_reference_has_nan():
     import math
 
-    from conformance.adapters.checkpoint import _close
+    from conformance.areas.checkpoint.adapter import _close
 
     nan = math.nan
     assert _close([nan, 1.0], [nan, 1.0])  # both diverged: the same training
@@ -158,9 +158,9 @@ def test_a_checkpoint_exception_reports_the_first_failing_ranks_inner_exception(
     """A CheckpointException's first line names only the ranks; the observation
     carries the first failing rank's exception (type, first line), and the
     violation keeps error:CheckpointException with cause: tags beside it."""
-    from conformance.adapters.checkpoint import _err
-    from conformance.invariants.checkpoint import _raised
-    from conformance.observations.checkpoint import CkptObservation
+    from conformance.areas.checkpoint.adapter import _err
+    from conformance.areas.checkpoint.invariants import _raised
+    from conformance.areas.checkpoint.observation import CkptObservation
 
     e = _checkpoint_exception({1: ValueError("Size mismatch between saved torch.Size([7, 7]) and current: torch.Size([25]) for model.w"),
                                0: RuntimeError("Missing key in checkpoint state_dict: optim.state.a.momentum_buffer.\nsecond line")})
@@ -190,7 +190,7 @@ def test_a_checkpoint_exception_reports_the_first_failing_ranks_inner_exception(
     ("Size mismatch between saved torch.Size([2, 2]) and current: torch.Size([3]) for model.proj0.weight", {"key:model"}),
 ])
 def test_the_key_a_checkpoint_exception_names(message, tags):
-    from conformance.invariants.checkpoint import cause_tags
+    from conformance.areas.checkpoint.invariants import cause_tags
 
     aliases = {"block1.tied0", "block1.shared0.weight"}  # proj0.weight is the first name
     got = set(cause_tags(f"CheckpointException: rank 0: RuntimeError: {message}", aliases))
@@ -207,7 +207,7 @@ def test_the_key_a_checkpoint_exception_names(message, tags):
     ("RuntimeError: the parameter is not in the optimizer state", set()),
 ])
 def test_fsdp1_optim_state_conversion_error_tags(error, tags):
-    from conformance.invariants.checkpoint import cause_tags
+    from conformance.areas.checkpoint.invariants import cause_tags
 
     assert set(cause_tags(error, {"block1.tied0", "block1.shared0.weight"})) == tags
 
@@ -218,8 +218,8 @@ def test_fsdp1_optim_state_conversion_error_tags(error, tags):
     ((), ("proj0.weight",), False),  # a parameter gone from the groups
 ])
 def test_param_groups_renamed_alias_tag(loaded, saved, renamed):
-    from conformance.invariants.checkpoint import check_reshard
-    from conformance.observations.checkpoint import CkptObservation
+    from conformance.areas.checkpoint.invariants import check_reshard
+    from conformance.areas.checkpoint.observation import CkptObservation
     from conformance.case.spec import SharedModule
 
     tree = ModuleSpec("", "Model", children=(ModuleSpec("proj0", "Linear", (ParamSpec("weight", (2, 2)),)), ModuleSpec("block1", "Block")))
@@ -277,7 +277,7 @@ def test_a_diverged_reference_is_not_compared_after_the_resume():
     initial size or stop being finite; a bounded reference is compared."""
     import torch
 
-    from conformance.adapters.checkpoint import _diverged
+    from conformance.areas.checkpoint.adapter import _diverged
 
     spec = _two_linears(CheckpointPlan(steps=2))
     ok = {"proj0.weight": torch.full((4, 4), 3.0), "proj1.weight": torch.zeros(4, 4)}
@@ -290,8 +290,8 @@ def test_paramless_fsdp1_root_and_buffers_only_keys():
     """root-unit:no-params: every parameter in a child unit (seed 2602); a
     non-zero rank holding only buffers is tagged keys:buffers-only, one that
     holds a parameter is not (fsdp1-rank0-only-no-shard-unit-keys)."""
-    from conformance.invariants.checkpoint import check_full
-    from conformance.observations.checkpoint import CkptObservation
+    from conformance.areas.checkpoint.invariants import check_full
+    from conformance.areas.checkpoint.observation import CkptObservation
     from conformance.case.spec import BufferSpec, ModuleWrap
 
     tree = ModuleSpec("", "Model", buffers=(BufferSpec("running", (1,)),), children=(
@@ -319,15 +319,16 @@ def test_a_crash_of_a_tied_reversed_list_group_save_is_known(order, reversed_):
     oracle's included); listed in registration order it is not this finding."""
     import torch
 
-    from conformance import known
-    from conformance.invariants.checkpoint import _engine_failure_tags
+    from conformance.run import known
+    from conformance.areas.checkpoint.invariants import failure_tags
+    from conformance.areas.checkpoint.oracle import predict_ckpt
     from conformance.case.spec import ShardGroup
     from conformance.case.violation import Violation
 
     tree = ModuleSpec("", "ModelSeq", children=tuple(ModuleSpec(str(i), "Linear", (ParamSpec("weight", (7, 7), False),)) for i in range(4)))
     spec = CaseSpec(tree=tree, classes=(ClassSpec("ModelSeq", "Sequential"),), ties=(TiedParam("2", "weight", "3.weight"),),
                     plan=WrapPlan(api="fsdp2", groups=(ShardGroup(order, False),)), ckpt=CheckpointPlan(steps=1))
-    tags = _engine_failure_tags(spec)
+    tags = failure_tags(spec, predict_ckpt(spec))
     assert ("group:multi-no-reshard-tie-reversed" in tags) is reversed_ and "no-backward-before-save" in tags
     v = Violation("CKPT-RESHARD", "CRASH: rank 1 killed by signal 11", frozenset(tags | {"kind:crash"}))
     entry = next(e for e in known.load() if e.id == "fsdp2-tied-list-group-unsharded-save-segfault")

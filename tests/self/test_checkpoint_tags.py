@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance import known
-from conformance.invariants.checkpoint import case_tags
+from conformance.run import known
+from conformance.areas.checkpoint.invariants import case_tags
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conformance.case.model_case import ModelCase
-from conformance.oracle import predict_fsdp1
-from conformance.runner import PASS, evaluate, observations
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.run.runner import PASS, evaluate, observations
 from conformance.case.spec import ModuleWrap, TransformerWrap, WrapPlan
 from conformance.case.target import TargetError, base_graph, check_case
 
@@ -61,10 +61,10 @@ def test_the_oracle_wraps_only_the_named_class(cls, units):
 @pytest.mark.parametrize("cls", [OWN, TORCH])
 @pytest.mark.parametrize("invariant", ["WRAP-UNITS", "WRAP-FQNS", "WRAP-STATE-DICT"])
 def test_fsdp1_wraps_each_same_named_class_as_the_oracle_says(fake_engine, cls, invariant):
-    from conformance.observations import Observation
+    from conformance.areas.autowrap.observation import WrapObservation
 
     case = ModelCase(TARGET, frozen=("blocks.0.attn.base_layer.weight",), plan=WrapPlan("fsdp1", ModuleWrap((cls,)), True))
-    res = evaluate(invariant, case, observations(fake_engine, case, "fsdp1", Observation.from_dict))
+    res = evaluate(invariant, case, observations(fake_engine, case, "fsdp1", WrapObservation.from_dict))
     assert res.verdict == PASS, res.describe()
 
 
@@ -77,7 +77,7 @@ def test_drawn_cases_on_the_target_are_green():
 
 
 def test_the_repro_script_rebuilds_the_policy_by_qualified_name(tmp_path):
-    from conformance.report.repro import repro_script
+    from conformance.run.repro import repro_script
 
     bare = ModelCase(TARGET, plan=WrapPlan("fsdp1", ModuleWrap(("Block",))))  # a bare name unique in the model
     assert "POLICY = ('ModuleWrap', ('tests.self.same_name_target.Block',))" in repro_script(bare)
@@ -99,13 +99,13 @@ def test_the_repro_script_rebuilds_the_policy_by_qualified_name(tmp_path):
 def test_size_policy_never_wraps_inside_multihead_attention(fake_engine, min_num_params):
     """force_leaf_modules (nn.MultiheadAttention by default): "their
     children will never be wrapped"; the oracle knows the type by identity."""
-    from conformance.observations import Observation
+    from conformance.areas.autowrap.observation import WrapObservation
     from conformance.case.spec import SizeBasedWrap
 
     case = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp1", SizeBasedWrap(min_num_params)))
     units = [u.path for u in predict_fsdp1(case).units]
     assert not any(".attn" in u for u in units), units
-    res = evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", Observation.from_dict))
+    res = evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", WrapObservation.from_dict))
     assert res.verdict == PASS, res.describe()
 
 
@@ -117,17 +117,18 @@ def test_a_unit_whose_forward_never_runs_is_outside_the_parity_promise(fake_engi
     graph knows which modules the model's forward never calls; training
     there is not promised (PARITY passes without comparing), as for a
     container unit; the structure invariants still run."""
-    from conformance.observations import Observation, TrainObservation
-    from conformance.oracle.methods import predict_parity
+    from conformance.areas.autowrap.observation import WrapObservation
+    from conformance.areas.parity.observation import TrainObservation
+    from conformance.areas.common.training_oracle import predict_training
     from conformance.case.spec import TrainPlan
 
     g = base_graph("tests.self.mha_target:target")
     assert g.not_called == {"blocks", "blocks.0.attn.out_proj", "blocks.1.attn.out_proj"}  # the ModuleList too
     case = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp1", ModuleWrap((TORCH,)), True), train=TrainPlan("SGD", 1))
-    assert "forward never runs" in predict_parity(case).applicable
+    assert "forward never runs" in predict_training(case).applicable
     assert evaluate("PARITY", case, observations(fake_engine, case, "train", TrainObservation.from_dict)).verdict == PASS
-    assert evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", Observation.from_dict)).verdict == PASS
-    from conformance.oracle.fsdp2 import predict_fsdp2
+    assert evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", WrapObservation.from_dict)).verdict == PASS
+    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
     from conformance.case.spec import ShardGroup
 
     fsdp2 = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp2", groups=(ShardGroup(("blocks.0.attn.out_proj",)),)))

@@ -70,7 +70,7 @@ def test_check_and_repro_on_a_good_case(tmp_path):
 
 
 def _corpus_case(name, tmp_path):
-    from conformance import corpus
+    from conformance.run import corpus
 
     path = tmp_path / "case.json"
     path.write_text(next(c for c in corpus.load() if c.name == name).spec.to_json())

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from conformance import corpus, known
+from conformance.run import corpus, known
 from conformance.report import data
-from conformance.runner import KNOWN, PASS, check_case
-from conformance.session import Session
+from conformance.run.runner import KNOWN, PASS, check_case
+from conformance.run.session import Session
 from tests.self import cases
 from tests.self.test_faults import _dropping_last_target
 
@@ -28,7 +28,7 @@ def test_every_known_failure_has_a_corpus_case_and_every_case_a_finding():
     findings = {c.finding for c in corpus.load()}
     assert ids - findings == set(), "known failures without a corpus case (add one: conformance/corpus/)"
     assert findings - {k.id for k in known.load()} - {None} == set(), "corpus cases naming no known failure"
-    from conformance.invariants import CATALOG
+    from conformance.areas import CATALOG
 
     for c in corpus.load():
         assert set(c.invariants) <= set(CATALOG), c.name
@@ -204,7 +204,7 @@ def test_a_rank_corpus_case_reproduces_its_finding_under_each_invariant(case, ra
     another one that stops the case first (the report would call the finding
     FIXED: the case of dcp-get-state-dict-initializes-optim-state once hit
     fsdp2-frozen-root-forward-leaves-params-unsharded before the save)."""
-    from conformance.adapters.checkpoint import missing_api
+    from conformance.areas.checkpoint.adapter import missing_api
 
     _skip_outside_its_range(case)
     if getattr(case.spec, "ckpt", None) is not None and missing_api(case.spec):

@@ -1,4 +1,4 @@
-"""The rank's device (conformance.adapters.support): CPU for gloo, fake and no
+"""The rank's device (conformance.areas.common.support): CPU for gloo, fake and no
 group, unchanged behaviour there; and everything a scenario computes follows
 the device a case is placed on. CUDA is not available here, so the "meta"
 device stands in for it: a tensor made on CPU and mixed with a meta one raises,
@@ -8,16 +8,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from conformance.adapters import support
+from conformance.areas.common import support
 from conformance.case.build import build, call_args, method_callable
 from conformance.case.model_case import ModelCase
 from conformance.case.spec import WrapPlan, effective_calls
-from conformance.toy_target import lm_loss
+from conformance.models.toy_target import lm_loss
 from strategies.methods import fsdp2_case_specs
 
 pytestmark = pytest.mark.selfcheck
 
-TOY = "conformance.toy_target:target"
+TOY = "conformance.models.toy_target:target"
 
 
 def test_without_nccl_everything_stays_on_cpu():

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import _init_utils, _state_dict_utils, _wrap_utils
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from conformance.case.examples import lora_model
-from conformance.runner import FAIL, PASS, KNOWN, observations, evaluate
+from conformance.run.runner import FAIL, PASS, KNOWN, observations, evaluate
 from tests.self import cases
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
@@ -183,7 +183,7 @@ def test_ranks_agree_catches_a_rank_dependent_policy(monkeypatch):
     # Two ranks of one world, observed in-process one after the other; the
     # fault (a policy that drops a target) is active on rank 1 only.
     from conformance.engine.fake import FakeEngine
-    from conformance.runner import evaluate
+    from conformance.run.runner import evaluate
 
     spec = cases.two_blocks()
     rank0 = observations(FakeEngine(world_size=2, rank=0), spec)

@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from conformance.observations.checkpoint import CkptObservation
-from conformance.runner import FAIL, PASS, clear_cache, evaluate, observations
+from conformance.areas.checkpoint.observation import CkptObservation
+from conformance.run.runner import FAIL, PASS, clear_cache, evaluate, observations
 from conformance.case.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan
 
 # the driver checks scenario names too: register the fault scenarios here as well
@@ -49,7 +49,7 @@ ROUNDTRIP_FSDP2 = dataclasses.replace(ROUNDTRIP, load_plan=WrapPlan(api="fsdp2")
 def pool():
     from conformance.engine.pool import RankPool
 
-    p = RankPool(2, "gloo", deadline=60.0, preload=("conformance.adapters.checkpoint", "tests.self.faults_checkpoint"))
+    p = RankPool(2, "gloo", deadline=60.0, preload=("conformance.areas.checkpoint.adapter", "tests.self.faults_checkpoint"))
     p.tier = "gloo"
     yield p
     p.close()
@@ -113,7 +113,7 @@ def test_unwritable_checkpoint_dir_is_reported_and_removed(pool):
     (("fault:ckpt-save:dies", "ckpt-load"), "CRASH"),
 ], ids=["load-hangs-one-rank", "rank-dies-in-save"])
 def test_hang_or_crash_is_reported_and_the_run_goes_on(phases, verdict, pool):
-    from conformance.session import Session
+    from conformance.run.session import Session
 
     session = Session()
     w = worlds(pool, {"ckpt-roundtrip": phases}, deadline=8.0)

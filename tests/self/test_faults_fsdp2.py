@@ -14,8 +14,9 @@ import dataclasses
 
 import pytest
 
-from conformance.observations import FSDP2Observation, TrainObservation
-from conformance.runner import FAIL, PASS, evaluate, observations
+from conformance.areas.fully_shard.observation import FSDP2Observation
+from conformance.areas.parity.observation import TrainObservation
+from conformance.run.runner import FAIL, PASS, evaluate, observations
 from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ForwardMethod, MethodCall, MethodStep, ModuleSpec, ParamSpec, ShardGroup, TiedParam, TrainPlan, WrapPlan
 from tests.self import faults_fsdp2 as faults
 
@@ -106,7 +107,7 @@ def siblings() -> CaseSpec:
 @pytest.mark.parametrize("invariant,fault,kind,changes", STRUCTURAL, ids=[f"{s[0]}-{s[1]}" for s in STRUCTURAL])
 def test_structural_fault_is_caught(invariant, fault, kind, changes, fake_engine):
     if "ignored" in changes:
-        from conformance.adapters.fsdp2 import takes_ignored_params
+        from conformance.areas.common.fsdp2_adapter import takes_ignored_params
 
         if not takes_ignored_params():
             pytest.skip("this torch's fully_shard takes no ignored_params")
@@ -156,7 +157,7 @@ VALUES = [
 def test_value_fault_is_caught_inside_the_ranks(invariant, fault, kind, make, pool):
     spec = make()
     if spec.train is not None and spec.train.force_sum:
-        from conformance.adapters.fsdp2 import has_reduction_setters
+        from conformance.areas.common.fsdp2_adapter import has_reduction_setters
 
         if not has_reduction_setters():
             pytest.skip("this torch's FSDPModule has no set_force_sum_reduction_for_comms")

@@ -9,7 +9,7 @@ import copy
 import pytest
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from conformance.runner import FAIL, PASS, evaluate, observations
+from conformance.run.runner import FAIL, PASS, evaluate, observations
 from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ParamSpec, SharedModule, WrapPlan
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.fsdp import _wrap_utils
 
-from conformance.runner import FAIL, KNOWN, PASS, evaluate, observations
+from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ModuleWrap, ParamSpec, SharedModule, WrapPlan
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
@@ -63,8 +63,8 @@ def test_shared_unit_claimed_by_an_earlier_unit_is_the_known_finding(fake_engine
     torch names model1: the known shared-module-order finding, matched by
     the sim:claims-shared-unit tag, which only a unit above an earlier
     registration of a shared unit gets."""
-    from conformance.invariants.fsdp1 import _claims_shared_unit
-    from conformance.oracle import predict_fsdp1
+    from conformance.areas.autowrap.invariants import _claims_shared_unit
+    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 
     spec = shared_unit_under_a_unit()
     pred = predict_fsdp1(spec)

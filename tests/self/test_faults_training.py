@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.observations.schedule import ScheduleObservation
-from conformance.runner import FAIL, PASS, evaluate, observations
+from conformance.areas.schedule.observation import ScheduleObservation
+from conformance.run.runner import FAIL, PASS, evaluate, observations
 from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Precision, Schedule, ScheduleStep, ShardGroup, WrapPlan
 
 from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenarios in the driver)
@@ -114,7 +114,7 @@ def test_one_rank_failing_is_a_disagreement_not_a_hang(fault, where, pool):
 
 
 def _ill_conditioned_bf16() -> CaseSpec:
-    from conformance import corpus
+    from conformance.run import corpus
 
     return next(c.spec for c in corpus.load() if c.name == "suite-bf16-ill-conditioned-tolerance")
 
@@ -125,7 +125,7 @@ def test_an_ill_conditioned_bf16_case_is_judged_by_its_own_rounding_noise(pool):
     activations cancel; in bfloat16 the loss of step 2 then lands 0.096 off
     fp32 training (fixed tolerance 0.08), and so does the same computation in
     bfloat16 without FSDP (0.10). The step's tolerance follows that noise."""
-    from conformance.oracle.schedule import NOISE_FACTOR, predict_schedule
+    from conformance.areas.schedule.oracle import NOISE_FACTOR, predict_schedule
 
     spec = _ill_conditioned_bf16()
     obs = observations(pool, spec, "schedule", ScheduleObservation.from_dict)
@@ -139,7 +139,7 @@ def test_an_ill_conditioned_bf16_case_is_judged_by_its_own_rounding_noise(pool):
 
 
 def test_the_step_tolerance_is_the_dtype_s_unless_rounding_alone_goes_further():
-    from conformance.oracle.schedule import NOISE_FACTOR, predict_schedule, step_tolerance
+    from conformance.areas.schedule.oracle import NOISE_FACTOR, predict_schedule, step_tolerance
 
     pred = predict_schedule(_ill_conditioned_bf16())
     assert pred.tolerance == 8e-2
@@ -148,7 +148,7 @@ def test_the_step_tolerance_is_the_dtype_s_unless_rounding_alone_goes_further():
 
 
 def test_a_torch_without_the_apis_is_a_skip_with_its_reason(monkeypatch):
-    from conformance.adapters import schedule
+    from conformance.areas.schedule import adapter as schedule
 
     assert schedule.missing_api() is None  # torch 2.13 has them all
 

@@ -1,4 +1,4 @@
-"""FSDP from a source tree (conformance.fsdp_source): the overlay is in effect
+"""FSDP from a source tree (conformance.selfcheck.fsdp_source): the overlay is in effect
 in the driver, the pool's fork server and every rank, and the torchrun entry;
 a source that cannot be used is one line and exit 2."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conformance import fsdp_source
+from conformance.selfcheck import fsdp_source
 from conformance.case.examples import lora_model
 
 pytestmark = pytest.mark.selfcheck
@@ -140,6 +140,6 @@ def test_source_this_torch_cannot_import_names_the_name(overlay, tmp_path):
 
 
 def test_check_prints_the_description(overlay):
-    out = subprocess.run([sys.executable, "-m", "conformance.fsdp_source", "check", str(overlay)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "conformance.selfcheck.fsdp_source", "check", str(overlay)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["path"] == str(overlay)

@@ -10,10 +10,10 @@ import dataclasses
 
 import pytest
 
-from conformance import corpus
-from conformance.invariants.fsdp2 import forward_calls
-from conformance.invariants.training import case_tags
-from conformance.oracle.schedule import predict_schedule
+from conformance.run import corpus
+from conformance.areas.common.fsdp2_oracle import forward_calls
+from conformance.areas.schedule.invariants import case_tags
+from conformance.areas.schedule.oracle import predict_schedule
 from conformance.case.spec import Microbatch, ModuleSpec, ParamSpec
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from conformance import profiles
-from conformance.features import case_features
+from conformance.run import profiles
+from conformance.run.features import case_features
 from tests.self import cases
 from tests.self.test_cli import assert_one_line_error, cli
 

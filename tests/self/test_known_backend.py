@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from conformance import known
+from conformance.run import known
 from conformance.case.violation import Violation
 
 pytestmark = pytest.mark.selfcheck
@@ -67,10 +67,10 @@ class _Obs:
 
 
 def test_a_rank_disagreement_names_its_fields_and_backend():
-    from conformance.runner import _ranks_agree
+    from conformance.areas.common.ranks import ranks_agree
 
-    (v,) = _ranks_agree([_Obs(0, losses_close=False, params=1), _Obs(1, losses_close=True, params=1)])
+    (v,) = ranks_agree([_Obs(0, losses_close=False, params=1), _Obs(1, losses_close=True, params=1)])
     assert {"kind:ranks", "api:fsdp2", "backend:gloo", "differs:losses_close"} <= v.tags and "differs:params" not in v.tags
     assert _finding().matches_tags(v)
-    (v,) = _ranks_agree([_Obs(0, losses_close=False, params=1), _Obs(1, losses_close=True, params=2)])
+    (v,) = ranks_agree([_Obs(0, losses_close=False, params=1), _Obs(1, losses_close=True, params=2)])
     assert "differs:params" in v.tags  # matched too (the subset rule): the message still names both fields

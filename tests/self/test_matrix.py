@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from conformance import known as known_mod
+from conformance.run import known as known_mod
 from conformance.report import matrix
 
 pytestmark = pytest.mark.selfcheck
@@ -177,7 +177,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, bad):
 
 
 def test_fsdp2_runs_here_on_this_torch():
-    from conformance.adapters import support
+    from conformance.areas.common import support
 
     support.fsdp2_unavailable.cache_clear()
     assert support.fsdp2_unavailable() is None
@@ -188,7 +188,7 @@ def test_fsdp2_that_needs_cuda_streams_is_unavailable(monkeypatch):
     # torch 2.4's comm context builds torch.cuda.Stream whatever the device
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    from conformance.adapters import support
+    from conformance.areas.common import support
 
     def cuda_only(self, device):
         raise RuntimeError("CUDA error: CUDA driver version is insufficient for CUDA runtime version")
@@ -206,7 +206,7 @@ def test_fsdp2_whose_cpu_streams_cannot_record_events_is_unavailable(monkeypatch
     # torch 2.6: CPU streams, but the forward's stream.record_event() fails
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    from conformance.adapters import support
+    from conformance.areas.common import support
 
     def old_cpu_streams(self, device):
         self.all_gather_stream = object()
@@ -221,8 +221,8 @@ def test_fsdp2_whose_cpu_streams_cannot_record_events_is_unavailable(monkeypatch
 
 
 def test_session_skips_an_unavailable_api_with_its_reason(monkeypatch):
-    from conformance.adapters import support
-    from conformance.session import Session
+    from conformance.areas.common import support
+    from conformance.run.session import Session
     from tests.self.cases import two_blocks, with_plan
 
     monkeypatch.setattr(support, "unavailable", lambda api, scenario, tier: f"no {api} here" if api == "fsdp2" else None)
@@ -233,9 +233,9 @@ def test_session_skips_an_unavailable_api_with_its_reason(monkeypatch):
 def test_the_bare_already_wrapped_assertion_of_older_torch_gets_its_words(tmp_path):
     # torch 2.4-2.6: `assert not isinstance(child, cast(type, wrapper_cls))` in
     # _recursive_wrap, no message; 2.13 says "Child module ... is already wrapped"
-    from conformance.adapters.fsdp1 import error_text
-    from conformance.invariants.fsdp1 import error_tags
-    from conformance.observations.fsdp1 import FrozenMessage, Observation
+    from conformance.areas.common.fsdp1_adapter import error_text
+    from conformance.areas.autowrap.invariants import error_tags
+    from conformance.areas.autowrap.observation import FrozenMessage, WrapObservation
 
     # a module of its own: pytest would give a test module's assert a message
     (tmp_path / "old_wrap.py").write_text("def _recursive_wrap(child):\n    assert not isinstance(child, int)\n")
@@ -246,7 +246,7 @@ def test_the_bare_already_wrapped_assertion_of_older_torch_gets_its_words(tmp_pa
         old_wrap._recursive_wrap(1)
     text = error_text(info.value)
     assert "is already wrapped" in text
-    obs = Observation(api="fsdp1", rank=0, world_size=1, torch_version="2.4.1",
+    obs = WrapObservation(api="fsdp1", rank=0, world_size=1, torch_version="2.4.1",
                       error=FrozenMessage("AssertionError", text, None, None, None, None, None))
     assert error_tags(obs) == {"error:already-wrapped"}
     assert error_text(AssertionError()) == "AssertionError without a message"  # any other bare assertion

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 
-from conformance.oracle.fsdp2 import predict_fsdp2
-from conformance.oracle.methods import predict_summon
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+from conformance.areas.summon.oracle import predict_summon
 from conformance.case.spec import CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup
 from strategies.methods import fsdp2_case_specs, summon_specs, training_specs
 from tests.self.test_faults_fsdp2 import lm
@@ -114,7 +114,7 @@ def _shared_group_case(register: bool) -> CaseSpec:
 def test_a_shared_fsdp_module_is_one_under_each_of_its_names(fake_engine):
     """FWD-NOOP read 'registering score on non-FSDP module b patched it' (seed
     3): the group's canonical path is a.shared0, the method names it b."""
-    from conformance.runner import PASS, check_case
+    from conformance.run.runner import PASS, check_case
 
     spec = _shared_group_case(register=True)
     pred = predict_fsdp2(spec, "2.13.0")

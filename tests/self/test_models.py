@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from conformance.case.build import build
 from conformance.case.model_case import ModelCase, case_from_json
-from conformance.oracle import predict_fsdp1
-from conformance.oracle.fsdp2 import predict_fsdp2
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.case.graph import ModelGraph
-from conformance.runner import FAIL, KNOWN, PASS, evaluate, observations
+from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from conformance.case.spec import CustomWrap, ForwardMethod, ModuleWrap, ShardGroup, SpecError, TrainPlan, WrapPlan
 from strategies import case_specs
 from strategies.targets import model_cases
@@ -29,7 +29,7 @@ from tests.self.model_target_source import SOURCE
 
 pytestmark = pytest.mark.selfcheck
 
-TOY = "conformance.toy_target:target"
+TOY = "conformance.models.toy_target:target"
 ROOT = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -101,7 +101,7 @@ def test_shrinking_ends_at_one_class_and_one_frozen_parameter():
     got = find(model_cases(TOY, apis=st.just("fsdp1")), lambda c: any(u.mixed and u.path for u in predict_fsdp1(c).units),
                settings=settings(database=None, max_examples=2000, derandomize=True))
     assert got.frozen == ("blocks.0.ln.weight",)
-    assert got.plan.policy == ModuleWrap(("conformance.toy_target.Block",))  # classes by qualified name
+    assert got.plan.policy == ModuleWrap(("conformance.models.toy_target.Block",))  # classes by qualified name
 
 
 def test_presets_come_from_the_target():
@@ -145,7 +145,7 @@ def test_fsdp2_prediction_for_an_opaque_generate():
 
 
 def test_case_features_read_the_graph_of_a_target():
-    from conformance.features import case_features
+    from conformance.run.features import case_features
 
     case = ModelCase(TOY, frozen=("embed.weight",), plan=WrapPlan("fsdp2", groups=(ShardGroup(("blocks.0",)),)))
     # W=3: dim-0 16 and 8 are not divisible; the root's group holds the frozen embedding and the norm
@@ -156,9 +156,11 @@ def test_case_features_read_the_graph_of_a_target():
 
 
 def _verdict(invariant, case, engine, scenario="fsdp1", parse=None):
-    from conformance.observations import FSDP2Observation, Observation, TrainObservation
+    from conformance.areas.fully_shard.observation import FSDP2Observation
+    from conformance.areas.autowrap.observation import WrapObservation
+    from conformance.areas.parity.observation import TrainObservation
 
-    parse = parse or {"fsdp1": Observation.from_dict, "fsdp2": FSDP2Observation.from_dict, "train": TrainObservation.from_dict}.get(scenario.split(":")[-2] if scenario.startswith("model-fault") else scenario)
+    parse = parse or {"fsdp1": WrapObservation.from_dict, "fsdp2": FSDP2Observation.from_dict, "train": TrainObservation.from_dict}.get(scenario.split(":")[-2] if scenario.startswith("model-fault") else scenario)
     return evaluate(invariant, case, observations(engine, case, scenario, parse))
 
 
@@ -197,7 +199,7 @@ def test_frozen_error_on_a_target_catches_a_skipped_check(fake_engine, monkeypat
 
 @pytest.mark.fake
 def test_fwd_reshard_on_a_target_catches_a_group_left_unsharded(fake_engine):
-    from conformance.runner import clear_cache
+    from conformance.run.runner import clear_cache
     from tests.self import faults_fsdp2 as faults
 
     groups = (ShardGroup(("blocks.0",), True), ShardGroup(("blocks.1",), True))
@@ -215,8 +217,8 @@ def test_fwd_isolation_on_a_target(fake_engine):
     sibling check once read spec.tree and raised AttributeError here): its
     methods are all the root's, so an unregistered method has no registered
     sibling and is checked like any other call."""
-    from conformance.invariants.methods import _registered_sibling
-    from conformance.runner import clear_cache
+    from conformance.areas.fully_shard.invariants import _registered_sibling
+    from conformance.run.runner import clear_cache
 
     groups = (ShardGroup(("blocks.0",), True), ShardGroup(("",), True))
     unregistered = ModelCase(TOY, plan=WrapPlan("fsdp2", groups=groups), methods=(ForwardMethod("", "generate", register=False),))

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conformance import fsdp_source, mutants
+from conformance.selfcheck import fsdp_source, mutants
 
 pytestmark = pytest.mark.selfcheck
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters.training import DIVERGED, _stable
-from conformance.invariants.methods import check_training
-from conformance.observations import GradObservation, TrainObservation
-from conformance.oracle.methods import predict_parity
-from conformance.runner import FAIL, PASS, evaluate, observations
+from conformance.areas.common.training import DIVERGED, stable
+from conformance.areas.parity.invariants import check_training
+from conformance.areas.common.observation import GradObservation
+from conformance.areas.parity.observation import TrainObservation
+from conformance.areas.common.training_oracle import predict_training
+from conformance.run.runner import FAIL, PASS, evaluate, observations
 from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, ModuleSpec, ParamSpec, SharedModule, TiedParam, TrainPlan, WrapPlan
 
 from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenario in the driver)
@@ -34,13 +35,13 @@ def _linear(value: float) -> nn.Module:
 
 
 def test_stable_means_finite_and_bounded():
-    assert _stable([3.0, 2.0, 2.5], _linear(1.0))
-    assert _stable([0.0, 0.5, 0.9], _linear(1.0))  # a zero first loss: growth measured against 1
-    assert not _stable([3.0, 3.0 * DIVERGED * 2], _linear(1.0))
-    assert not _stable([3.0, math.nan], _linear(1.0))
-    assert not _stable([3.0, math.inf], _linear(1.0))
-    assert not _stable([3.0, 2.0], _linear(math.nan))  # the last update overflowed
-    assert not _stable([], _linear(1.0))
+    assert stable([3.0, 2.0, 2.5], _linear(1.0))
+    assert stable([0.0, 0.5, 0.9], _linear(1.0))  # a zero first loss: growth measured against 1
+    assert not stable([3.0, 3.0 * DIVERGED * 2], _linear(1.0))
+    assert not stable([3.0, math.nan], _linear(1.0))
+    assert not stable([3.0, math.inf], _linear(1.0))
+    assert not stable([3.0, 2.0], _linear(math.nan))  # the last update overflowed
+    assert not stable([], _linear(1.0))
 
 
 def _obs(**kw) -> TrainObservation:
@@ -52,7 +53,7 @@ def _obs(**kw) -> TrainObservation:
 
 def test_values_are_judged_only_for_a_stable_reference():
     spec = _diverging()
-    pred = predict_parity(spec)
+    pred = predict_training(spec)
     kinds = {t for v in check_training(spec, pred, _obs()) for t in v.tags if t.startswith("kind:")}
     assert kinds == {"kind:loss", "kind:param"}
     assert check_training(spec, pred, _obs(ref_stable=False)) == []

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from conformance import corpus
-from conformance.invariants.fsdp2 import case_tags
-from conformance.oracle.fsdp2 import predict_fsdp2
+from conformance.run import corpus
+from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.case.spec import MethodCall
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
@@ -26,7 +26,7 @@ def _case():
 
 
 def _tags(spec) -> set[str]:
-    return case_tags(spec, predict_fsdp2(spec, torch.__version__))
+    return fsdp2_case_tags(spec, predict_fsdp2(spec, torch.__version__))
 
 
 def test_a_call_running_one_module_of_a_list_group_is_tagged():

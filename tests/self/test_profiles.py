@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conformance import profiles
+from conformance.run import profiles
 
 pytestmark = pytest.mark.selfcheck
 
@@ -17,7 +17,7 @@ def test_profile_survives_torch_test_utils(name, examples):
     code = textwrap.dedent(
         f"""
         from hypothesis import settings
-        from conformance import profiles
+        from conformance.run import profiles
         profiles.activate({name!r})
         import torch.testing._internal.common_utils  # loads torch's own profile on first import
         from conformance.engine.fake import FakeEngine

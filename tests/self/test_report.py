@@ -12,11 +12,11 @@ import expecttest
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from conformance.invariants.catalog import Invariant
-from conformance.known import KnownFailure, Match
+from conformance.areas.common.catalog import Invariant
+from conformance.run.known import KnownFailure, Match
 from conformance.report import compare, data, junit, markdown, write
-from conformance.runner import CaseResult
-from conformance.session import Session
+from conformance.run.runner import CaseResult
+from conformance.run.session import Session
 from conformance.case.violation import Violation
 from tests.self import cases
 
@@ -243,14 +243,17 @@ no test ran it on this tier</system-out>
 
 
 def test_a_case_of_an_api_without_a_torch_only_generator_replays_through_the_suite():
-    from conformance.report import repro
+    from conformance.areas import area_of
+    from conformance.areas.autowrap.repro import fsdp1_script
+    from conformance.areas.common import repro
+    from conformance.run.repro import repro_script
 
     spec = cases.two_blocks()
     script = repro.suite_script(spec, ["[WRAP-UNITS] something"], "WRAP-UNITS")
     compile(script, "repro.py", "exec")
     assert "from conformance.cli import main" in script and "INVARIANT = 'WRAP-UNITS'" in script
-    assert repro.repro_script(spec, [], "WRAP-UNITS").startswith("# fsdp-conformance reproduction: WRAP-UNITS\n")
-    assert set(repro.GENERATORS) >= {"fsdp1"}
+    assert repro_script(spec, [], "WRAP-UNITS").startswith("# fsdp-conformance reproduction: WRAP-UNITS\n")
+    assert area_of("WRAP-UNITS").repro is fsdp1_script and area_of("PARITY").repro is repro.suite_script
 
 
 def test_a_hung_example_is_a_hang_finding_with_the_engines_account():

@@ -10,8 +10,8 @@ import pytest
 
 from conformance.case.model_case import ModelCase
 from conformance.report import compare, data, html, junit, markdown
-from conformance.runner import CaseResult
-from conformance.session import Session
+from conformance.run.runner import CaseResult
+from conformance.run.session import Session
 from conformance.case.spec import ModuleWrap, WrapPlan
 from conformance.case.violation import Violation
 from tests.self import cases

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conformance.engine.pool import pid_alive
-from conformance.invariants import CATALOG
+from conformance.areas import CATALOG
 from conformance.report import data
 
 pytestmark = pytest.mark.selfcheck

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from conformance import corpus
-from conformance.report.repro import repro_script
+from conformance.run import corpus
+from conformance.run.repro import repro_script
 
 pytestmark = pytest.mark.selfcheck
 

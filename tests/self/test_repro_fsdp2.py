@@ -6,7 +6,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from conformance.report.repro import repro_script
+from conformance.run.repro import repro_script
 from strategies.methods import fsdp2_case_specs
 
 pytestmark = pytest.mark.selfcheck

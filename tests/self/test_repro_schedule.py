@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance import corpus
+from conformance.run import corpus
 from conformance.case.build import build
-from conformance.report.repro.schedule import schedule_script
+from conformance.areas.schedule.repro import schedule_script
 
 pytestmark = pytest.mark.selfcheck
 

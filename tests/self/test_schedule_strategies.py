@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import InvalidArgument
 
-from conformance.oracle.schedule import predict_schedule, used_params
+from conformance.areas.schedule.oracle import predict_schedule, used_params
 from conformance.case.spec import CaseSpec
 from strategies.schedule import schedule_specs
 

@@ -73,7 +73,7 @@ def installed(tmp_path_factory):
 
 def test_the_installed_wheel_runs_from_another_directory(installed, tmp_path):
     py, bin_dir = installed
-    where = _ok(_run([str(py), "-c", "import conformance, torch; from conformance import corpus; "
+    where = _ok(_run([str(py), "-c", "import conformance, torch; from conformance.run import corpus; "
                       "print(conformance.__file__, torch.__version__, len(corpus.load()))"], cwd=tmp_path))
     module, torch_version, corpus_cases = where.split()
     assert int(corpus_cases) > 0, "the regression corpus did not ship"

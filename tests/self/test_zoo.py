@@ -26,7 +26,7 @@ def _needs(name: str) -> None:
 @pytest.fixture(params=NAMES)
 def target(request) -> Target:
     _needs(request.param)
-    return load_target(f"conformance.zoo.{request.param}:target")
+    return load_target(f"conformance.models.zoo.{request.param}:target")
 
 
 def _values(model) -> dict:
@@ -110,7 +110,7 @@ def test_trainable_patterns_match(target):
 
 def test_lora_freezes_the_base_model():
     _needs("llama_lora")
-    model = load_target("conformance.zoo.llama_lora:target").factory(0)
+    model = load_target("conformance.models.zoo.llama_lora:target").factory(0)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {n for n, _ in model.named_parameters() if "lora_" in n}
     assert {n.split(".")[-3] for n in trainable} == {"lora_A", "lora_B"}

@@ -24,6 +24,6 @@ ZOO = [
 
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_model_holds_every_applicable_invariant(name):
-    run = check_model(f"conformance.zoo.{name}:target", tiers=("fake",), examples=2, seed=0)
+    run = check_model(f"conformance.models.zoo.{name}:target", tiers=("fake",), examples=2, seed=0)
     assert run.checked, f"no invariant ran on {name}"
     assert run.ok, run.summary() + "\n" + "\n".join(f["message"] for f in run.failures)

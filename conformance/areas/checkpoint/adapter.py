@@ -1,0 +1,590 @@
+"""Checkpoint adapter: full state dicts (SD-FULL), load paths and ties
+(TIES-KEPT), torch.distributed.checkpoint save under one plan and world size
+and load under another (CKPT-RESHARD, OPTIM-STATE). Version differences of
+the state-dict APIs are hidden here."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conformance.areas.common import fsdp1_adapter as a1
+from conformance.areas.common import fsdp2_adapter as a2
+from conformance.areas.common.fsdp2_adapter import error_line as _err1
+from conformance.case.build import build, read_attr
+from conformance.areas.common.support import placed, rank_device
+from conformance.areas.checkpoint.observation import CkptObservation
+from conformance.areas.checkpoint.oracle import with_frozen
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import join
+from conformance.case.build import is_sharded
+from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, reference_loss
+
+LR = 0.05
+
+
+# ---- torch version differences -------------------------------------------------
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    """What a checkpoint call may raise: CheckpointException derives from
+    BaseException, not Exception."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:
+        return (Exception,)
+    return (Exception, CheckpointException)
+
+
+ERRORS = _errors()
+
+
+def _err(e: BaseException) -> str:
+    """'Type: first line'; for a CheckpointException (whose first line only
+    names the ranks) the first failing rank's own exception as well:
+    'CheckpointException: rank R: InnerType: its first line'."""
+    failures = getattr(e, "failures", None)
+    if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
+        return _err1(e)
+    rank = min(failures)
+    wrapped = failures[rank]
+    # a (exception, stack summary) pair, or an object with .exc in other releases
+    inner = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
+    if not isinstance(inner, BaseException):
+        return _err1(e)
+    return f"{type(e).__name__}: rank {rank}: {_err1(inner)}"
+
+
+try:  # imported with the adapter, so that a pool's fork server preloads it
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+except ImportError:  # a torch without it: dcp_api() says so, cases SKIP
+    pass
+
+
+def dcp_api():
+    """(torch.distributed.checkpoint, its state_dict module), or None when this
+    torch has no torch.distributed.checkpoint.state_dict (before 2.2)."""
+    try:
+        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint.state_dict as sd
+    except ImportError:
+        return None
+    return dcp, sd
+
+
+def missing_api(spec: CaseSpec) -> str | None:
+    """Why this torch cannot run the case (a SKIP), or None."""
+    api = dcp_api()
+    if api is None:
+        return f"torch {torch.__version__} has no torch.distributed.checkpoint.state_dict"
+    _, sd = api
+    fields = {f.name for f in dataclasses.fields(sd.StateDictOptions)}
+    ck = spec.ckpt
+    if ck is not None and ck.load_path == "set_model_state_dict-broadcast" and "broadcast_from_rank0" not in fields:
+        return f"torch {torch.__version__}: StateDictOptions has no broadcast_from_rank0"
+    return None
+
+
+# ---- the case at save and at load ----------------------------------------------
+
+
+def load_spec(spec: CaseSpec) -> CaseSpec:
+    """The case as the load side builds it: its load plan and load-time mask
+    (without load_frozen: the mask at the save, refreeze applied, as the
+    oracle and the uninterrupted run have it)."""
+    ck = spec.ckpt
+    frozen = _mask(spec) if ck.load_frozen is None else frozenset(ck.load_frozen)
+    return dataclasses.replace(spec, plan=ck.load_plan or spec.plan, tree=with_frozen(spec.tree, frozen))
+
+
+def wrap(spec: CaseSpec, built, meta_init: bool = False) -> nn.Module:
+    if spec.plan.api == "fsdp1":
+        if meta_init:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            # the docstring's param_init_fn: each meta module materialized on
+            # its own (the case's modules have no reset_parameters)
+            return FSDP(built.model, auto_wrap_policy=a1.make_policy(spec, built), device_id=rank_device(),
+                        use_orig_params=spec.plan.use_orig_params,
+                        param_init_fn=lambda m: m.to_empty(device=rank_device(), recurse=False))
+        return a1.wrap(spec, built)
+    a2.shard(spec, built)
+    if meta_init:
+        built.model.to_empty(device=rank_device())
+    return built.model
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    # every parameter, frozen ones included: a parameter that trains later
+    # (or trained before) keeps its place and its state
+    return make_optimizer(name, model.parameters(), LR)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x0: torch.Tensor, step: int) -> None:
+    """One step on this step's batch (the same on every rank)."""
+    opt.zero_grad(set_to_none=True)
+    loss, _ = reference_loss(model, [x0 * (1.0 + 0.25 * step)])
+    if loss.requires_grad:
+        loss.backward()
+    opt.step()
+
+
+def set_frozen(model: nn.Module, fqns, frozen: bool) -> None:
+    for f in fqns:
+        read_attr(model, f).requires_grad_(not frozen)
+
+
+def single_process(spec: CaseSpec, *, until_save: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The reference: the same schedule on one process, no FSDP."""
+    ck = spec.ckpt
+    ref = placed(build(spec))
+    opt = _optimizer(ck.optimizer, ref.model)
+    x0 = ref.example_input()
+    for step in range(ck.steps):
+        train_step(ref.model, opt, x0, step)
+        if step == 0 and ck.refreeze:
+            flip(ref.model, ck.refreeze, spec)
+    if until_save:
+        return ref.model, opt
+    apply_load_mask(spec, ref.model)
+    for step in range(ck.steps, ck.steps + ck.steps_after):
+        train_step(ref.model, opt, x0, step)
+    return ref.model, opt
+
+
+def _by_id(spec: CaseSpec) -> dict[str, str]:
+    """Parameter id (the spec FQN where it was made) -> canonical FQN."""
+    from conformance.case.graph import ModelGraph
+
+    return {pid: fqn for fqn, pid in ModelGraph(spec).named_parameters()}
+
+
+def flip(model: nn.Module, pids, spec: CaseSpec) -> None:
+    names = _by_id(spec)
+    for pid in pids:
+        p = read_attr(model, names[pid])
+        p.requires_grad_(not p.requires_grad)
+
+
+def apply_load_mask(spec: CaseSpec, model: nn.Module) -> None:
+    if spec.ckpt.load_frozen is None:
+        return
+    frozen = set(spec.ckpt.load_frozen)
+    for pid, fqn in _by_id(spec).items():
+        read_attr(model, fqn).requires_grad_(pid not in frozen)
+
+
+# ---- full values, independent of the state-dict APIs ------------------------------
+
+
+def canonical_names(spec: CaseSpec) -> list[str]:
+    """Canonical parameter FQNs of the unwrapped model (first alias of each)."""
+    return list(a1.Aliases(build(spec).model).canon_of_param.values())
+
+
+def full_params(spec: CaseSpec, model: nn.Module, inner: nn.Module) -> dict[str, torch.Tensor]:
+    """{canonical FQN: full value} (summon_full_params / DTensor.full_tensor)."""
+    names = canonical_names(spec)
+    if spec.plan.api == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, writeback=False):
+            return {f: read_attr(model, f).detach().clone() for f in names}
+    return {f: a2.full_tensor(read_attr(inner, f).detach()).clone() for f in names}
+
+
+def _plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter) and not is_sharded(t)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        a, b = a.detach(), b.detach()
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        x = a.item() if isinstance(a, torch.Tensor) else a
+        y = b.item() if isinstance(b, torch.Tensor) else b
+        return x == y
+    return a == b
+
+
+def _close(a, b) -> bool:
+    a = torch.as_tensor(a).detach().float().cpu()
+    b = torch.as_tensor(b).detach().float().cpu()
+    # equal_nan: a drawn case whose training diverges (squared loss through a
+    # chain of layers) reaches NaN in the reference too; NaN where the
+    # reference has NaN is the same training, NaN elsewhere still differs
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=TRAIN_RTOL, atol=TRAIN_ATOL, equal_nan=True))
+
+
+# ---- SD-FULL -----------------------------------------------------------------------
+
+
+def full_state_dict(spec: CaseSpec, model: nn.Module) -> dict:
+    ck = spec.ckpt
+    if ck.full_sd == "fsdp1-full":
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+
+        cfg = FullStateDictConfig(offload_to_cpu=ck.offload, rank0_only=ck.rank0_only)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+            return {a1.clean(k): v for k, v in model.state_dict().items()}
+    _, sd = dcp_api()
+    opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=ck.offload, ignore_frozen_params=ck.ignore_frozen)
+    return sd.get_model_state_dict(model, options=opts)
+
+
+def observe_full(spec: CaseSpec) -> CkptObservation:
+    base = _base("sd-full", spec)
+    if (why := missing_api(spec)) is not None:
+        return CkptObservation(**base, skipped=why)
+    built, ref = placed(build(spec)), placed(build(spec))
+    try:
+        model = wrap(spec, built)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="wrap")
+    t0 = time.perf_counter()
+    try:
+        got = full_state_dict(spec, model)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="state_dict")
+    seconds = time.perf_counter() - t0
+    want = ref.model.state_dict()
+    wrong = tuple(sorted(k for k, v in got.items() if k in want and not _same(v, want[k])))
+    not_plain = tuple(sorted(k for k, v in got.items() if not _plain(v) or (spec.ckpt.offload and v.device.type != "cpu")))
+    return CkptObservation(**base, keys=tuple(sorted(got)), wrong_values=wrong, not_plain=not_plain,
+                           seconds=(("state_dict", seconds),))
+
+
+# ---- TIES-KEPT ------------------------------------------------------------------------
+
+
+def _ties(model: nn.Module, tied: dict[str, list[str]]) -> tuple[tuple[str, bool], ...]:
+    return tuple((canon, len({id(read_attr(model, n)) for n in names}) == 1) for canon, names in sorted(tied.items()))
+
+
+def _count(model: nn.Module) -> int:
+    return len(list(model.parameters()))
+
+
+def _source_state(spec: CaseSpec) -> dict[str, torch.Tensor]:
+    """The state dict to load: the case's model from another seed (values
+    distinguishable from the ones it starts with), ties shared."""
+    other = placed(build(dataclasses.replace(spec, seed=(spec.seed + 1) % 2**32)))
+    return {k: v.detach().clone() for k, v in other.model.state_dict().items()}
+
+
+def observe_ties(spec: CaseSpec) -> CkptObservation:
+    base = _base("ties", spec)
+    if (why := missing_api(spec)) is not None:
+        return CkptObservation(**base, skipped=why)
+    _, sd = dcp_api()
+    path = spec.ckpt.load_path
+    source = _source_state(spec)
+    # ties share a tensor in the source too (state_dict keeps aliases)
+    tied = a1.Aliases(build(spec).model).tied
+    for canon, names in tied.items():
+        for n in names:
+            source[n] = source[canon]
+    meta = path == "meta-to_empty"
+    if meta:
+        with torch.device("meta"):
+            built = placed(build(spec))
+    else:
+        built = placed(build(spec))
+    before = len(canonical_names(spec))  # the unwrapped model's parameters
+    t0 = time.perf_counter()
+    try:
+        if path == "load_state_dict-assign" and spec.plan.api == "fsdp1":
+            # FSDP1 loads full state dicts into its flat parameters; assign=True
+            # is for the module before wrapping (weights loaded, then wrapped)
+            built.model.load_state_dict(source, assign=True)
+            model = wrap(spec, built)
+        else:
+            model = wrap(spec, built, meta_init=meta)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="wrap")
+    try:
+        if path in ("load_state_dict", "load_state_dict-assign") and not (path.endswith("assign") and spec.plan.api == "fsdp1"):
+            _load_state_dict(spec, model, source, assign=path.endswith("assign"))
+        elif path in ("set_model_state_dict", "meta-to_empty"):
+            # a copy: set_model_state_dict may replace the dict's tensors
+            sd.set_model_state_dict(model, _copy(source), options=sd.StateDictOptions(full_state_dict=True))
+        elif path == "set_model_state_dict-broadcast":
+            src = _copy(source) if dist.get_rank() == 0 else {}
+            sd.set_model_state_dict(model, src, options=sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        err = None
+    except ERRORS as e:
+        err = _err(e)
+    err = _agreed_error(err)
+    if err is not None:
+        return CkptObservation(**base, error=err, phase="load")
+    seconds = time.perf_counter() - t0
+    try:
+        values = full_params(spec, model, built.model)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="state_dict")
+    wrong = tuple(sorted(f for f, v in values.items() if not _same(v, source[f])))
+    return CkptObservation(**base, ties=_ties(built.model, tied), params_before=before, params_after=_count(model),
+                           wrong_values=wrong, seconds=(("load", seconds),))
+
+
+def _agreed_error(err: str | None) -> str | None:
+    """Every rank learns whether any rank raised, so that none goes on into
+    collectives the others never reach (a load that raises on some ranks
+    only hangs the job at its next collective: seed 2601). A rank that did
+    not raise while others did reports 'RankDivergence: ...'."""
+    errs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    failed = [r for r, e in enumerate(errs) if e is not None]
+    if err is None and failed:
+        return f"RankDivergence: rank {dist.get_rank()} did not raise; rank(s) {failed} raised {errs[failed[0]]}"
+    return err
+
+
+def _load_state_dict(spec: CaseSpec, model: nn.Module, source: dict, *, assign: bool) -> None:
+    if spec.plan.api == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            model.load_state_dict(source)
+        return
+    # FSDP2's own recipe: a state dict of DTensors laid out as the model's
+    from torch.distributed.tensor import distribute_tensor
+
+    sharded = {}
+    for k, cur in model.state_dict().items():
+        v = source[k]
+        sharded[k] = distribute_tensor(v, cur.device_mesh, cur.placements) if is_sharded(cur) else v
+    model.load_state_dict(sharded, assign=assign)
+
+
+# ---- CKPT-RESHARD / OPTIM-STATE: save, then load elsewhere ---------------------------
+
+
+def _full_state(model, opt) -> tuple[dict, dict]:
+    """Full model and optimizer state dicts, copied (on one rank a "full"
+    tensor may be the parameter itself, which training goes on to change)."""
+    _, sd = dcp_api()
+    opts = sd.StateDictOptions(full_state_dict=True)
+    return _copy(sd.get_model_state_dict(model, options=opts)), _copy(sd.get_optimizer_state_dict(model, opt, options=opts))
+
+
+def _copy(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_copy(v) for v in x)
+    return x
+
+
+def save(spec: CaseSpec, dir: str) -> dict:
+    """Train, save with torch.distributed.checkpoint into ``dir``, record the
+    saved full state there, continue training (the uninterrupted run)."""
+    base = _base("roundtrip", spec)
+    if (why := missing_api(spec)) is not None:
+        return CkptObservation(**base, skipped=why).to_dict()
+    dcp, sd = dcp_api()
+    ck = spec.ckpt
+    built = placed(build(spec))
+    times = {}
+    try:
+        with _timed(times, "fsdp"):  # wrapping and training steps
+            model = wrap(spec, built)
+            opt = _optimizer(ck.optimizer, model)
+            x0 = built.example_input()
+            for step in range(ck.steps):
+                train_step(model, opt, x0, step)
+                if step == 0 and ck.refreeze:
+                    flip(built.model, ck.refreeze, spec)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="train").to_dict()
+    with _timed(times, "dcp"):
+        try:
+            msd, osd = sd.get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir(dir))
+        except ERRORS as e:
+            return CkptObservation(**base, error=_err(e), phase="save").to_dict()
+    try:
+        full_model, full_optim = _full_state(model, opt)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="state_dict").to_dict()
+    cont = None
+    # the uninterrupted run: what the load side must reproduce (FSDP1 takes
+    # no requires_grad change after wrapping, so only with the same mask)
+    same_mask = spec.ckpt.load_frozen is None or _mask(spec) == frozenset(spec.ckpt.load_frozen)
+    if spec.plan.api == "fsdp2" or same_mask:
+        try:
+            apply_load_mask(spec, built.model)
+            for step in range(ck.steps, ck.steps + ck.steps_after):
+                train_step(model, opt, x0, step)
+            cont = full_params(spec, model, built.model)
+        except ERRORS as e:
+            return CkptObservation(**base, error=_err(e), phase="resume").to_dict()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        torch.save({"model": full_model, "optim": full_optim, "continued": cont}, os.path.join(dir, "saved.pt"))
+    dist.barrier()
+    return CkptObservation(**base, optim_saved=tuple(sorted(full_optim.get("state", {}))), seconds=tuple(times.items())).to_dict()
+
+
+def _mask(spec: CaseSpec) -> frozenset[str]:
+    """The parameters frozen at the save (the tree's mask, refreeze applied)."""
+    from conformance.case.tree import walk
+
+    frozen = {join(path, p.name) for path, m in walk(spec.tree) for p in m.params if not p.requires_grad}
+    frozen ^= set(spec.ckpt.refreeze)
+    return frozenset(f for f in _by_id(spec) if f in frozen)
+
+
+def ckpt_dir(dir: str) -> str:
+    return os.path.join(dir, "ckpt")
+
+
+def load(spec: CaseSpec, dir: str) -> dict:
+    """Build the case under its load plan, mask and world size, load the
+    checkpoint in ``dir``, compare with what was saved, train on."""
+    ck = spec.ckpt
+    lspec = load_spec(spec)
+    base = _base("roundtrip", lspec)
+    if (why := missing_api(spec)) is not None:
+        return CkptObservation(**base, skipped=why).to_dict()
+    dcp, sd = dcp_api()
+    built = placed(build(lspec))
+    times = {}
+    try:
+        with _timed(times, "fsdp"):
+            model = wrap(lspec, built)
+            opt = _optimizer(ck.optimizer, model)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="wrap").to_dict()
+    with _timed(times, "dcp"):
+        try:
+            msd, osd = sd.get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=ckpt_dir(dir))
+            sd.set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        except ERRORS as e:
+            return CkptObservation(**base, error=_err(e), phase="load").to_dict()
+    saved = torch.load(os.path.join(dir, "saved.pt"), map_location="cpu", weights_only=False)
+    try:
+        full_model, full_optim = _full_state(model, opt)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="state_dict").to_dict()
+    model_diff = _dict_diff(full_model, saved["model"])
+    saved_state, got_state = saved["optim"].get("state", {}), full_optim.get("state", {})
+    optim_diff = []
+    for fqn in sorted(set(saved_state) | set(got_state)):
+        a, b = got_state.get(fqn), saved_state.get(fqn)
+        if a is None or b is None:
+            continue  # presence is OPTIM-STATE's, compared by name
+        optim_diff += [f"{fqn}.{k}" for k in _dict_diff(a, b)]
+    groups_diff = _groups_diff(full_optim.get("param_groups", []), saved["optim"].get("param_groups", []))
+    groups_params = _groups_params(full_optim.get("param_groups", []), saved["optim"].get("param_groups", []))
+    ref_model, ref_opt = single_process(spec, until_save=True)
+    ref_state = _ref_state(ref_model, ref_opt)
+    ref_diff = []
+    for fqn, st in ref_state.items():
+        got = next((saved_state[n] for n in _aliases(ref_model, fqn) if n in saved_state), None)
+        if got is None:
+            continue
+        ref_diff += [f"{fqn}.{k}" for k, v in st.items() if k not in got or not _close(got[k], v)]
+    # resume: the load mask, the steps after the save
+    try:
+        x0 = built.example_input()
+        with _timed(times, "fsdp"):
+            for step in range(ck.steps, ck.steps + ck.steps_after):
+                train_step(model, opt, x0, step)
+        final = full_params(lspec, model, built.model)
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="resume").to_dict()
+    ref_final, _ = single_process(spec, until_save=False)
+    ref_values = {f: read_attr(ref_final, f).detach() for f in final}
+    cont = saved.get("continued")
+    if _diverged(spec, ref_values):
+        # the reference training diverged: two correct summation orders end
+        # arbitrarily far apart, no tolerance judges the resume (seed 2601:
+        # squared loss through a chain of Linears, 4.7e18 after four steps)
+        resume_ref, resume_cont = (), None
+    else:
+        resume_ref = tuple(sorted(f for f, v in final.items() if not _close(v, ref_values[f])))
+        resume_cont = None if cont is None else tuple(sorted(f for f, v in final.items() if f not in cont or not _close(v, cont[f])))
+    return CkptObservation(
+        **base, model_diff=tuple(model_diff), optim_saved=tuple(sorted(saved_state)), optim_loaded=tuple(sorted(got_state)),
+        optim_ref=tuple(sorted(ref_state)), optim_diff=tuple(optim_diff), optim_ref_diff=tuple(ref_diff),
+        groups_diff=groups_diff, groups_params=groups_params, resume_ref_diff=resume_ref, resume_cont_diff=resume_cont, seconds=tuple(times.items()),
+    ).to_dict()
+
+
+def _diverged(spec: CaseSpec, ref_values: dict[str, torch.Tensor]) -> bool:
+    """The single-process reference's parameters after the resume are not
+    finite or grew past DIVERGED times their initial size (as PARITY judges
+    a diverged reference)."""
+    initial = placed(build(spec)).model
+    return diverged({f: read_attr(initial, f).detach().float() for f in ref_values}, {f: v.float() for f, v in ref_values.items()})
+
+
+def _aliases(model: nn.Module, canon: str) -> list[str]:
+    names = a1.Aliases(model).tied.get(canon)
+    return names or [canon]
+
+
+def _ref_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
+    canon = a1.Aliases(model).canon_of_param
+    return {canon[id(p)]: dict(st) for p, st in opt.state.items() if st}
+
+
+def _dict_diff(got: dict, want: dict) -> list[str]:
+    out = [k for k in sorted(set(got) ^ set(want))]
+    out += [k for k in sorted(set(got) & set(want)) if not _same(got[k], want[k])]
+    return out
+
+
+def _groups_diff(got: list, want: list) -> tuple[str, ...]:
+    if len(got) != len(want):
+        return (f"{len(got)} param_groups, saved {len(want)}",)
+    out = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        for k in sorted(set(g) | set(w)):
+            if k == "params":
+                if sorted(g.get(k, ())) != sorted(w.get(k, ())):
+                    out.append(f"group {i}: params")
+            elif not _same(g.get(k), w.get(k)):
+                out.append(f"group {i}: {k}")
+    return tuple(out)
+
+
+def _groups_params(got: list, want: list) -> tuple:
+    """(index, loaded-only names, saved-only names) of each group whose
+    params differ."""
+    out = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        a, b = set(g.get("params", ())), set(w.get("params", ()))
+        if a != b:
+            out.append((i, tuple(sorted(a - b)), tuple(sorted(b - a))))
+    return tuple(out)
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def _base(kind: str, spec: CaseSpec) -> dict:
+    return dict(kind=kind, api=spec.plan.api, rank=dist.get_rank(), world_size=dist.get_world_size(), backend=str(dist.get_backend()),
+                torch_version=torch.__version__)
+
+
+@contextmanager
+def _timed(times: dict, what: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[what] = times.get(what, 0.0) + time.perf_counter() - t0

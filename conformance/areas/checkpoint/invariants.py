@@ -1,0 +1,348 @@
+"""Checkpoint invariants: full state dicts (SD-FULL), ties through every load
+path (TIES-KEPT), torch.distributed.checkpoint across plans, APIs and world
+sizes (CKPT-RESHARD) and optimizer state through a save and load
+(OPTIM-STATE)."""
+
+from __future__ import annotations
+
+from conformance.areas.common.catalog import Catalog
+from conformance.areas.checkpoint.observation import CkptObservation
+from conformance.areas.checkpoint.oracle import CkptPrediction
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import walk
+from conformance.case.violation import Violation, set_diff
+from conformance.areas.common.violations import violation
+
+catalog = Catalog()
+
+DOC_DCP_SD = "torch.distributed.checkpoint.state_dict: StateDictOptions, get_model_state_dict / get_optimizer_state_dict / set_state_dict docstrings"
+DOC_DCP = "torch.distributed.checkpoint save / load docstrings (load-time resharding: 'supports loading into a different world size')"
+DOC_FSDP1_SD = "FullyShardedDataParallel.state_dict_type / FullStateDictConfig (offload_to_cpu, rank0_only) / SHARDED_STATE_DICT docstrings"
+DOC_FSDP2 = "fully_shard docstring (parameters are DTensors; meta-device init then to_empty); torch.nn.Module.load_state_dict (assign)"
+
+
+def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
+    """Facts about a checkpoint case that known_failures.toml entries match on."""
+    ck = spec.ckpt
+    load = ck.load_plan or spec.plan
+    tags = {f"api:{spec.plan.api}", f"load-api:{load.api}", f"world:{ck.save_world}", f"load-world:{ck.load_world}",
+            f"optim:{ck.optimizer}", f"way:{ck.full_sd}", f"load:{ck.load_path}"}
+    if spec.plan.api == "fsdp1":
+        tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
+        kwargs = getattr(spec.plan.policy, "kwargs", ())
+        if any(k == "sharding_strategy" and v == "NO_SHARD" for _, kw in kwargs for k, v in kw):
+            tags.add("no-shard-unit")  # a unit of its own sharding strategy: NO_SHARD
+    if load.api == "fsdp1":
+        tags.add(f"load-uop:{str(load.use_orig_params).lower()}")
+    for flag in ("rank0_only", "offload", "ignore_frozen"):
+        if getattr(ck, flag):
+            tags.add(flag)
+    if spec.ties or spec.shared:
+        tags.add("tie")
+    if spec.shared:
+        tags.add("shared-module")
+    if _tie_in_unresharded_list_group(spec):
+        tags.add("group:multi-no-reshard-tie-reversed")
+    if _container_given_to_fully_shard(spec, load):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    if pred is not None:
+        if any(len(group) > 2 for group in pred.tied):
+            tags.add("aliases:3+")  # one Parameter under three or more names
+        if any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in pred.tied):
+            tags.add("tie:same-module")  # one module holds a Parameter under two of its names
+        if set(pred.untrained_at_save) - set(pred.frozen_at_load):
+            # trains after the load, but had no optimizer state at the save
+            tags.add("unfrozen-at-load")
+        if pred.optim_empty_at_save:
+            tags.add("optim-empty-at-save")
+        if pred.nothing_trains_first:
+            tags.add("nothing-trains-first")
+        if pred.uneven_steps_in_load_unit:
+            tags.add("load-unit:uneven-steps")
+        if pred.fsdp1_paramless_root:
+            tags.add("root-unit:no-params")
+        if pred.no_backward_before_save:
+            tags.add("no-backward-before-save")
+        if pred.frozen:
+            tags.add("frozen")
+        if pred.mask_changes:
+            tags.add("mask-change")
+        tags |= {f"shard:{x}" for x in pred.shards}
+    return tags
+
+
+def _container_given_to_fully_shard(spec: CaseSpec, load) -> bool:
+    """The save side or the load side is FSDP2 and gives fully_shard a
+    container subclass with a forward."""
+    import dataclasses
+
+    from conformance.areas.schedule.invariants import _container_given_to_fully_shard as given
+
+    return any(p.api == "fsdp2" and given(dataclasses.replace(spec, plan=p)) for p in (spec.plan, load))
+
+
+def _tie_in_unresharded_list_group(spec: CaseSpec) -> bool:
+    """The save plan's fully_shard([b, a, ...], reshard_after_forward=False),
+    its modules listed out of registration order, holds both ends of a tied
+    Parameter (fsdp2-tied-list-group-unsharded-save-segfault)."""
+    if spec.plan.api != "fsdp2":
+        return False
+
+    def under(path: str, mods) -> bool:
+        return any(path == m or path.startswith(m + ".") or m == "" for m in mods)
+
+    order = {path: i for i, (path, _) in enumerate(walk(spec.tree))}
+    for g in spec.plan.groups:
+        if len(g.modules) > 1 and g.reshard_after_forward is False:
+            listed = [order.get(m, -1) for m in g.modules]
+            if listed == sorted(listed):
+                continue  # given in registration order: saves (checked, torch 2.13.0)
+            for t in spec.ties:
+                if under(t.module, g.modules) and under(t.source.rpartition(".")[0], g.modules):
+                    return True
+    return False
+
+
+def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str], pred: CkptPrediction | None = None) -> list[Violation]:
+    """One violation per distinct error (ranks may raise differently)."""
+    aliases = {a for group in pred.tied for a in group[1:]} if pred is not None else set()
+    out, seen = [], set()
+    for o in obs if isinstance(obs, list) else [obs]:
+        if not o.error or (o.phase, o.error) in seen:
+            continue
+        seen.add((o.phase, o.error))
+        etype = o.error.split(":")[0]
+        where = "rank:0" if o.rank == 0 else "rank:nonzero"
+        out.append(violation(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where,
+                      *cause_tags(o.error, aliases)))
+    return out
+
+
+def _diff_tags(diff) -> tuple[str, ...]:
+    """optim-diff:step: of the optimizer state only the "step" counts differ."""
+    return ("optim-diff:step",) if diff and all(k.endswith(".step") for k in diff) else ()
+
+
+def _canon(pred: CkptPrediction) -> dict[str, str]:
+    """Every name of a Parameter that has several -> its first name."""
+    return {a: group[0] for group in pred.tied for a in group}
+
+
+def _renamed_tags(pred: CkptPrediction, obs: CkptObservation) -> tuple[str, ...]:
+    """params:renamed-alias: the groups differ only in which of a shared
+    Parameter's names they list (the same Parameters, other names)."""
+    if not obs.groups_params:
+        return ()
+    canon = _canon(pred)
+    same = all({canon.get(n, n) for n in got} == {canon.get(n, n) for n in want} for _, got, want in obs.groups_params)
+    return ("params:renamed-alias",) if same else ()
+
+
+def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
+    """What a CheckpointException wraps (the adapter writes 'CheckpointException:
+    rank R: InnerType: message'): its type, and which of DCP's load-plan
+    checks it is, so that a finding matches one cause, not every
+    CheckpointException. For a missing key or a size mismatch, the key it
+    names (key:model, key:optim-state, key:param-groups) and key:alias when
+    its FQN is not the first of a Parameter's names (``aliases``: those
+    other names)."""
+    head, sep, rest = error.partition(": rank ")
+    if head != "CheckpointException" or not sep:
+        return _optim_conversion_tags(error, aliases)
+    inner = rest.partition(": ")[2]
+    itype, _, msg = inner.partition(": ")
+    tags = [f"cause:{itype}"]
+    if msg.startswith("Missing key in checkpoint state_dict"):
+        tags.append("cause:missing-key")
+        key = msg.partition(": ")[2].strip().rstrip(".")
+    elif msg.startswith("Size mismatch between saved"):
+        tags.append("cause:size-mismatch")
+        key = msg.rpartition(" for ")[2].strip()
+    else:
+        return tuple(tags)
+    # the key it names: model or optimizer state of which FQN
+    fqn = None
+    if key.startswith("optim.state."):
+        tags.append("key:optim-state")
+        fqn = key[len("optim.state."):].rpartition(".")[0]  # less the state's own key (momentum_buffer, step)
+    elif key.startswith("optim.param_groups"):
+        tags.append("key:param-groups")
+    elif key.startswith("model."):
+        tags.append("key:model")
+        fqn = key[len("model."):]
+    if fqn is not None and fqn in aliases:
+        tags.append("key:alias")
+    return tuple(tags)
+
+
+def _optim_conversion_tags(error: str, aliases) -> tuple[str, ...]:
+    """FSDP1's optimizer state dict (use_orig_params=True) looks each of a
+    unit's parameters up by its name inside the unit: 'RuntimeError: <FQN> is
+    not in the optimizer state. The FSDPParamInfo has the param keys ...'.
+    cause:not-in-optim-state, and key:alias when that FQN is not the
+    Parameter's first name."""
+    itype, _, msg = error.partition(": ")
+    fqn, sep, _ = msg.partition(" is not in the optimizer state")
+    if itype != "RuntimeError" or not sep or " " in fqn:
+        return ()
+    return ("cause:not-in-optim-state", *(("key:alias",) if fqn in aliases else ()))
+
+
+@catalog.invariant(
+    "SD-FULL",
+    group="checkpoint",
+    api="fsdp1|fsdp2",
+    scenario="ckpt-full",
+    all_ranks=True,
+    statement="A full model state dict (FSDP1 FULL_STATE_DICT incl. rank0_only / offload_to_cpu; get_model_state_dict(full_state_dict=True) incl. cpu_offload) holds exactly the unwrapped model's keys and values as plain tensors (with ignore_frozen_params: no frozen parameter); ranks that rank0_only / cpu_offload leave out get an empty dict.",
+    source=f"{DOC_FSDP1_SD}; {DOC_DCP_SD} (full_state_dict, cpu_offload: 'only the rank0 will get the state_dict', ignore_frozen_params)",
+)
+def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation]:
+    if pred.applicable or obs[0].skipped:
+        return []
+    tags = case_tags(spec, pred)
+    if any(o.error for o in obs):
+        return _raised("SD-FULL", obs, tags, pred)
+    frozen = set(pred.frozen) if spec.ckpt.ignore_frozen else set()
+    want = set(pred.sd_keys) - frozen
+    out = []
+    for o in obs:
+        if pred.rank0_only and o.rank != 0:
+            if o.keys:
+                # keys:buffers-only: the rank got only buffers, no parameter
+                only = ("keys:buffers-only",) if set(o.keys) <= set(pred.buffers) else ()
+                out.append(violation("SD-FULL", f"rank {o.rank} got {len(o.keys)} keys, expected an empty dict: {sorted(o.keys)[:6]}", tags, "kind:nonzero-rank-keys", *only))
+            continue
+        got = set(o.keys)
+        if got != want:
+            # which frozen names were kept: only second names of tied / shared
+            # parameters (their first name dropped), or any
+            second_names = {a for group in pred.tied for a in group[1:]}
+            extra = got - want
+            kind = ("kind:frozen-alias-kept" if extra <= second_names else "kind:frozen-kept") if frozen and extra <= frozen else "kind:keys"
+            out.append(violation("SD-FULL", f"rank {o.rank}: keys {set_diff(got, want)}", tags, kind))
+        if o.wrong_values and o.values_meaningful:
+            out.append(violation("SD-FULL", f"rank {o.rank}: values of {list(o.wrong_values)} differ from the unwrapped model's", tags, "kind:values"))
+        if o.not_plain:
+            out.append(violation("SD-FULL", f"rank {o.rank}: {list(o.not_plain)} are not plain (CPU) tensors", tags, "kind:not-plain"))
+    return out
+
+
+@catalog.invariant(
+    "TIES-KEPT",
+    group="checkpoint",
+    api="fsdp1|fsdp2",
+    scenario="ckpt-ties",
+    all_ranks=True,
+    statement="Every load path (load_state_dict incl. assign=True, set_model_state_dict incl. broadcast_from_rank0, meta-device init + to_empty + load) loads the values and leaves tied names sharing one Parameter, with the parameter count unchanged.",
+    source=f"{DOC_DCP_SD} (set_model_state_dict, broadcast_from_rank0); {DOC_FSDP2}; FullyShardedDataParallel param_init_fn",
+)
+def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation]:
+    if pred.applicable or obs[0].skipped:
+        return []
+    tags = case_tags(spec, pred)
+    if any(o.error for o in obs):
+        return _raised("TIES-KEPT", obs, tags, pred)
+    out = []
+    want = {group[0] for group in pred.tied}
+    for o in obs:
+        got = dict(o.ties)
+        broken = sorted(c for c in want if got.get(c) is not True)
+        if broken:
+            out.append(violation("TIES-KEPT", f"rank {o.rank}: tied names of {broken} no longer share one Parameter", tags, "kind:untied"))
+        if o.params_after != o.params_before:
+            out.append(violation("TIES-KEPT", f"rank {o.rank}: {o.params_after} parameters after the load, {o.params_before} before", tags, "kind:param-count"))
+        if o.wrong_values and o.values_meaningful:
+            out.append(violation("TIES-KEPT", f"rank {o.rank}: {list(o.wrong_values)} do not hold the loaded values", tags, "kind:values"))
+    return out
+
+
+@catalog.invariant(
+    "CKPT-RESHARD",
+    group="checkpoint",
+    api="fsdp1|fsdp2",
+    scenario="ckpt-roundtrip",
+    statement="State saved with torch.distributed.checkpoint under one API, plan and world size loads under another (FSDP1 sharded <-> FSDP2, other wrap policy / grouping, world size 1, 2, 3) to the same model values, optimizer state and hyperparameters.",
+    source=f"{DOC_DCP}; {DOC_DCP_SD} (get_state_dict / set_state_dict: 'can support different parallelisms, FSDP1, FSDP2'); {DOC_FSDP1_SD}",
+)
+def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation]:
+    if pred.applicable or obs.skipped:
+        return []
+    # the backend: values after a training step depend on its collectives
+    # (fsdp2-gloo-reduce-scatter-avg-sums)
+    tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
+    if obs.error:
+        return _raised("CKPT-RESHARD", obs, tags, pred)
+    if not obs.values_meaningful:
+        return []
+    out = []
+    if obs.model_diff:
+        out.append(violation("CKPT-RESHARD", f"model values of {list(obs.model_diff)[:8]} differ from the saved ones", tags, "kind:model"))
+    if obs.optim_diff:
+        out.append(violation("CKPT-RESHARD", f"optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:optim", *_diff_tags(obs.optim_diff)))
+    if obs.groups_diff:
+        renamed = [f"group {i}: {list(got)} for the saved {list(want)}" for i, got, want in obs.groups_params]
+        out.append(violation("CKPT-RESHARD", f"param_groups differ from the saved: {list(obs.groups_diff)}" + (f" ({'; '.join(renamed)})" if renamed else ""),
+                      tags, "kind:param-groups", *_renamed_tags(pred, obs)))
+    return out
+
+
+@catalog.invariant(
+    "OPTIM-STATE",
+    group="checkpoint",
+    api="fsdp1|fsdp2",
+    scenario="ckpt-roundtrip",
+    statement="After a save and load every parameter that had optimizer state has exactly that state (keys and values), whatever its requires_grad at save and at load, a tied parameter one entry; training continued after the resume matches uninterrupted and single-process training.",
+    source=f"{DOC_DCP_SD} (get_optimizer_state_dict / set_optimizer_state_dict); torch.optim.Optimizer.state_dict / load_state_dict; DESIGN.md OPTIM-STATE",
+)
+def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation]:
+    if pred.applicable or obs.skipped:
+        return []
+    # the backend: values after a training step depend on its collectives
+    # (fsdp2-gloo-reduce-scatter-avg-sums)
+    tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
+    if obs.error:
+        return _raised("OPTIM-STATE", obs, tags, pred)
+    if not obs.values_meaningful:
+        return []
+    out = []
+    alias = {a: group[0] for group in pred.tied for a in group}
+    frozen_save, frozen_load = set(pred.frozen_at_save), set(pred.frozen_at_load)
+
+    def entries(names) -> dict[str, list[str]]:
+        by: dict[str, list[str]] = {}
+        for n in names:
+            by.setdefault(alias.get(n, n), []).append(n)
+        return by
+
+    ref = set(obs.optim_ref)
+    for what, names, kind in (("saved", obs.optim_saved, "save"), ("loaded", obs.optim_loaded, "load")):
+        by = entries(names)
+        for canon in sorted(ref - set(by)):
+            extra = ["at-save:frozen" if canon in frozen_save else "at-save:trainable",
+                     "at-load:frozen" if canon in frozen_load else "at-load:trainable"]
+            out.append(violation("OPTIM-STATE", f"{canon} had optimizer state; the {what} state has none", tags, f"kind:lost-at-{kind}", *extra))
+        for canon in sorted(set(by) - ref):
+            out.append(violation("OPTIM-STATE", f"{canon} has {what} optimizer state; single-process training gave it none", tags, f"kind:extra-at-{kind}"))
+        for canon, ns in sorted(by.items()):
+            if len(ns) > 1:
+                out.append(violation("OPTIM-STATE", f"tied parameter {canon} has {len(ns)} {what} state entries {ns}", tags, "kind:tie-entries"))
+    if obs.optim_ref_diff:
+        out.append(violation("OPTIM-STATE", f"saved optimizer state {list(obs.optim_ref_diff)[:8]} differs from single-process training's", tags, "kind:state-value"))
+    if obs.optim_diff:
+        out.append(violation("OPTIM-STATE", f"loaded optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:state-changed", *_diff_tags(obs.optim_diff)))
+    if obs.resume_ref_diff:
+        out.append(violation("OPTIM-STATE", f"after the resume {list(obs.resume_ref_diff)[:8]} differ from single-process training", tags, "kind:resume-reference"))
+    if obs.resume_cont_diff:
+        out.append(violation("OPTIM-STATE", f"after the resume {list(obs.resume_cont_diff)[:8]} differ from uninterrupted training", tags, "kind:resume-uninterrupted"))
+    return out
+
+
+def failure_tags(spec: CaseSpec, pred: CkptPrediction) -> set[str]:
+    """A HANG or CRASH of a checkpoint example: the case's tags, the
+    oracle's facts included (a rank torch itself kills in a known code path
+    is then KNOWN, not CRASH)."""
+    return case_tags(spec, pred)
+
+
+INVARIANTS = tuple(catalog.invariants)

@@ -1,0 +1,317 @@
+"""Standalone, torch-only reproduction scripts for checkpoint cases (SD-FULL,
+TIES-KEPT, CKPT-RESHARD, OPTIM-STATE): the case's model, its save plan and
+load plan, and the phase the invariant checks. A round trip runs as two
+commands when the world size changes:
+``torchrun --nproc-per-node S repro.py save DIR`` then
+``torchrun --nproc-per-node L repro.py load DIR``."""
+
+from __future__ import annotations
+
+import textwrap
+
+from conformance.areas.common.fsdp2_oracle import shard_order
+from conformance.case.graph import ModelGraph
+from conformance.areas.common.repro import class_code, model_lines
+from conformance.areas.autowrap.repro import _policy_code
+from conformance.areas.fully_shard.repro import _RUNTIME
+from conformance.case.spec import CaseSpec, WrapPlan
+from conformance.case.tree import walk
+
+_IMPORTS = '''
+import functools
+import os
+import shutil
+import socket
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+)
+from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType, fully_shard
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
+)
+'''
+
+_MAIN = '''
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def optimizer(params):
+    params = list(params)
+    if OPTIMIZER == "Adam":
+        return torch.optim.Adam(params, lr=0.05, eps=1e-3)
+    if OPTIMIZER == "AdamW":
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, eps=1e-3)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def step(model, opt, i):
+    opt.zero_grad(set_to_none=True)
+    loss = (model(torch.linspace(-1.0, 1.0, 2) * (1.0 + 0.25 * i)) ** 2).sum()
+    if loss.requires_grad:
+        loss.backward()
+    opt.step()
+
+
+def set_frozen(mods, frozen):
+    for path, name in PARAMS:
+        getattr(mods[path], name).requires_grad_(f"{path}.{name}".lstrip(".") not in frozen)
+
+
+def show(what, obj):
+    print(f"[rank {dist.get_rank()}] {what}: {obj}", flush=True)
+
+
+def full_state_dict():
+    model, mods = build(FROZEN_AT_SAVE)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    model = wrap(model, mods, SAVE_PLAN)
+    if FULL_SD == "fsdp1-full":
+        cfg = FullStateDictConfig(offload_to_cpu=OFFLOAD, rank0_only=RANK0_ONLY)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+            got = {k.replace("_fsdp_wrapped_module.", ""): v for k, v in model.state_dict().items()}
+    else:
+        got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=OFFLOAD, ignore_frozen_params=IGNORE_FROZEN))
+    show("keys", sorted(got))
+    show("the unwrapped model's keys", sorted(want))
+    show("values that differ", sorted(k for k, v in got.items() if k in want and not torch.equal(full(v), want[k])))
+
+
+def ties_kept():
+    model, mods = build(FROZEN_AT_SAVE)
+    other, _ = build(FROZEN_AT_SAVE, seed=1)
+    source = {k: v.detach().clone() for k, v in other.state_dict().items()}
+    n_before = len(list(model.parameters()))
+    if LOAD_PATH == "meta-to_empty":
+        with torch.device("meta"):
+            model, mods = build(FROZEN_AT_SAVE)
+        if SAVE_PLAN[0] == "fsdp1":
+            model = wrap(model, mods, SAVE_PLAN, param_init_fn=lambda m: m.to_empty(device=torch.device("cpu"), recurse=False))
+        else:
+            model = wrap(model, mods, SAVE_PLAN)
+            model.to_empty(device="cpu")
+        set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True))
+    elif LOAD_PATH == "load_state_dict-assign" and SAVE_PLAN[0] == "fsdp1":
+        model.load_state_dict(source, assign=True)
+        model = wrap(model, mods, SAVE_PLAN)
+    else:
+        model = wrap(model, mods, SAVE_PLAN)
+        if LOAD_PATH.startswith("load_state_dict"):
+            if SAVE_PLAN[0] == "fsdp1":
+                with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                    model.load_state_dict(source)
+            else:
+                from torch.distributed.tensor import distribute_tensor
+
+                sharded = {k: distribute_tensor(source[k], v.device_mesh, v.placements) if hasattr(v, "device_mesh") else source[k]
+                           for k, v in model.state_dict().items()}
+                model.load_state_dict(sharded, assign=LOAD_PATH.endswith("assign"))
+        else:
+            bcast = LOAD_PATH.endswith("broadcast")
+            src = source if dist.get_rank() == 0 or not bcast else {}
+            set_model_state_dict(model, src, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast))
+    for group in TIED:
+        objs = {id(model.get_parameter(n)) if SAVE_PLAN[0] == "fsdp2" else id(functools.reduce(getattr, n.split("."), model)) for n in group}
+        show(f"tied names {group} share one Parameter", len(objs) == 1)
+    show("parameters before / after", (n_before, len(list(model.parameters()))))
+
+
+def save(path):
+    model, mods = build(FROZEN_AT_SAVE)
+    model = wrap(model, mods, SAVE_PLAN)
+    opt = optimizer(model.parameters())
+    for i in range(STEPS):
+        step(model, opt, i)
+        if i == 0 and REFREEZE:
+            for path_, name in PARAMS:
+                if f"{path_}.{name}".lstrip(".") in REFREEZE:
+                    p = getattr(mods[path_], name)
+                    p.requires_grad_(not p.requires_grad)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "ckpt"))
+    opts = StateDictOptions(full_state_dict=True)
+    saved = {"model": get_model_state_dict(model, options=opts), "optim": get_optimizer_state_dict(model, opt, options=opts)}
+    if dist.get_rank() == 0:
+        torch.save(saved, os.path.join(path, "saved.pt"))
+    show("optimizer state saved for", sorted(saved["optim"]["state"]))
+    dist.barrier()
+
+
+def load(path):
+    model, mods = build(FROZEN_AT_LOAD)
+    model = wrap(model, mods, LOAD_PLAN)
+    opt = optimizer(model.parameters())
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    try:
+        dcp.load(state, checkpoint_id=os.path.join(path, "ckpt"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except BaseException as e:  # CheckpointException is a BaseException
+        show("the load raised", f"{type(e).__name__}: {first_failure(e)}")
+        return
+    opts = StateDictOptions(full_state_dict=True)
+    saved = torch.load(os.path.join(path, "saved.pt"), weights_only=False)
+    got_model, got_optim = get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)
+    show("model values that differ from the saved", sorted(k for k in saved["model"] if k not in got_model or not torch.equal(got_model[k], saved["model"][k])))
+    show("optimizer state saved for", sorted(saved["optim"]["state"]))
+    show("optimizer state after the load for", sorted(got_optim["state"]))
+    changed = [f"{f}.{k}" for f, st in saved["optim"]["state"].items() if f in got_optim["state"]
+               for k, v in st.items() if not torch.equal(torch.as_tensor(got_optim["state"][f].get(k, float("nan"))), torch.as_tensor(v))]
+    show("optimizer state that differs from the saved", changed)
+
+
+def first_failure(e):
+    """A CheckpointException's first failing rank's own exception (its str()
+    starts with the ranks and their tracebacks)."""
+    failures = getattr(e, "failures", None) or {}
+    if not failures:
+        return str(e).splitlines()[0] if str(e) else ""
+    rank = min(failures)
+    inner = failures[rank][0] if isinstance(failures[rank], tuple) else getattr(failures[rank], "exc", failures[rank])
+    return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+
+
+def init():
+    if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+
+
+def note_world(phase):
+    """The deviation may depend on the case's world sizes (one rank: FSDP1
+    switches to NO_SHARD and keeps whole parameters): say so when this run
+    has another."""
+    worlds = {"save": {SAVE_WORLD}, "load": {LOAD_WORLD}, "both": {SAVE_WORLD, LOAD_WORLD}}.get(phase, {SAVE_WORLD})
+    if dist.get_rank() == 0 and worlds != {dist.get_world_size()}:
+        show("note", f"the case saves on {SAVE_WORLD} rank(s) and loads on {LOAD_WORLD}; this run has {dist.get_world_size()} "
+             "(what depends on the sharding may not show: see the run line at the top)")
+
+
+def main():
+    init()
+    try:
+        run_case()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    # every rank leaves here: a barrier, then exit without tearing the group
+    # down (gloo's teardown can abort a rank now and then: "terminate called
+    # without an active exception")
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_case():
+    note_world(None if PHASE != "roundtrip" else (sys.argv[1] if len(sys.argv) > 2 else "both"))
+    if PHASE == "full":
+        full_state_dict()
+    elif PHASE == "ties":
+        ties_kept()
+    elif len(sys.argv) > 2:  # save DIR | load DIR: one phase, this world size
+        (save if sys.argv[1] == "save" else load)(sys.argv[2])
+    else:  # both phases in this world size
+        path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(path)
+        try:
+            save(path[0])
+            load(path[0])
+        finally:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(path[0], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+PHASE = {"SD-FULL": "full", "TIES-KEPT": "ties", "CKPT-RESHARD": "roundtrip", "OPTIM-STATE": "roundtrip"}
+
+
+def _wrap_code(spec: CaseSpec, var: dict[str, str]) -> str:
+    """wrap(model, mods, plan): plan is ("fsdp1", index) / ("fsdp2", index)
+    into the case's two plans (0: save, 1: load)."""
+    plans = [spec.plan, spec.ckpt.load_plan or spec.plan]
+    out = ["def wrap(model, mods, plan, param_init_fn=None):", "    api, i = plan"]
+    for i, plan in enumerate(plans):
+        out.append(f"    if i == {i}:")
+        if plan.api == "fsdp1":
+            case = _with_plan(spec, plan)
+            pol = _policy_code(case, {p: f"mods[{p!r}]" for p in var})
+            out.append(textwrap.indent(pol, "        "))
+            out.append(f"        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device('cpu'), use_orig_params={plan.use_orig_params}, param_init_fn=param_init_fn)")
+        else:
+            for grp in shard_order(_with_plan(spec, plan), ModelGraph(spec)):
+                target = "[" + ", ".join(f"mods[{m!r}]" for m in grp.modules) + "]" if len(grp.modules) > 1 else f"mods[{grp.modules[0]!r}]"
+                kw = "" if grp.reshard_after_forward is None else f", reshard_after_forward={grp.reshard_after_forward}"
+                out.append(f"        fully_shard({target}{kw})")
+            out.append("        return model")
+    return "\n".join(out) + "\n"
+
+
+def _with_plan(spec: CaseSpec, plan: WrapPlan) -> CaseSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, plan=plan, ckpt=None)
+
+
+def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
+    import torch
+
+    ck = spec.ckpt
+    phase = PHASE.get(title, "roundtrip")
+    head = [f"# fsdp-conformance reproduction (checkpoint){': ' + title if title else ''}", f"# found with torch {torch.__version__}"]
+    head += [f"# {v}" for v in violations or ()]
+    if phase == "roundtrip":
+        head.append(f"# run: torchrun --nproc-per-node {ck.save_world} repro.py save DIR && torchrun --nproc-per-node {ck.load_world} repro.py load DIR")
+        head.append("#      (or python repro.py / torchrun ... repro.py: both phases in one world size)")
+    else:
+        head.append(f"# run: torchrun --nproc-per-node {ck.save_world} repro.py   (or python repro.py: one rank)")
+    lines, var = model_lines(spec)
+    lines[0] = "torch.manual_seed(seed)"
+    graph = ModelGraph(spec)
+    drawn = {c.name for c in spec.classes}
+    for path, m in walk(spec.tree):
+        if m.cls in drawn:
+            lines.append(f"{var[path]}.case_params = {[n for n, _ in graph.nodes[path].params]!r}")
+            lines.append(f"{var[path]}.case_buffers = {[b.name for b in m.buffers]!r}")
+    lines.append("mods = {" + ", ".join(f"{p!r}: {v}" for p, v in var.items()) + "}")
+    lines.append("set_frozen(mods, frozen)")
+    lines.append("return m0, mods")
+    build = "def build(frozen, seed=0):\n" + textwrap.indent("\n".join(lines), "    ") + "\n"
+    # each parameter once, by the module and name it was made under
+    params = [tuple(pid.rpartition(".")[::2]) for _, pid in graph.named_parameters()]
+    at_save = sorted({pid for _, pid in graph.named_parameters() if not graph.requires_grad(pid)})
+    # without load_frozen the load keeps the mask of the save (refreeze applied)
+    at_load = sorted(set(at_save) ^ set(ck.refreeze)) if ck.load_frozen is None else sorted(ck.load_frozen)
+    tied = [tuple(graph.aliases(pid)) for _, pid in graph.named_parameters() if len(graph.aliases(pid)) > 1]
+    consts = "\n".join([
+        f"PHASE = {phase!r}",
+        f"PARAMS = {params!r}  # (module path, name): the case's parameters",
+        f"FROZEN_AT_SAVE = {at_save!r}  # when built (REFREEZE flips some after the first step)",
+        f"FROZEN_AT_LOAD = {at_load!r}",
+        f"REFREEZE = {list(ck.refreeze)!r}  # requires_grad flips after the first step",
+        f"TIED = {tied!r}",
+        f"SAVE_PLAN = ({spec.plan.api!r}, 0)",
+        f"LOAD_PLAN = ({(ck.load_plan or spec.plan).api!r}, 1)",
+        f"OPTIMIZER, STEPS = {ck.optimizer!r}, {ck.steps}",
+        f"FULL_SD, OFFLOAD, RANK0_ONLY, IGNORE_FROZEN = {ck.full_sd!r}, {ck.offload}, {ck.rank0_only}, {ck.ignore_frozen}",
+        f"LOAD_PATH = {ck.load_path!r}",
+        f"SAVE_WORLD, LOAD_WORLD = {ck.save_world}, {ck.load_world}  # the case's world sizes",
+    ]) + "\n"
+    classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
+    parts = ["\n".join(head), _IMPORTS, _RUNTIME, classes, build, _wrap_code(spec, var), consts, _MAIN]
+    return "\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n"

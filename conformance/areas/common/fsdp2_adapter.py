@@ -1,0 +1,107 @@
+"""FSDP2 as the areas apply it: the fully_shard API of the installed torch
+(public from 2.6, torch.distributed._composable.fsdp before), a WrapPlan's
+groups sharded bottom-up, and what several areas read of FSDP2 modules."""
+
+from __future__ import annotations
+from conformance.case.build import Built
+from conformance.case.spec import CaseSpec
+from conformance.areas.common.support import fsdp2_mesh
+from conformance.case.target import graph_of
+from conformance.case.build import is_sharded
+from conformance.areas.common.fsdp2_oracle import shard_order
+import torch
+
+
+def fsdp2_api():
+    """(fully_shard, FSDPModule, register_fsdp_forward_method): public in
+    torch.distributed.fsdp from 2.6, torch.distributed._composable.fsdp before."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    except ImportError:  # torch 2.4, 2.5
+        from torch.distributed._composable.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    return fully_shard, FSDPModule, register_fsdp_forward_method
+
+
+def takes_ignored_params() -> bool:
+    """Whether this torch's fully_shard takes ``ignored_params`` (2.7 on)."""
+    import inspect
+
+    try:
+        return "ignored_params" in inspect.signature(fsdp2_api()[0]).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+
+
+def has_reduction_setters() -> bool:
+    """Whether this torch's FSDPModule has set_force_sum_reduction_for_comms
+    and set_gradient_divide_factor (2.8 on)."""
+    try:
+        FSDPModule = fsdp2_api()[1]
+    except ImportError:
+        return False
+    return all(hasattr(FSDPModule, n) for n in ("set_force_sum_reduction_for_comms", "set_gradient_divide_factor"))
+
+
+def set_reduction(model, force_sum: bool, divide_factor: float | None) -> None:
+    """The plan's gradient reduction settings on every FSDP module of ``model``."""
+    FSDPModule = fsdp2_api()[1]
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            if force_sum:
+                m.set_force_sum_reduction_for_comms(True)
+            if divide_factor is not None:
+                m.set_gradient_divide_factor(divide_factor)
+
+
+def count_collectives():
+    """A dispatch mode that counts the collectives issued under it, by op
+    name. (torch's CommDebugMode also tracks modules, and its module tracker
+    breaks on a method that calls self(...) outside any module forward.)"""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCollectives(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name.startswith(("c10d", "_c10d_functional")):
+                self.counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+        def get_comm_counts(self):
+            return self.counts
+
+    return CountCollectives()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The unsharded value of a DTensor (a collective: every rank calls it), or ``t``."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def error_line(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
+def shard(spec: CaseSpec, built: Built, extra=None) -> None:
+    """fully_shard bottom-up: each group (the multi-module form for several
+    modules) after every group below it, the root last. ``extra(modules)``:
+    more fully_shard kwargs for the group of those spec paths (mp_policy)."""
+    fully_shard, _, _ = fsdp2_api()
+    ignored = {built.model.get_parameter(f) for f in spec.plan.ignored_params}
+    mesh = fsdp2_mesh()
+    for grp in shard_order(spec.plan, graph_of(spec)):
+        mods = [built.modules[p] for p in grp.modules]
+        kwargs = {"mesh": mesh}
+        if grp.reshard_after_forward is not None:
+            kwargs["reshard_after_forward"] = grp.reshard_after_forward
+        if ignored:
+            kwargs["ignored_params"] = ignored
+        if extra is not None:
+            kwargs.update(extra(grp.modules))
+        fully_shard(mods if len(mods) > 1 else mods[0], **kwargs)

@@ -1,0 +1,633 @@
+"""The FSDP2 oracle: fully_shard's parameter groups, what
+register_fsdp_forward_method promises during user methods, and what happens
+to a parameter shared between groups (by torch release)."""
+
+from __future__ import annotations
+
+import functools
+
+from dataclasses import dataclass
+
+from conformance.case.graph import ModelGraph
+from conformance.case.spec import ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls
+from conformance.case.tree import join
+from conformance.case.spec import CaseSpec
+
+# The torch release from which fully_shard rejects a parameter that two
+# groups see (ValueError at the first forward that names it and prescribes
+# fully_shard([a, b])); before it nothing checks, and the fully_shard
+# docstring's "except those already assigned to a group from an earlier call"
+# is the only promise: the parameter is managed once.
+TIE_CHECK_SINCE = (2, 13)
+TORCH_CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
+# fully_shard([a, b]) (one group for several modules) is public from 2.6.
+LIST_FORM_SINCE = (2, 6)
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string ("2.13.0+cpu" -> (2, 13))."""
+    parts = version.split("+")[0].split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+@dataclass(frozen=True)
+class GroupPrediction:
+    modules: tuple[str, ...]  # canonical paths of the modules fully_shard is given
+    managed: tuple[str, ...]  # canonical FQNs
+    trainable: tuple[str, ...]
+    frozen: tuple[str, ...]
+    reshard: bool  # reshard_after_forward in effect (None: True, for the root False)
+    root: bool
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.trainable) and bool(self.frozen)
+
+
+@dataclass(frozen=True)
+class SplitTie:
+    """A parameter that modules managed by two or more groups hold."""
+
+    fqn: str  # canonical
+    aliases: tuple[str, ...]
+    groups: tuple[int, ...]  # indices into FSDP2Prediction.groups
+
+
+@dataclass(frozen=True)
+class ReadPrediction:
+    step: int  # -1: on entry to the method, else the "param" step that reads it
+    fqn: str  # canonical
+    group: int | None  # the managing group (None: ignored, never sharded)
+    full: bool  # unsharded at that moment
+
+
+@dataclass(frozen=True)
+class CallPrediction:
+    index: int  # position in the flattened call sequence
+    method: int  # index into spec.methods; -1: the root's forward
+    module: str  # canonical path of the method's module
+    fsdp_module: bool  # the module is one fully_shard was given
+    patched: bool  # registration makes FSDP's pre/post-forward run around it
+    unshards: int  # groups unsharded during the call (one all-gather each when W > 1)
+    exact: bool  # unshards is exact (no multi-module group takes part)
+    nested: bool  # calls FSDP submodules, self.forward or self(...) inside
+    reads: tuple[ReadPrediction, ...]
+    in_promise: bool  # everything it computes with is unsharded: output must equal the reference's
+    sharded_after: tuple[bool | None, ...]  # per group (None: not promised)
+    # the call's first FSDP group (the iteration's forward root) is a
+    # multi-module group that the call ran only in part
+    root_group_partial: bool = False
+
+
+@dataclass(frozen=True)
+class FSDP2Prediction:
+    groups: tuple[GroupPrediction, ...]  # in the order fully_shard is applied (root last)
+    split_ties: tuple[SplitTie, ...]
+    tie_outcomes: tuple[str, ...]  # for split ties: "error" (rejected, naming it), "once" (managed once)
+    tie_check: bool  # the installed torch has the split-tie check
+    supported: str  # "" or why the case is outside what FSDP2 promises
+    calls: tuple[CallPrediction, ...]
+    params: tuple[str, ...]  # canonical FQNs (named_parameters)
+    frozen: tuple[str, ...]
+    tied: tuple[tuple[str, tuple[str, ...]], ...]  # canonical FQN -> its aliases (2+)
+    fsdp_modules: tuple[str, ...]  # canonical paths of every module fully_shard was given
+    # every path of those modules (a shared module's other names too): a
+    # method's module, as the spec names it, is an FSDP module if its path is here
+    fsdp_paths: tuple[str, ...] = ()
+    # modules given to fully_shard after an earlier call's group already took
+    # them in (not bottom-up: a list group that straddles an earlier group)
+    resharded: tuple[str, ...] = ()
+    shared_modules: bool = False  # some module has two names
+    # gradients through the calls are promised: no called method reads a
+    # parameter of another group directly (FSDP2 keeps a parameter alive for
+    # backward only through its own module's forward; spec source 004)
+    backward_promised: bool = True
+
+    def group_index(self, module: str) -> int | None:
+        return next((i for i, g in enumerate(self.groups) if module in g.modules), None)
+
+
+def shard_order(plan, g: ModelGraph) -> list[ShardGroup]:
+    """The plan's groups plus the root's, bottom-up: each after every group
+    below it (by the last of its modules in registration post-order)."""
+    plan = getattr(plan, "plan", plan)  # a case: its plan
+    groups = list(plan.groups)
+    if not any("" in grp.modules for grp in groups):
+        groups.append(ShardGroup(("",)))
+    pos = {nid: i for i, nid in enumerate(g.post_order())}
+    return sorted(groups, key=lambda grp: max(pos[m] for m in grp.modules))
+
+
+def _unsupported(methods, calls, g: ModelGraph, order: list[ShardGroup]) -> str:
+    for grp in order:
+        for a in grp.modules:
+            for b in grp.modules:
+                if a != b and b in g.subtree(a):
+                    return f"fully_shard([...]) with {b} inside {a or '<root>'}: the list form is for disjoint modules"
+        for m in grp.modules:
+            cls = g.nodes[m].cls
+            if g.is_torch(m, TORCH_CONTAINERS, exact=True):
+                return f"fully_shard on torch's own {cls} at {m or '<root>'}: its forward is not how the case calls it"
+            if m in g.not_called:
+                return f"fully_shard on {m}, whose forward the model's forward never runs (its parameters are read without calling it)"
+    first = calls[0]
+    if True:
+        if first.method != -1:
+            m = methods[first.method]
+            if m.module != "" or not m.register:
+                return "the first call does not run the root's forward hooks (lazy init picks the root by the first forward)"
+    return ""
+
+
+@functools.lru_cache(maxsize=256)
+def predict_fsdp2(spec, torch_version: str) -> FSDP2Prediction:
+    """For a CaseSpec or a ModelCase: its graph, plan, methods and calls.
+    A ModelCase's methods are the model's own code (opaque to the oracle)."""
+    from conformance.case.model_case import ModelCase
+    from conformance.case.target import graph_of
+
+    return fsdp2_prediction(
+        graph_of(spec), spec.plan, spec.methods, effective_calls(spec), torch_version, opaque=isinstance(spec, ModelCase)
+    )
+
+
+def fsdp2_prediction(
+    g: ModelGraph,
+    plan: WrapPlan,
+    methods: tuple[ForwardMethod, ...],
+    calls: tuple[MethodCall, ...],
+    torch_version: str,
+    *,
+    opaque: bool = False,
+) -> FSDP2Prediction:
+    """What FSDP2 promises for graph ``g`` sharded as ``plan`` says, with
+    ``methods`` registered and ``calls`` made. ``opaque``: the methods' bodies
+    are unknown (a real model's generate): only what holds whatever they run
+    is predicted."""
+    order = shard_order(plan, g)
+    ignored = {g.resolve_param(f) for f in plan.ignored_params}
+    assigned = set(ignored)
+    stateful: set[str] = set()
+    owner: dict[str, int] = {}
+    reach: list[list[str]] = []
+    groups: list[GroupPrediction] = []
+    resharded: list[str] = []
+    for gi, grp in enumerate(order):
+        roots = set(grp.modules)
+        resharded += [m for m in grp.modules if any(m in mods for mods in reach)]
+        visited: set[str] = set()
+        mods: list[str] = []
+
+        def dfs(nid: str) -> None:
+            if nid not in roots and nid in stateful:
+                return  # a nested fully_shard module
+            visited.add(nid)
+            for _, child in g.nodes[nid].children:
+                if child not in visited:
+                    dfs(child)
+            mods.append(nid)
+
+        for r in grp.modules:
+            if r not in visited:
+                dfs(r)
+        mine: list[str] = []
+        for nid in mods:
+            for _, pid in g.nodes[nid].params:
+                if pid not in assigned and pid not in mine:
+                    mine.append(pid)
+        for pid in mine:
+            owner[pid] = gi
+        assigned.update(mine)
+        stateful.update(roots)
+        reach.append(mods)
+        is_root = "" in grp.modules
+        reshard = grp.reshard_after_forward if grp.reshard_after_forward is not None else not is_root
+        groups.append(
+            GroupPrediction(
+                modules=tuple(g.module_path[m] for m in grp.modules),
+                managed=tuple(g.param_fqn[p] for p in mine),
+                trainable=tuple(g.param_fqn[p] for p in mine if g.requires_grad(p)),
+                frozen=tuple(g.param_fqn[p] for p in mine if not g.requires_grad(p)),
+                reshard=reshard,
+                root=is_root,
+            )
+        )
+    splits = []
+    for fqn, pid in g.named_parameters():
+        holders = {i for i, mods in enumerate(reach) for nid in mods if any(p == pid for _, p in g.nodes[nid].params)}
+        if len(holders) > 1:
+            splits.append(SplitTie(fqn, tuple(g.aliases(pid)), tuple(sorted(holders))))
+    tie_check = torch_release(torch_version) >= TIE_CHECK_SINCE
+    why = _unsupported(methods, calls, g, order)
+    if not why and any(len(grp.modules) > 1 for grp in order) and torch_release(torch_version) < LIST_FORM_SINCE:
+        why = f"fully_shard([a, b]) needs torch >= {LIST_FORM_SINCE[0]}.{LIST_FORM_SINCE[1]}"
+    sim_calls: tuple[CallPrediction, ...] = ()
+    if not why and not (splits and tie_check):
+        sim_calls = _simulate(methods, calls, g, order, groups, owner, opaque)
+    tied = []
+    for fqn, pid in g.named_parameters():
+        aliases = g.aliases(pid)
+        if len(aliases) > 1:
+            tied.append((fqn, tuple(aliases)))
+    return FSDP2Prediction(
+        groups=tuple(groups),
+        split_ties=tuple(splits),
+        tie_outcomes=("error",) if tie_check else ("error", "once"),
+        tie_check=tie_check,
+        supported=why,
+        calls=sim_calls,
+        params=tuple(f for f, _ in g.named_parameters()),
+        frozen=tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid)),
+        tied=tuple(tied),
+        fsdp_modules=tuple(m for grp in groups for m in grp.modules),
+        fsdp_paths=tuple(p for grp in order for nid in grp.modules for p in (g.module_aliases(nid) or [g.module_path[nid]])),
+        resharded=tuple(g.module_path[m] for m in resharded),
+        shared_modules=g.shared_modules(),
+        backward_promised=not _reads_other_groups(methods, calls, g, order, owner),
+    )
+
+
+class _Sim:
+    """FSDP2's forward promises, step by step: a group is unsharded by the
+    pre-forward of a module fully_shard was given (one all-gather if it was
+    sharded) and stays so until that module's outermost forward ends; then it
+    reshards when reshard_after_forward says so. A multi-module group reshards
+    when all of its modules have run, or when the iteration's first forward
+    ends."""
+
+    def __init__(self, g: ModelGraph, order: list[ShardGroup], groups: list[GroupPrediction], owner: dict[str, int]):
+        self.g = g
+        self.groups = groups
+        self.owner = owner
+        self.member = {m: i for i, grp in enumerate(order) for m in grp.modules}
+        self.multi = {i for i, grp in enumerate(order) if len(grp.modules) > 1}
+        self.empty = {i for i, grp in enumerate(groups) if not grp.managed}  # no parameters: nothing to gather
+        self.sharded = [True] * len(groups)
+        self.active = [0] * len(groups)
+        self.pending: list[set[str]] = [set() for _ in groups]
+        self.iter_root: int | None = None
+        self.reset_call()
+
+    def reset_call(self) -> None:
+        self.unshards = 0
+        self.exact = True
+        self.ok = True  # nothing computed with a sharded parameter
+        self.raises = False  # a forward met a sharded parameter (FSDP's DTensor): it raises
+        self.nested = False
+        self.root_group_partial = False
+
+    def full(self, pid: str) -> bool:
+        gi = self.owner.get(pid)
+        return gi is None or not self.sharded[gi]
+
+    def pre(self, gi: int, nid: str) -> None:
+        if self.iter_root is None:
+            self.iter_root = gi
+        if gi in self.multi:
+            self.exact = False
+            if not self.pending[gi]:
+                self.pending[gi] = set(self.groups_modules(gi))
+        if self.sharded[gi] and gi not in self.empty:
+            self.unshards += 1
+            self.sharded[gi] = False
+        self.active[gi] += 1
+
+    def groups_modules(self, gi: int) -> list[str]:
+        return [m for m, i in self.member.items() if i == gi]
+
+    def post(self, gi: int, nid: str) -> None:
+        self.active[gi] -= 1
+        if gi in self.multi:
+            self.pending[gi].discard(nid)
+            if not self.pending[gi] and self.active[gi] == 0 and self.groups[gi].reshard:
+                self.sharded[gi] = True
+        elif self.active[gi] == 0 and self.groups[gi].reshard:
+            self.sharded[gi] = True
+        if self.iter_root == gi and self.active[gi] == 0:
+            if gi in self.multi and self.pending[gi]:
+                self.root_group_partial = True
+            for mi in self.multi:
+                if self.pending[mi] and self.active[mi] == 0:
+                    self.pending[mi] = set()
+                    if self.groups[mi].reshard:
+                        self.sharded[mi] = True
+            self.iter_root = None
+
+    def run_module(self, nid: str, hooks: bool) -> None:
+        gi = self.member.get(nid) if hooks else None
+        if gi is not None:
+            self.pre(gi, nid)
+        for _, pid in self.g.nodes[nid].params:
+            if not self.full(pid):
+                self.ok = False
+                self.raises = True
+        for _, child in self.g.nodes[nid].children:
+            self.call_child(child)
+        if gi is not None:
+            self.post(gi, nid)
+
+    def call_child(self, nid: str) -> None:
+        if nid in self.member:
+            self.nested = True
+        if self.g.is_torch(nid, TORCH_CONTAINERS, exact=True):
+            for _, c in self.g.nodes[nid].children:  # build.call_child runs their children
+                self.call_child(c)
+        else:
+            self.run_module(nid, hooks=True)
+
+
+def _resolve_from(g: ModelGraph, nid: str, rel: str) -> tuple[str, str]:
+    """(node id, last name) of attribute path ``rel`` from node ``nid``."""
+    parts = rel.split(".")
+    for part in parts[:-1]:
+        nid = dict(g.nodes[nid].children)[part]
+    return nid, parts[-1]
+
+
+def subtree_named_parameters(g: ModelGraph, nid: str) -> list[tuple[str, str]]:
+    """module.named_parameters() of node ``nid``: (relative FQN, param id)."""
+    seen_mods: set[str] = set()
+    seen: set[str] = set()
+    out = []
+
+    def visit(n: str, prefix: str) -> None:
+        if n in seen_mods:
+            return
+        seen_mods.add(n)
+        for name, pid in g.nodes[n].params:
+            if pid not in seen:
+                seen.add(pid)
+                out.append((join(prefix, name), pid))
+        for name, c in g.nodes[n].children:
+            visit(c, join(prefix, name))
+
+    visit(nid, "")
+    return out
+
+
+def _reads_other_groups(methods, calls, g: ModelGraph, order: list[ShardGroup], owner: dict[str, int]) -> bool:
+    """A called method reads, by a "param" step, a parameter that a group
+    other than its own module's manages."""
+    member = {m: i for i, grp in enumerate(order) for m in grp.modules}
+    for call in calls:
+        if call.method == -1 or call.method >= len(methods):
+            continue
+        m = methods[call.method]
+        for st in m.steps:
+            if st.op == "param":
+                pnid, name = _resolve_from(g, m.module, st.target)
+                gi = owner.get(dict(g.nodes[pnid].params)[name])
+                if gi is not None and gi != member.get(m.module):
+                    return True
+    return False
+
+
+def _opaque_call(sim: "_Sim", call: MethodCall, m: ForwardMethod | None, index: int) -> CallPrediction:
+    """A call whose body the oracle cannot see (a real model's forward or
+    generate). Promised: a registered method of the root (and forward) runs
+    with the root's group unsharded, one all-gather at least when it was
+    sharded; afterwards the root's group is as its reshard_after_forward
+    says, and every reshard_after_forward=True group is sharded (whether the
+    call ran it or not). A reshard_after_forward=False group's state depends
+    on which submodules the body ran: not predicted."""
+    root = sim.member.get("")
+    patched = call.method == -1 or bool(m and m.register and root is not None)
+    before = root is not None and sim.sharded[root] and root not in sim.empty
+    after: list[bool | None] = []
+    for i, grp in enumerate(sim.groups):
+        if i in sim.multi or i in sim.empty:
+            after.append(None)
+        elif i == root:
+            after.append(grp.reshard if patched else None)
+        else:
+            after.append(True if grp.reshard else None)
+    if patched and root is not None:
+        # what is known now: the groups the prediction says are sharded are;
+        # a root left unsharded is full
+        for i, want in enumerate(after):
+            if want is not None:
+                sim.sharded[i] = want
+    return CallPrediction(
+        index=index, method=call.method, module="", fsdp_module=root is not None, patched=patched,
+        unshards=1 if (patched and before) else 0, exact=False, nested=False, reads=(),
+        in_promise=patched, sharded_after=tuple(after),
+    )
+
+
+def _simulate(methods, calls, g: ModelGraph, order, groups, owner, opaque: bool = False) -> tuple[CallPrediction, ...]:
+    sim = _Sim(g, order, groups, owner)
+    out: list[CallPrediction] = []
+    index = 0
+    for call in calls:
+        for _ in range(call.times):
+            sim.reset_call()
+            if opaque:
+                out.append(_opaque_call(sim, call, None if call.method == -1 else methods[call.method], index))
+                index += 1
+                continue
+            reads: list[ReadPrediction] = []
+            if call.method == -1:
+                nid, fsdp_module, patched = "", True, True
+                sim.run_module("", hooks=True)
+            else:
+                m = methods[call.method]
+                nid = m.module
+                gi = sim.member.get(nid)
+                fsdp_module = gi is not None
+                patched = fsdp_module and m.register
+                if patched:
+                    sim.pre(gi, nid)
+                for rel, pid in subtree_named_parameters(g, nid):
+                    reads.append(ReadPrediction(-1, g.param_fqn[pid], owner.get(pid), sim.full(pid)))
+                for i, st in enumerate(m.steps):
+                    if st.op == "param":
+                        pnid, name = _resolve_from(g, nid, st.target)
+                        pid = dict(g.nodes[pnid].params)[name]
+                        full = sim.full(pid)
+                        sim.ok &= full
+                        reads.append(ReadPrediction(i, g.param_fqn[pid], owner.get(pid), full))
+                    elif st.op == "child":
+                        cnid, name = _resolve_from(g, nid, st.target + ".x")
+                        sim.call_child(cnid)
+                    elif st.op == "forward":
+                        sim.nested = True
+                        sim.run_module(nid, hooks=False)
+                    else:
+                        sim.nested = True
+                        sim.run_module(nid, hooks=True)
+                if patched:
+                    sim.post(gi, nid)
+            out.append(
+                CallPrediction(
+                    index=index,
+                    method=call.method,
+                    module=g.module_path[nid],
+                    fsdp_module=fsdp_module,
+                    patched=patched,
+                    unshards=sim.unshards,
+                    exact=sim.exact,
+                    nested=sim.nested,
+                    reads=tuple(reads),
+                    in_promise=sim.ok,
+                    sharded_after=tuple(None if i in sim.empty else sim.sharded[i] for i in range(len(groups))),
+                    root_group_partial=sim.root_group_partial,
+                )
+            )
+            index += 1
+            if sim.raises:
+                return tuple(out)  # the adapter stops at a call that raises
+    return tuple(out)
+
+
+def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
+    """Facts about an FSDP2 case that known_failures.toml entries match on."""
+    tags = {"api:fsdp2"}
+    if pred.split_ties:
+        tags.add("tie:split")
+    elif pred.tied:
+        tags.add("tie:grouped")
+    if spec.shared or pred.shared_modules:
+        tags.add("shared-module")
+    if pred.resharded:
+        tags.add("group:resharded")  # fully_shard given a module an earlier group already holds
+    if any(g.mixed for g in pred.groups):
+        tags.add("frozen:mixed-group")
+    if any(len(g.modules) > 1 for g in pred.groups):
+        tags.add("group:multi")
+    if any(len(g.modules) > 1 and g.reshard and any(_frozen_embedding(spec, m) for m in g.modules) for g in pred.groups):
+        # a list group with a module whose output needs no gradient (the case
+        # looks a frozen Embedding up with constant indices)
+        tags.add("group:multi-frozen-embedding")
+    if any(len(g.modules) > 1 for g in pred.groups) and group_rerun_after_frozen_embedding(spec, pred.groups, _frozen_fqns(spec)):
+        tags.add("group:rerun-after-frozen-embedding")  # see that function
+    if any(len(g.modules) > 1 and not g.reshard and any(_frozen_embedding(spec, m) for m in g.modules) and _runs_twice(spec, g.modules)
+           for g in pred.groups):
+        # the same, reshard_after_forward=False: the group runs twice in one
+        # forward (a module of it registered under two names)
+        tags.add("group:multi-frozen-embedding-rerun")
+    if any(c.root_group_partial for c in pred.calls):
+        # a call whose first FSDP group is a list group it runs only in part
+        # (fsdp2-list-group-partial-call-stays-unsharded)
+        tags.add("group:multi-partial-root")
+    fsdp = set(pred.fsdp_paths)  # every name of those modules
+    if getattr(spec, "target", None) is not None:  # a ModelCase: its methods' bodies are the model's
+        from conformance.case.target import methods_calling_forward
+
+        if "" in fsdp and any(m.register and m.name in methods_calling_forward(spec.target) for m in spec.methods):
+            tags.add("method-calls-self")
+    if any(container_base(spec, path) for path in fsdp):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    called = {c.method for c in spec.calls}
+    if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
+        tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside
+    return tags
+
+
+def _frozen_fqns(spec: CaseSpec) -> set[str]:
+    """Canonical FQNs of the parameters the case builds frozen."""
+    from conformance.case.target import graph_of
+
+    g = graph_of(spec)
+    return {g.param_fqn[pid] for pid in g.param_fqn if not g.requires_grad(pid)}
+
+
+def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
+    """The module at ``path`` is an Embedding whose parameters are all frozen:
+    its output needs no gradient (the indices never do)."""
+    from conformance.case.target import graph_of
+
+    g = graph_of(spec)
+    try:
+        nid = g.resolve_module(path)
+    except KeyError:
+        return False
+    node = g.nodes[nid]
+    return g.is_torch(nid, ("Embedding",), exact=True) and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
+
+
+def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = ()) -> list[str]:
+    """Node ids of the modules whose forward (and so whose FSDP hooks) the
+    case's generic forward runs, in order, with multiplicity: a module
+    registered under two parents runs once per parent; torch's own containers
+    are walked, not called (conformance.case.build.call_child). ``skip``: spec paths
+    a microbatch passes over (as conformance.areas.schedule.oracle.used_params)."""
+    from conformance.case.target import graph_of
+
+    g = graph_of(spec)
+    containers = ("ModuleList", "ModuleDict", "Sequential")
+    skipped, out = set(skip), []
+
+    def visit(nid: str, stack: tuple[str, ...]) -> None:
+        if nid in stack:
+            return  # a module that holds itself: never built
+        if not g.is_torch(nid, containers, exact=True):
+            out.append(nid)
+        for name, child in g.nodes[nid].children:
+            tree_child = child == (f"{nid}.{name}" if nid else name)
+            if not (tree_child and child in skipped):
+                visit(child, stack + (nid,))
+
+    visit("", ())
+    return out
+
+
+def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str], skip: tuple[str, ...] = ()) -> bool:
+    """A list group (fully_shard([a, b])) one of whose modules runs forward
+    again after every module of the group has run, where the module whose
+    forward completed the group is an Embedding whose parameters are all in
+    ``frozen`` (canonical FQNs): its output needs no gradient, so the group's
+    pre-backward hook sits on nothing the earlier runs' backward passes
+    through (known failure fsdp2-list-group-reentered-loses-grad). ``groups``:
+    the FSDP2 prediction's groups (canonical module paths)."""
+    if getattr(spec, "tree", None) is None:  # a ModelCase: its own forward, order unknown
+        return False
+    from conformance.case.target import graph_of
+
+    g = graph_of(spec)
+    calls = forward_calls(spec, skip)
+    for grp in groups:
+        if len(grp.modules) < 2:
+            continue
+        try:
+            members = {g.resolve_module(m) for m in grp.modules}
+        except KeyError:
+            continue
+        remaining: set[str] = set()
+        completed_by: str | None = None
+        for nid in calls:
+            if nid not in members:
+                continue
+            if not remaining:  # FSDP refills the group's to-run set at the first module of a pass
+                if completed_by is not None:
+                    node = g.nodes[completed_by]
+                    if g.is_torch(completed_by, ("Embedding",)) and node.params and all(g.param_fqn[pid] in frozen for _, pid in node.params):
+                        return True
+                remaining = set(members)
+            remaining.discard(nid)
+            if not remaining:
+                completed_by = nid
+    return False
+
+
+def _runs_twice(spec: CaseSpec, paths) -> bool:
+    """Some module at ``paths`` has two names: the case's forward calls it
+    under each."""
+    from conformance.case.target import graph_of
+
+    g = graph_of(spec)
+    try:
+        return any(len(g.module_aliases(g.resolve_module(p))) > 1 for p in paths)
+    except KeyError:
+        return False
+
+
+def container_base(spec: CaseSpec, path: str) -> bool:
+    from conformance.case.spec import SpecError, module_at
+
+    if getattr(spec, "tree", None) is None:  # a ModelCase: the target's own classes
+        return False
+    try:
+        cls = module_at(spec.tree, path).cls
+    except SpecError:
+        return False
+    return any(c.name == cls and c.base in ("ModuleList", "ModuleDict") for c in spec.classes)

@@ -1,0 +1,59 @@
+"""Rank agreement: each rank learns whether any rank failed at the same
+point, on a gloo group of the suite's own, before the suite's next
+collective (a rank that raised has left the example); and RANKS-AGREE,
+every rank's observation the same."""
+
+from __future__ import annotations
+from conformance.case.violation import Violation
+import torch.distributed as dist
+import torch
+
+
+_SIDE: dict[int, object] = {}
+
+
+def _side_group():
+    """A gloo group beside the default one, for the suite's own agreement
+    between ranks: its all-reduce never pairs up with one of FSDP's
+    collectives on the default group. Created once per rank process, by every
+    rank at the same point (the first schedule it runs)."""
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _SIDE:
+        _SIDE.clear()
+        _SIDE[key] = dist.new_group(backend="gloo")
+    return _SIDE[key]
+
+
+def any_rank_failed(failed: bool) -> bool:
+    """Whether this rank or any other failed at the same point of the
+    schedule. Every rank asks after each phase that can raise on some ranks
+    only (a sharded parameter's gradient lives on one rank), before the
+    suite's next collective: a rank that raised has left the example, and
+    a collective of the suite's own would then wait for it forever."""
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    dist.all_reduce(flag, group=_side_group())
+    return bool(flag.item())
+
+
+def ranks_agree(obs: list, tags: set | frozenset = frozenset()) -> list[Violation]:
+    """RANKS-AGREE: every rank's observation (its comparable()) equals rank
+    0's; ``tags``: the case's facts, for known failures to match on."""
+    first = obs[0].comparable()
+    out = []
+    for o in obs[1:]:
+        mine = o.comparable()
+        fields = sorted(k for k in first if first[k] != mine.get(k))
+        if fields:
+            detail = "; ".join(f"{k}: rank {obs[0].rank} {first[k]!r} vs rank {o.rank} {mine.get(k)!r}" for k in fields)
+            # the case's tags, the backend and the fields: a rank-local value verdict
+            # (losses_close) that a backend's wrong collective splits is not a
+            # structural disagreement
+            vtags = {"kind:ranks", f"api:{obs[0].api}", *tags, *(f"differs:{k}" for k in fields)}
+            if getattr(obs[0], "backend", None):
+                vtags.add(f"backend:{obs[0].backend}")
+            if "units" in fields and len(obs[0].units) != len(o.units):
+                vtags.add("kind:units-differ")  # FSDP1: a unit one rank has and another lacks
+            out.append(Violation("RANKS-AGREE", f"ranks disagree on {', '.join(fields)} ({detail[:600]})", frozenset(vtags)))
+    return out

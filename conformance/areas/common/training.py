@@ -1,0 +1,83 @@
+"""What every training area shares (PARITY, the checkpoints, the schedules):
+one optimizer factory, the single-process reference of data-parallel
+training, and the tolerances and divergence test that judge FSDP's values
+against it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+# One forward (a registered method, the FSDP1 workaround) against the
+# unsharded model: the same arithmetic up to the order of a few sums.
+FORWARD_RTOL, FORWARD_ATOL = 1e-4, 1e-5
+# Training accumulates rounding differences (reduce-scatter averages in
+# another order than one process sums): looser than a single forward.
+TRAIN_RTOL, TRAIN_ATOL = 1e-3, 1e-5
+
+# A reference whose loss grows past this factor (or stops being finite) has
+# diverged: from there rounding differences between two summation orders
+# grow without bound, so no tolerance can judge parity and the values are
+# not compared (errors and frozen gradients still are).
+DIVERGED = 1e3
+
+OPTIMIZERS = ("SGD", "Adam", "AdamW")
+
+# Adam's step is scale-free: with the default eps (1e-8) a gradient that is
+# zero in exact arithmetic but rounding noise (the weight of a LayerNorm over
+# one element, seed 66; a LayerNorm weight under a mean, seed 2602) moves its
+# parameter by a whole lr, in a direction the noise picks, so two correct
+# summation orders end lr apart. eps=1e-3 keeps gradients well above 1e-3
+# normalised as Adam does, and turns a 1e-7 noise gradient into a 1e-4 lr
+# step, inside the tolerance.
+ADAM_EPS = 1e-3
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """The optimizer every training area builds, on FSDP's model and on the
+    reference alike: SGD with momentum 0.9, Adam, or AdamW (weight decay
+    0.1, so that decay shows), the Adams with ADAM_EPS. ``params`` as given:
+    a caller that keeps frozen parameters in (they may train later) passes
+    them."""
+    params = list(params)
+    if name == "Adam":
+        return torch.optim.Adam(params, lr=lr, eps=ADAM_EPS)
+    if name == "AdamW":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, eps=ADAM_EPS)
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS}")
+
+
+def reference_loss(forward, batches: list[torch.Tensor], divide: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The single-process reference of one data-parallel microbatch: the
+    loss ``(forward(x) ** 2).sum()`` of every rank's batch, their sum divided
+    by ``divide`` (default: the number of batches, the mean FSDP's averaging
+    reduction gives), and each batch's own loss. The caller runs backward on
+    the total (when it needs a gradient) and steps its optimizer."""
+    per_rank = [(forward(x).float() ** 2).sum() for x in batches]
+    total = torch.stack(per_rank).sum() / (divide or len(batches))
+    return total, per_rank
+
+
+def stable(losses: list[float], model: nn.Module) -> bool:
+    """Whether the reference stayed finite and within DIVERGED of its start."""
+    if not losses or not all(math.isfinite(v) for v in losses):
+        return False
+    if max(abs(v) for v in losses) > DIVERGED * max(abs(losses[0]), 1.0):
+        return False
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def diverged(start: dict[str, torch.Tensor], now: dict[str, torch.Tensor]) -> bool:
+    """Whether any value stopped being finite or grew past DIVERGED times its
+    initial size (the values-only form of ``stable``)."""
+    for fqn, v in now.items():
+        if not bool(torch.isfinite(v).all()):
+            return True
+        s = start[fqn]
+        if v.numel() and v.abs().max().item() > DIVERGED * max(s.abs().max().item() if s.numel() else 0.0, 1.0):
+            return True
+    return False

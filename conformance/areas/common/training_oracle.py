@@ -1,0 +1,55 @@
+"""What FSDP promises of training a case (every training area reads it):
+whether training is promised at all, and which parameters train."""
+
+from __future__ import annotations
+from conformance.areas.common.fsdp1_oracle import FSDP1Prediction
+from conformance.areas.common.fsdp2_oracle import FSDP2Prediction
+from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS
+from dataclasses import dataclass
+import functools
+from conformance.case.target import graph_of
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+import torch
+
+
+@dataclass(frozen=True)
+class TrainingPrediction:
+    api: str
+    applicable: str  # "" or why training is outside what the API promises for this case
+    frozen: tuple[str, ...]
+    trainable: tuple[str, ...]
+    fsdp1: FSDP1Prediction | None
+    fsdp2: FSDP2Prediction | None
+
+
+@functools.lru_cache(maxsize=256)
+def predict_training(spec) -> TrainingPrediction:
+    """For a CaseSpec or a ModelCase (whose loss is the target's)."""
+    g = graph_of(spec)
+    frozen = tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid))
+    trainable = tuple(f for f, pid in g.named_parameters() if g.requires_grad(pid))
+    if spec.plan.api == "fsdp1":
+        p1 = predict_fsdp1(spec)
+        why = "FSDP1 rejects mixed requires_grad with use_orig_params=False" if p1.error is not None else ""
+        if not why and any(t.below_lca for t in p1.ties):
+            # TIES: FSDP1 must reject a tie managed below its users' common
+            # ancestor; training is not promised for a case it must reject
+            why = "a tied parameter's unit is below its users' common ancestor (rejected, TIES)"
+        for u in p1.units:
+            nid = g.resolve_module(u.path)
+            cls = g.nodes[nid].cls
+            if g.is_torch(nid, TORCH_CONTAINERS, exact=True) and not why:
+                # FSDP1 warns that it will not all-gather for a container the
+                # case iterates rather than calls
+                why = f"unit {u.path} is torch's {cls}, whose forward never runs"
+            elif nid in g.not_called and not why:
+                # a real model reads the unit's parameters without calling it
+                # (MultiheadAttention's out_proj): nothing all-gathers them
+                why = f"unit {u.path}'s forward never runs in the model's forward"
+        return TrainingPrediction("fsdp1", why, frozen, trainable, p1, None)
+    p2 = predict_fsdp2(spec, torch.__version__)
+    why = p2.supported
+    if p2.split_ties and p2.tie_check:
+        why = why or "a parameter two groups see is rejected (FSDP2-TIES)"
+    return TrainingPrediction("fsdp2", why, frozen, trainable, None, p2)

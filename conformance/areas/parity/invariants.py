@@ -1,0 +1,67 @@
+"""Forward-method invariants (register_fsdp_forward_method, FSDP2; the FSDP1
+summon_full_params workaround) and training parity under both APIs."""
+
+from __future__ import annotations
+
+from conformance.areas.common.catalog import Catalog
+from conformance.areas.fully_shard.invariants import DOC_FULLY_SHARD
+from conformance.areas.common.violations import violation, backend_tag
+from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags
+from conformance.areas.parity.observation import TrainObservation
+from conformance.areas.common.training_oracle import TrainingPrediction
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
+
+catalog = Catalog()
+
+
+def parity_ranks_tags(spec: CaseSpec, pred: TrainingPrediction, obs: list) -> set[str]:
+    """A rank disagreement in a PARITY run (runner's RANKS-AGREE): an FSDP2
+    case's tags, so that a known failure that moves one rank's losses more
+    than another's (a lost gradient) can match it; none for FSDP1, whose
+    rank-dependent structure RANKS-AGREE checks on its own scenario."""
+    if pred.api == "fsdp2" and pred.fsdp2 is not None:
+        return fsdp2_case_tags(spec, pred.fsdp2)
+    return set()
+
+
+@catalog.invariant(
+    "PARITY",
+    group="parity",
+    api="fsdp1|fsdp2",
+    scenario="train",
+    statement="A few optimizer steps (SGD, Adam) under FSDP1 (either use_orig_params) or FSDP2 match single-process training: losses and final parameters within tolerance (compared while the reference stays finite and grows less than 1000x); frozen parameters unchanged with grad None.",
+    source=f"{DOC_FULLY_SHARD}; FullyShardedDataParallel docstring; DESIGN.md PARITY",
+)
+def check_training(spec: CaseSpec, pred: TrainingPrediction, obs: TrainObservation) -> list[Violation]:
+    if pred.applicable:
+        return []
+    tags = {f"api:{pred.api}", f"optim:{spec.train.optimizer if spec.train else 'SGD'}", backend_tag(obs)}
+    if pred.api == "fsdp1":
+        from conformance.areas.common.fsdp1_oracle import fsdp1_case_tags as fsdp1_tags
+
+        tags |= fsdp1_tags(spec, pred.fsdp1)
+    else:
+        tags |= fsdp2_case_tags(spec, pred.fsdp2)
+    if pred.frozen:
+        tags.add("frozen")
+    if obs.wrap_error or obs.step_error:
+        return [violation("PARITY", f"training raised {obs.wrap_error or obs.step_error}", tags, "kind:raised")]
+    out = []
+    frozen = set(pred.frozen)
+    for fqn, none in obs.frozen_grads_none:
+        if not none:
+            out.append(violation("PARITY", f"frozen parameter {fqn} has a gradient", tags, "kind:frozen-grad"))
+    if not obs.values_meaningful:
+        return out
+    if obs.losses_close is False:
+        out.append(violation("PARITY", f"losses {list(obs.losses)} differ from single-process {list(obs.ref_losses)}", tags, "kind:loss"))
+    for p in obs.params:
+        if p.fqn in frozen and not p.unchanged:
+            out.append(violation("PARITY", f"frozen parameter {p.fqn} changed", tags, "kind:frozen-changed"))
+        elif p.close is False:
+            out.append(violation("PARITY", f"{p.fqn} after training differs from single-process by {p.max_diff:.3g}", tags, "kind:param"))
+    return out
+
+
+INVARIANTS = tuple(catalog.invariants)

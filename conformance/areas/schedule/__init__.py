@@ -1,0 +1,20 @@
+"""Training schedules (MP-DTYPES, ACCUM): optimizer steps with freeze
+changes, microbatches with gradient sync off on all but the last, and mixed
+precision, under either API against fp32 single-process training."""
+
+from conformance.areas.common.area import Area, AreaScenario
+from conformance.areas.schedule import invariants, repro, scenario
+from conformance.areas.schedule.adapter import missing_api
+from conformance.areas.schedule.observation import ScheduleObservation
+from conformance.areas.schedule.oracle import predict_schedule
+
+AREA = Area(
+    name="schedule",
+    title="Training schedules: mixed precision and gradient accumulation",
+    invariants=invariants.INVARIANTS,
+    scenarios=(AreaScenario("schedule", scenario.schedule, ScheduleObservation, predict_schedule, ranks_tags=invariants.ranks_tags),),
+    applies=lambda case: getattr(case, "schedule", None) is not None,
+    unavailable=lambda case: missing_api(),
+    repro=repro.schedule_script,
+    model_cases="model cases draw no training schedule yet",
+)

@@ -1,0 +1,450 @@
+"""MP-DTYPES and ACCUM: run a training schedule (optimizer steps, freeze
+masks that change between steps, microbatches with gradient sync off on all
+but the last, mixed precision) under FSDP1 or FSDP2 next to fp32
+single-process training of the same model on every rank's data, and record
+what FSDP did. Reads FSDP internals only for FSDP1's flat gradients."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conformance.areas.common import fsdp1_adapter as a1
+from conformance.areas.common import fsdp2_adapter as a2
+from conformance.areas.common.fsdp2_adapter import error_line as _err2
+from conformance.areas.common.fsdp2_adapter import full_tensor
+from conformance.case.build import BATCH, Built, build, method_callable, read_attr
+from conformance.areas.common.support import on_rank_device, placed
+from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
+from conformance.areas.schedule.oracle import predict_schedule
+from conformance.case.spec import CaseSpec, Precision
+from conformance.case.tree import walk
+from conformance.areas.common.ranks import any_rank_failed
+from conformance.areas.common.training import make_optimizer, reference_loss
+
+REDUCE_OPS = ("reduce_scatter", "all_reduce", "allreduce")
+
+
+def _err(e: BaseException) -> str:
+    """Type and first line, object addresses removed (ranks must agree on it)."""
+    import re
+
+    return re.sub(r" at 0x[0-9a-f]+", "", _err2(e))
+
+
+def _dtype(name: str | None):
+    return None if name is None else getattr(torch, name)
+
+
+def _name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def precision_api() -> tuple[type, type]:
+    """(MixedPrecision, MixedPrecisionPolicy): public in torch.distributed.fsdp
+    from 2.6, MixedPrecisionPolicy in torch.distributed._composable.fsdp before."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # torch 2.4, 2.5
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    return MixedPrecision, MixedPrecisionPolicy
+
+
+def missing_api() -> str | None:
+    """Why the installed torch cannot run training schedules, or None: the
+    mixed-precision classes with every field a Precision names, FSDP2's
+    set_requires_gradient_sync and FSDP1's no_sync."""
+    import dataclasses
+
+    try:
+        MixedPrecision, MixedPrecisionPolicy = precision_api()
+        _, FSDPModule, _ = a2.fsdp2_api()
+    except ImportError as e:
+        return f"torch {torch.__version__} lacks FSDP mixed precision or fully_shard ({e})"
+    want = {MixedPrecisionPolicy: ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"),
+            MixedPrecision: ("param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs")}
+    for cls, names in want.items():
+        lacking = set(names) - {f.name for f in dataclasses.fields(cls)}
+        if lacking:
+            return f"torch {torch.__version__}: {cls.__name__} lacks {sorted(lacking)}"
+    if not hasattr(FSDPModule, "set_requires_gradient_sync"):
+        return f"torch {torch.__version__}: FSDPModule lacks set_requires_gradient_sync"
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if not hasattr(FSDP, "no_sync"):
+        return f"torch {torch.__version__}: FullyShardedDataParallel lacks no_sync"
+    return None
+
+
+def wrap_kwargs(spec: CaseSpec, pr: Precision | None):
+    """FSDP1: the mixed_precision kwarg; FSDP2: a function of a group's
+    modules giving its mp_policy (output_dtype on the root's only: it casts
+    the model's output, not every group's)."""
+    MixedPrecision, MixedPrecisionPolicy = precision_api()
+    if pr is None:
+        return {} if spec.plan.api == "fsdp1" else None
+    if spec.plan.api == "fsdp1":
+        kw = dict(param_dtype=_dtype(pr.param_dtype), reduce_dtype=_dtype(pr.reduce_dtype), buffer_dtype=_dtype(pr.buffer_dtype),
+                  keep_low_precision_grads=pr.keep_low_precision_grads, cast_root_forward_inputs=pr.cast_root_forward_inputs)
+        if pr.cast_forward_inputs is not None:
+            kw["cast_forward_inputs"] = pr.cast_forward_inputs
+        return {"mixed_precision": MixedPrecision(**kw)}
+
+    def for_group(modules: tuple[str, ...]) -> dict:
+        kw = dict(param_dtype=_dtype(pr.param_dtype), reduce_dtype=_dtype(pr.reduce_dtype))
+        if pr.cast_forward_inputs is not None:
+            kw["cast_forward_inputs"] = pr.cast_forward_inputs
+        if modules == ("",) and pr.output_dtype:
+            kw["output_dtype"] = _dtype(pr.output_dtype)
+        return {"mp_policy": MixedPrecisionPolicy(**kw)}
+
+    return for_group
+
+
+def data(spec: CaseSpec, step: int, micro: int, rank: int) -> torch.Tensor:
+    """The input of one rank's microbatch: differs by rank and microbatch, so
+    that a lost or doubled contribution changes the gradient."""
+    gen = torch.Generator().manual_seed(spec.seed * 7919 + step * 613 + micro * 31 + rank)
+    return on_rank_device(0.5 * torch.randn(BATCH, generator=gen))
+
+
+class ReduceRecorder:
+    """A dispatch mode recording the gradient-reduction collectives (op, dtype)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        rec = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                if any(op in name for op in REDUCE_OPS):
+                    ts = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+                    rec.seen.append((name, _name(ts[0].dtype) if ts else "?"))
+                return func(*args, **(kwargs or {}))
+
+        self.seen: list[tuple[str, str]] = []
+        self.mode = Mode()
+
+
+class ForwardRecorder:
+    """Forward pre-hooks (registered before wrapping: FSDP's own pre-forward
+    runs first) on every module of the case, recording the dtypes its forward
+    sees, once per module and step."""
+
+    def __init__(self, spec: CaseSpec, built: Built, aliases: a1.Aliases):
+        self.step = 0
+        self.seen: dict[tuple[int, str], ForwardSeen] = {}
+        ties = {}
+        for t in spec.ties:
+            ties.setdefault(t.module, []).append(t.name)
+        for path, m in walk(spec.tree):
+            mod = built.modules[path]
+            names = [p.name for p in m.params] + [n for n in ties.get(path, []) if n not in {p.name for p in m.params}]
+            bufs = [b.name for b in m.buffers]
+            mod.register_forward_pre_hook(self._hook(aliases.canon_of_module[id(mod)], names, bufs))
+
+    def _hook(self, path: str, names: list[str], bufs: list[str]):
+        def hook(mod: nn.Module, args):
+            key = (self.step, path)
+            if key in self.seen:
+                return
+            ins = tuple(_name(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+            params = tuple((n, _name(getattr(mod, n).dtype)) for n in names)
+            buffers = tuple((n, _name(getattr(mod, n).dtype)) for n in bufs)
+            self.seen[key] = ForwardSeen(self.step, path, ins, params, buffers)
+
+        return hook
+
+
+def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) -> float:
+    """max |a - b| / (1 + max |b|); a missing gradient counts as zeros."""
+    a = torch.zeros_like(like) if a is None else a.detach().float()
+    b = torch.zeros_like(like) if b is None else b.detach().float()
+    return float((a - b).abs().max() / (1.0 + b.abs().max())) if a.numel() else 0.0
+
+
+class Runner:
+    """One schedule on one rank: the FSDP model, the reference, their optimizers."""
+
+    def __init__(self, spec: CaseSpec):
+        self.spec = spec
+        self.pred = predict_schedule(spec)
+        self.api = spec.plan.api
+        self.uop = spec.plan.use_orig_params
+        self.built, self.ref = placed(build(spec)), placed(build(spec))
+        # the reference again, computing in the compute dtype (parameters and
+        # inputs cast, single process): how far rounding alone moves this
+        # case's results from fp32 training (None: nothing to round)
+        self.low_dtype = None if self.pred.compute_dtype == "float32" else _dtype(self.pred.compute_dtype)
+        self.low = placed(build(spec)) if self.low_dtype is not None else None
+        self.aliases = a1.Aliases(self.built.model)
+        self.names = list(self.pred.trainable)  # every canonical FQN
+        self.recorder = ForwardRecorder(spec, self.built, self.aliases)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def wrap(self) -> None:
+        s = self.spec.schedule
+        kw = wrap_kwargs(self.spec, s.precision)
+        if self.api == "fsdp1":
+            self.model = a1.wrap(self.spec, self.built, **kw)
+        else:
+            a2.shard(self.spec, self.built, kw)
+            self.model = self.built.model
+            _, _, register = a2.fsdp2_api()
+            for m in self.spec.methods:
+                register(self.built.modules[m.module], m.name)
+        self.opt = make_optimizer(s.optimizer, self.model.parameters(), s.lr)
+        self.ropt = make_optimizer(s.optimizer, self.ref.model.parameters(), s.lr)
+
+    # -- the FSDP model's parameters, by canonical FQN -------------------------------
+    def handles(self) -> dict[str, torch.Tensor]:
+        """The parameters the user sees (FSDP2 DTensors, FSDP1 use_orig_params
+        views); {} for FSDP1's flat parameters."""
+        if self.api == "fsdp2":
+            return {f: read_attr(self.built.model, f) for f in self.names}
+        if not self.uop:
+            return {}
+        out = {}
+        for n, p in self.model.named_parameters():
+            out.setdefault(self.aliases.param_canon.get(a1.clean(n), a1.clean(n)), p)
+        return out
+
+    def full_values(self) -> dict[str, torch.Tensor]:
+        if self.api == "fsdp2":
+            return {f: full_tensor(read_attr(self.built.model, f).detach()).clone() for f in self.names}
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(self.model, writeback=False):
+            return {f: read_attr(self.model, f).detach().clone() for f in self.names}
+
+    def full_grads(self) -> dict[str, torch.Tensor | None] | None:
+        """Unsharded gradients with their dtypes, or None where FSDP1 keeps
+        only flat gradients (use_orig_params=False). Under FSDP1's
+        keep_low_precision_grads, summon_full_params(with_grads=True) raises
+        on the ranks whose shard holds a low-precision gradient and not on
+        the others (which then wait in its all-gather): None there too."""
+        if self.api == "fsdp2":
+            out = {}
+            for f in self.names:  # the sharded parameter's .grad: what the optimizer sees
+                g = read_attr(self.built.model, f).grad
+                out[f] = None if g is None else full_tensor(g)
+            return out
+        pr = self.spec.schedule.precision
+        if not self.uop or (pr is not None and pr.keep_low_precision_grads):
+            return None
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(self.model, writeback=False, with_grads=True):
+            return {f: (None if read_attr(self.model, f).grad is None else read_attr(self.model, f).grad.clone()) for f in self.names}
+
+    def flat_grads(self) -> list[tuple[str, torch.Tensor | None]]:
+        """FSDP1: (unit path, its flat parameter's gradient) per unit (internals)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        out = []
+        for unit in FSDP.fsdp_modules(self.model):
+            handle = getattr(unit, "_handle", None)
+            if handle is not None and handle.flat_param is not None:
+                out.append((self.aliases.canon_of_module.get(id(unit.module), "?"), handle.flat_param.grad))
+        return out
+
+    def set_frozen(self, frozen: set[str]) -> None:
+        for f, p in self.handles().items():
+            p.requires_grad_(f not in frozen)
+        for f in self.names:
+            read_attr(self.ref.model, f).requires_grad_(f not in frozen)
+            if self.low is not None:
+                read_attr(self.low.model, f).requires_grad_(f not in frozen)
+
+    def set_skip(self, skip: tuple[str, ...]) -> None:
+        for built in (self.built, self.ref, self.low):
+            if built is None:
+                continue
+            for path, mod in built.modules.items():
+                mod.__dict__["_case_skip"] = {c.rpartition(".")[2] for c in skip if c.rpartition(".")[0] == path}
+
+    # -- one step -------------------------------------------------------------------
+    def step(self, si: int, obs: dict, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One optimizer step from the full values ``start``; returns the values after it."""
+        s = self.spec.schedule
+        st = s.steps[si]
+        frozen = set(st.frozen)
+        self.recorder.step = si
+        if self.api == "fsdp2" or self.uop:
+            self.set_frozen(frozen)
+        with torch.no_grad():  # the reference restarts from FSDP's values: each step is compared on its own
+            for f, v in start.items():
+                read_attr(self.ref.model, f).copy_(v.float())
+                if self.low is not None:
+                    read_attr(self.low.model, f).data = v.to(self.low_dtype)
+        noise = [0.0]  # this step's rounding noise (see rounding_noise)
+        self.opt.zero_grad(set_to_none=True)
+        self.ropt.zero_grad(set_to_none=True)
+        in_dtype = _dtype(self.pred.input_dtype)
+        for k, mb in enumerate(st.microbatches):
+            sync = st.sync_every or k == len(st.microbatches) - 1
+            self.set_skip(mb.skip)
+            where = f"step {si} microbatch {k}"
+            rec = ReduceRecorder()
+            failed = None
+            try:
+                if self.api == "fsdp2":
+                    self.model.set_requires_gradient_sync(sync)
+                ctx = self.model.no_sync() if self.api == "fsdp1" and not sync else contextlib.nullcontext()
+                fn = self.model
+                if si == 0 and k == 0 and s.first >= 0:
+                    fn = method_callable(self.model, self.spec, s.first)
+                with ctx, rec.mode:
+                    out = fn(data(self.spec, si, k, self.rank).to(in_dtype))
+                    loss = (out.float() ** 2).sum()
+                    if loss.requires_grad:  # not when this microbatch uses frozen parameters only
+                        loss.backward()
+                    elif self.api == "fsdp2":  # forward only: the root (and reshard_after_forward=False groups) stay unsharded
+                        _, FSDPModule, _ = a2.fsdp2_api()
+                        for m in self.model.modules():
+                            if isinstance(m, FSDPModule):
+                                m.reshard()
+            except Exception as e:
+                failed = e
+            self.agree(obs, where, failed)
+            ref_fn = self.ref.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.ref.model, self.spec, s.first)
+            total, losses = reference_loss(ref_fn, [data(self.spec, si, k, r) for r in range(self.world)])
+            if total.requires_grad:
+                total.backward()
+            mine = losses[self.rank].detach()
+            noise += self._low_losses(si, k, losses)
+            obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(out.dtype),
+                                                      float((loss.detach() - mine).abs() / (1 + mine.abs()))))
+        self.set_skip(())
+        if self.pred.reference_zero_grads:  # FSDP1's FlatParameters: see SchedulePrediction
+            for f in self.pred.unused_in_used_unit[si]:
+                p = read_attr(self.ref.model, f)
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        failed = None
+        try:
+            self._record_grads(si, obs)
+        except Exception as e:
+            failed = e
+        self.agree(obs, f"step {si} gradients", failed)
+        try:
+            if self.spec.schedule.precision is not None and self.spec.schedule.precision.keep_low_precision_grads:
+                for p in self.model.parameters():  # a full-precision optimizer needs full-precision gradients
+                    if p.grad is not None:
+                        p.grad = p.grad.to(p.dtype)
+            self.opt.step()
+        except Exception as e:
+            failed = e
+        self.agree(obs, f"step {si} optimizer", failed)
+        if self.low is not None:
+            noise += [_err_rel(read_attr(self.low.model, f).grad, read_attr(self.ref.model, f).grad, read_attr(self.ref.model, f))
+                      for f in self.names]
+            for p in self.low.model.parameters():
+                p.grad = None
+        obs["noise"].append(max(noise))
+        self.ropt.step()
+        # FSDP1 use_orig_params=True with keep_low_precision_grads: summon_full_params
+        # with low-precision gradients present raises on the ranks that hold a
+        # gradient shard only (the others wait in its all-gather); they were read above
+        self.opt.zero_grad(set_to_none=True)
+        after = self.values(obs, f"step {si} values")
+        ref = {f: read_attr(self.ref.model, f) for f in self.names}
+        for f in self.names:
+            obs["params"].append(ValueSeen(si, f, _name(after[f].dtype), False, False, _err_rel(after[f], ref[f], ref[f]),
+                                           bool(torch.equal(after[f], start[f]))))
+        return after
+
+    def _low_losses(self, si: int, k: int, losses: list[torch.Tensor]) -> list[float]:
+        """One microbatch of the low-precision reference (every rank's data,
+        gradients accumulated like the reference's); its losses' errors
+        against the fp32 reference's."""
+        if self.low is None:
+            return []
+        s = self.spec.schedule
+        fn = self.low.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.low.model, self.spec, s.first)
+        total, low = reference_loss(fn, [data(self.spec, si, k, r).to(self.low_dtype) for r in range(self.world)])
+        if total.requires_grad:
+            total.backward()
+        return [float((a.detach() - b.detach()).abs() / (1 + b.detach().abs())) for a, b in zip(low, losses)]
+
+    def agree(self, obs: dict, where: str, failed: BaseException | None) -> None:
+        """Record this rank's failure at ``where``; stop every rank (_Stop)
+        if any rank failed there (see any_rank_failed)."""
+        if failed is not None:
+            obs["step_error"] = f"{where}: {_err(failed)}"
+        if any_rank_failed(failed is not None):
+            if failed is None:
+                obs["peer_failed"] = where
+            raise _Stop from failed
+
+    def values(self, obs: dict, where: str) -> dict[str, torch.Tensor]:
+        """full_values, its failure recorded like a step's (summon_full_params
+        can raise on some ranks only: those then stop here while the others
+        wait in its all-gather, a hang inside FSDP)."""
+        failed, out = None, {}
+        try:
+            out = self.full_values()
+        except Exception as e:
+            failed = e
+        self.agree(obs, where, failed)
+        return out
+
+    def _record_grads(self, si: int, obs: dict) -> None:
+        ref = {f: read_attr(self.ref.model, f) for f in self.names}
+        if self.api == "fsdp1":
+            for path, g in self.flat_grads():
+                # (a rank whose shard of a unit unused in the last microbatch is empty has none)
+                obs["flat"].append(ValueSeen(si, f"<flat parameter of {path or 'the root'}>", None if g is None else _name(g.dtype), g is None, False, None))
+        grads = self.full_grads()
+        # whether a (frozen) parameter has a gradient: FSDP1's own sharded
+        # views, where the unsharded gradients of summon_full_params may be zeros
+        own = {f: h.grad is None for f, h in self.handles().items()}
+        if grads is None:
+            for f, none in own.items():
+                obs["grads"].append(ValueSeen(si, f, None, none, ref[f].grad is None, None))
+            return
+        for f in self.names:
+            g, r = grads[f], ref[f].grad
+            obs["grads"].append(ValueSeen(si, f, None if g is None else _name(g.dtype), own.get(f, g is None), r is None, _err_rel(g, r, ref[f])))
+
+
+class _Stop(Exception):
+    pass
+
+
+def observe(spec: CaseSpec) -> ScheduleObservation:
+    base = dict(api=spec.plan.api, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                backend=str(dist.get_backend()), torch_version=torch.__version__)
+    t0 = time.perf_counter()
+    run = Runner(spec)
+    failed = None
+    try:
+        run.wrap()
+    except Exception as e:
+        failed = e
+    # (every rank creates the side group here, before FSDP can disagree)
+    if any_rank_failed(failed is not None):
+        return ScheduleObservation(**base, wrap_error=_err(failed) if failed else None, peer_failed=None if failed else "wrap",
+                                   seconds=time.perf_counter() - t0)
+    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None, "peer_failed": None, "noise": []}
+    try:
+        values = run.values(obs, "initial values")
+        for si in range(len(spec.schedule.steps)):
+            values = run.step(si, obs, values)
+    except _Stop:
+        pass
+    buffers = tuple((run.aliases.canon_of_module.get(id(m), "?") + "." + n if run.aliases.canon_of_module.get(id(m)) else n, _name(b.dtype))
+                    for m in run.built.modules.values() for n, b in m._buffers.items() if b is not None)
+    return ScheduleObservation(
+        **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], rounding_noise=tuple(obs["noise"]), forwards=tuple(run.recorder.seen.values()),
+        microbatches=tuple(obs["microbatches"]), grads=tuple(obs["grads"]) + tuple(obs["flat"]), params=tuple(obs["params"]),
+        buffers_after=buffers, seconds=time.perf_counter() - t0,
+    )

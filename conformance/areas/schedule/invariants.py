@@ -1,0 +1,274 @@
+"""MP-DTYPES and ACCUM: mixed precision and gradient accumulation over a
+training schedule (steps, freeze changes, microbatches), both APIs."""
+
+from __future__ import annotations
+
+from conformance.areas.common.catalog import Catalog
+from conformance.areas.common.violations import backend_tag
+from conformance.areas.schedule.observation import ScheduleObservation
+from conformance.areas.schedule.oracle import SchedulePrediction, step_tolerance
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
+from conformance.areas.common.violations import violation
+
+catalog = Catalog()
+
+DOC_MP2 = "MixedPrecisionPolicy docstring (param_dtype: unsharded parameters and compute; reduce_dtype: gradient reduction, defaults to param_dtype; output_dtype; cast_forward_inputs)"
+DOC_MP1 = "MixedPrecision docstring (param_dtype, reduce_dtype, buffer_dtype: cast in the first forward and kept thereafter, keep_low_precision_grads: gradients in the reduction dtype, else upcast to full precision; cast_forward_inputs, cast_root_forward_inputs)"
+DOC_SYNC = "FullyShardedDataParallel.no_sync docstring (gradients accumulate in module variables, synchronized in the first forward-backward out of the context); FSDPModule.set_requires_gradient_sync docstring (accumulate without communication; reduce_dtype accumulation)"
+
+
+def _smallest_unit_numel(spec: CaseSpec) -> int | None:
+    """FSDP1: the fewest elements one unit's flat parameter holds."""
+    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+    from conformance.case.graph import ModelGraph
+
+    g = ModelGraph(spec)
+    sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in predict_fsdp1(spec).units if u.managed]
+    return min(sizes) if sizes else None
+
+
+def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> set[str]:
+    """Facts about a schedule case that known_failures.toml entries match on."""
+    s = spec.schedule
+    tags = {f"api:{pred.api}", f"optim:{s.optimizer}", f"param:{pred.compute_dtype}", f"reduce:{pred.reduce_dtype}"}
+    if pred.api == "fsdp1":
+        tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
+        tags.add("policy:none" if spec.plan.policy is None else "policy:some")
+        smallest = _smallest_unit_numel(spec)
+        if smallest is not None and smallest < world_size:
+            tags.add("unit-smaller-than-world")  # a rank's shard of it is empty
+    if any(len(st.microbatches) > 1 and st.sync_every for st in s.steps):
+        tags.add("accumulate-synced")
+    pr = s.precision
+    if pr is not None and pr.keep_low_precision_grads:
+        tags.add("keep-low-precision-grads")
+    if pr is not None and pr.buffer_dtype:
+        tags.add("buffer-dtype")
+    if pred.api == "fsdp2" and _container_given_to_fully_shard(spec):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    if len({st.frozen for st in s.steps}) > 1:
+        tags.add("freeze-changes")
+        if pred.api == "fsdp2" and _group_trainable_later(spec):
+            tags.add("group-trainable-later")
+    if any(st.frozen for st in s.steps):
+        tags.add("frozen")
+        if pred.api == "fsdp2" and _group_rerun_after_frozen_embedding(spec):
+            tags.add("group:rerun-after-frozen-embedding")
+    if any(len(st.microbatches) > 1 and not st.sync_every for st in s.steps):
+        tags.add("no-sync")
+    if any(mb.skip for st in s.steps for mb in st.microbatches):
+        tags.add("skips")
+    if s.first >= 0:
+        tags.add("method-first")
+    if spec.ties:
+        tags.add("tied")
+    if pred.compute_dtype != "float32":
+        tags.add("param-dtype-low")
+    from conformance.areas.schedule.oracle import used_params
+
+    if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
+        tags.add("forward-only")  # a microbatch whose loss needs no gradient: no backward
+    return tags
+
+
+def _container_given_to_fully_shard(spec: CaseSpec) -> bool:
+    import torch
+
+    from conformance.areas.common.fsdp2_oracle import container_base
+    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+
+    return any(container_base(spec, p) for p in predict_fsdp2(spec, torch.__version__).fsdp_modules)
+
+
+def _group_rerun_after_frozen_embedding(spec: CaseSpec) -> bool:
+    """In some microbatch, a list group's module runs again after a frozen
+    Embedding completed the group's forward (see
+    conformance.areas.common.fsdp2_oracle.group_rerun_after_frozen_embedding)."""
+    import torch
+
+    from conformance.areas.common.fsdp2_oracle import group_rerun_after_frozen_embedding
+    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+
+    groups = predict_fsdp2(spec, torch.__version__).groups
+    return any(
+        group_rerun_after_frozen_embedding(spec, groups, set(st.frozen), mb.skip) for st in spec.schedule.steps for mb in st.microbatches
+    )
+
+
+def _group_trainable_later(spec: CaseSpec) -> bool:
+    """An FSDP2 group all of whose parameters are frozen in the first step
+    and some of which train in a later one (the group's dtypes are set at
+    its first forward, from the parameters trainable then)."""
+    import torch
+
+    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+
+    steps = spec.schedule.steps
+    for grp in predict_fsdp2(spec, torch.__version__).groups:
+        if grp.managed and set(grp.managed) <= set(steps[0].frozen):
+            if any(not set(grp.managed) <= set(st.frozen) for st in steps[1:]):
+                return True
+    return False
+
+
+# Fragments of torch's error messages -> a tag known failures match on.
+ERRORS = {
+    "_saved_grad_shard": "error:saved-grad-shard",
+    "attempting to assign a gradient with dtype": "error:grad-dtype-mismatch",
+    "expects uniform gradient dtype": "error:mixed-grad-dtypes",
+    "_post_backward_hook_state": "error:post-backward-hook-state",
+    "has no attribute '_unsharded_param'": "error:no-unsharded-param",
+    "its data is not allocated yet": "error:data-not-allocated",
+}
+
+
+def error_tags(obs: ScheduleObservation) -> set[str]:
+    """What one rank raised, as tags: where, the exception type, ERRORS."""
+    if obs.wrap_error:
+        return {"at:wrap"}
+    if not obs.step_error:
+        return set()
+    error = obs.step_error.partition(": ")[2].partition(":")[0]  # "step S microbatch M: Type: message"
+    where = "at:optimizer" if "optimizer" in obs.step_error else "at:gradients" if "gradients" in obs.step_error else "at:microbatch"
+    return {f"error:{error}", where, *(t for frag, t in ERRORS.items() if frag in obs.step_error)}
+
+
+def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
+    if obs.wrap_error:
+        return [violation(inv, f"wrapping raised {obs.wrap_error}", tags, "kind:raised", *error_tags(obs))]
+    if obs.step_error:
+        return [violation(inv, f"training raised at {obs.step_error}", tags, "kind:raised", *error_tags(obs))]
+    return []
+
+
+def ranks_tags(spec: CaseSpec, pred: SchedulePrediction, obs: list[ScheduleObservation]) -> set[str]:
+    """A rank disagreement on a schedule (runner's RANKS-AGREE): the case's
+    tags and what each rank raised (a failure that depends on which rank's
+    shard holds a parameter makes the ranks disagree)."""
+    tags = case_tags(spec, pred, obs[0].world_size)
+    for o in obs:
+        tags |= error_tags(o)
+    return tags
+
+
+@catalog.invariant(
+    "MP-DTYPES",
+    group="schedule",
+    api="fsdp1|fsdp2",
+    scenario="schedule",
+    statement="Under MixedPrecision / MixedPrecisionPolicy, forward computes in param_dtype (parameters and inputs), gradients are reduced in reduce_dtype and end in the parameters' dtype (FSDP1 keep_low_precision_grads: the reduction dtype), buffers keep theirs (FSDP1: buffer_dtype), the output is output_dtype; results match fp32 training within a dtype-aware tolerance; whatever the freeze schedule and whichever forward runs first.",
+    source=f"{DOC_MP2}; {DOC_MP1}",
+)
+def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
+    if pred.applicable:
+        return []
+    tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
+    out = _raised("MP-DTYPES", obs, tags)
+    if obs.wrap_error:
+        return out
+    for f in obs.forwards:
+        bad_in = [d for d in f.inputs if d != pred.compute_dtype]
+        if bad_in:
+            out.append(violation("MP-DTYPES", f"step {f.step}: {f.path or '<root>'}'s forward got {bad_in[0]} inputs, not {pred.compute_dtype}", tags, "kind:input-dtype"))
+        for name, d in f.params:
+            if d != pred.compute_dtype:
+                out.append(violation("MP-DTYPES", f"step {f.step}: {f.path or '<root>'}.{name} is {d} inside forward, not {pred.compute_dtype}", tags, "kind:compute-dtype"))
+        for name, d in f.buffers:
+            if d != pred.buffer_dtype:
+                out.append(violation("MP-DTYPES", f"step {f.step}: buffer {f.path or '<root>'}.{name} is {d} inside forward, not {pred.buffer_dtype}", tags, "kind:buffer-dtype"))
+    for name, d in obs.buffers_after:
+        if d != pred.buffer_dtype:
+            out.append(violation("MP-DTYPES", f"buffer {name} is {d} after training, not {pred.buffer_dtype}", tags, "kind:buffer-dtype"))
+    for mb in obs.microbatches:
+        bad = sorted({d for _, d in mb.reduces if d != pred.reduce_dtype})
+        if bad:
+            out.append(violation("MP-DTYPES", f"step {mb.step} microbatch {mb.index}: gradients reduced in {bad}, not {pred.reduce_dtype}", tags, "kind:reduce-dtype"))
+        if pred.output_dtype and mb.output_dtype != pred.output_dtype:
+            out.append(violation("MP-DTYPES", f"step {mb.step} microbatch {mb.index}: output is {mb.output_dtype}, not output_dtype {pred.output_dtype}", tags, "kind:output-dtype"))
+    for g in obs.grads:
+        if g.dtype is not None and g.dtype != pred.grad_dtype:
+            out.append(violation("MP-DTYPES", f"step {g.step}: gradient of {g.fqn} is {g.dtype}, not {pred.grad_dtype}", tags, "kind:grad-dtype"))
+    for p in obs.params:
+        if p.dtype != "float32":
+            out.append(violation("MP-DTYPES", f"step {p.step}: {p.fqn} is {p.dtype} outside forward, not its own float32", tags, "kind:param-dtype"))
+    if obs.values_meaningful:
+        out += _values("MP-DTYPES", pred, obs, tags)
+    return _dedupe(out)
+
+
+def _values(inv: str, pred: SchedulePrediction, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
+    out = []
+
+    def tol(step: int) -> float:
+        noise = obs.rounding_noise[step] if step < len(obs.rounding_noise) else 0.0
+        return step_tolerance(pred, noise)
+
+    for mb in obs.microbatches:
+        if mb.loss_err > tol(mb.step):
+            out.append(violation(inv, f"step {mb.step} microbatch {mb.index}: loss differs from single-process training by {mb.loss_err:.3g} (relative; tolerance {tol(mb.step):.3g})", tags, "kind:loss"))
+    frozen = dict(enumerate(pred.frozen_by_step))
+    for g in obs.grads:
+        if g.err is not None and g.fqn not in frozen[g.step] and g.err > tol(g.step):
+            out.append(violation(inv, f"step {g.step}: gradient of {g.fqn} differs from single-process training by {g.err:.3g} (relative; tolerance {tol(g.step):.3g})", tags, "kind:grad"))
+    if pred.compare_params:
+        for p in obs.params:
+            if p.fqn not in frozen[p.step] and p.err is not None and p.err > tol(p.step):
+                out.append(_param_violation(inv, pred, p, tol(p.step), tags))
+    return out
+
+
+def _param_violation(inv: str, pred: SchedulePrediction, p, tol: float, tags: set[str]) -> Violation:
+    """kind:param; kind:unused-param where FSDP1 (use_orig_params=True) gave
+    the parameter a zero gradient in this or an earlier step where it was
+    unused while its unit was not (the optimizer state then differs too)."""
+    msg = f"step {p.step}: {p.fqn} after the step differs from single-process training by {p.err:.3g} (relative; tolerance {tol:.3g})"
+    if not pred.reference_zero_grads:
+        unused = [i for i, zero in enumerate(pred.unused_in_used_unit[: p.step + 1]) if p.fqn in zero]
+        if unused:
+            return violation(inv, f"{msg}; unused in step {unused[0]} while its FSDP unit's other parameters were used", tags, "kind:unused-param")
+    return violation(inv, msg, tags, "kind:param")
+
+
+def _dedupe(vs: list[Violation]) -> list[Violation]:
+    """One violation per kind: a wrong dtype shows in every step and module."""
+    seen, out = set(), []
+    for v in vs:
+        kind = next((t for t in v.tags if t.startswith("kind:")), "")
+        if kind not in seen:
+            seen.add(kind)
+            out.append(v)
+    return out
+
+
+@catalog.invariant(
+    "ACCUM",
+    group="schedule",
+    api="fsdp1|fsdp2",
+    scenario="schedule",
+    statement="K microbatches with gradient sync disabled on all but the last (FSDP1 no_sync, FSDP2 set_requires_gradient_sync(False)) give the gradients of one large batch over every rank's data, whichever parameters each microbatch uses: no reduction inside the disabled microbatches, gradients and updates as single-process training, frozen parameters without gradient and unchanged.",
+    source=DOC_SYNC,
+)
+def check_accum(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
+    if pred.applicable:
+        return []
+    tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
+    out = _raised("ACCUM", obs, tags)
+    if obs.wrap_error:
+        return out
+    for mb in obs.microbatches:
+        if not mb.synced and mb.reduces:
+            out.append(violation("ACCUM", f"step {mb.step} microbatch {mb.index}: gradient sync was disabled, yet {mb.reduces[0][0]} ran", tags, "kind:reduced-unsynced"))
+    frozen = dict(enumerate(pred.frozen_by_step))
+    for g in obs.grads:
+        if g.fqn in frozen[g.step] and not g.none:
+            out.append(violation("ACCUM", f"step {g.step}: frozen {g.fqn} has a gradient", tags, "kind:frozen-grad"))
+    for p in obs.params:
+        if p.fqn in frozen[p.step] and not p.unchanged:
+            out.append(violation("ACCUM", f"step {p.step}: frozen {p.fqn} changed", tags, "kind:frozen-changed"))
+    if obs.values_meaningful:
+        out += _values("ACCUM", pred, obs, tags)
+    return _dedupe(out)
+
+
+INVARIANTS = tuple(catalog.invariants)

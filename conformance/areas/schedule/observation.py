@@ -1,0 +1,93 @@
+"""What one rank saw while running a training schedule (MP-DTYPES, ACCUM):
+dtypes inside forward and in the gradient reduction, gradients and
+parameters against single-process training. Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conformance.case.data import Record
+
+
+@dataclass(frozen=True)
+class ForwardSeen:
+    """The first forward of ``path`` in step ``step``: the dtypes of its
+    floating inputs, own parameters (name, dtype) and buffers (name, dtype)."""
+
+    step: int
+    path: str
+    inputs: tuple[str, ...]
+    params: tuple[tuple[str, str], ...]
+    buffers: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class MicrobatchSeen:
+    """One microbatch: the reduce collectives its backward issued (op, dtype),
+    whether gradient sync was on, and its loss against the reference's."""
+
+    step: int
+    index: int
+    synced: bool
+    reduces: tuple[tuple[str, str], ...]
+    output_dtype: str
+    loss_err: float
+
+
+@dataclass(frozen=True)
+class ValueSeen:
+    """A parameter's gradient (before the step) or value (after it) at one
+    step: its dtype, whether it is None here and in the reference, and the
+    error relative to 1 + max |reference| (None: not comparable)."""
+
+    step: int
+    fqn: str
+    dtype: str | None
+    none: bool
+    ref_none: bool
+    err: float | None
+    unchanged: bool | None = None  # value equals the step's starting value
+
+
+@dataclass(frozen=True)
+class ScheduleObservation(Record):
+    api: str
+    rank: int
+    world_size: int
+    backend: str
+    torch_version: str
+    wrap_error: str | None = None
+    step_error: str | None = None  # "step S microbatch M: Type: message"
+    # where this rank stopped because another rank failed there (it raised
+    # nothing itself): the ranks then disagree on step_error or wrap_error
+    peer_failed: str | None = None
+    # per step: the largest error (relative, as ``err``) of the reference
+    # computed in the compute dtype against the fp32 reference, over its
+    # losses and gradients: what rounding alone does to this case there
+    rounding_noise: tuple[float, ...] = ()
+    forwards: tuple[ForwardSeen, ...] = ()
+    microbatches: tuple[MicrobatchSeen, ...] = ()
+    grads: tuple[ValueSeen, ...] = ()  # () where FSDP exposes no per-parameter gradient
+    params: tuple[ValueSeen, ...] = ()
+    buffers_after: tuple[tuple[str, str], ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def values_meaningful(self) -> bool:
+        return self.backend != "fake"
+
+
+    def comparable(self) -> dict:
+        """What every rank must agree on (errors differ by rank's data)."""
+        d = self.to_dict()
+        for k in ("rank", "seconds", "peer_failed", "rounding_noise"):
+            d.pop(k)
+        for mb in d["microbatches"]:
+            mb.pop("loss_err")
+        for v in d["grads"] + d["params"]:
+            v.pop("err")
+            # FSDP1's sharded views: a rank whose shard is empty has no .grad
+            # (checked per rank by the invariants)
+            v.pop("none")
+            v.pop("dtype")
+        return d

@@ -1,0 +1,151 @@
+"""What FSDP promises for a training schedule (MP-DTYPES, ACCUM): the dtypes
+compute, reduction, gradients, buffers and outputs run in, from the
+MixedPrecision / MixedPrecisionPolicy docstrings, and the value tolerance a
+comparison with fp32 single-process training gets. Pure: no torch.distributed."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from conformance.case.graph import ModelGraph
+from conformance.case.spec import CaseSpec, Precision
+
+F32 = "float32"
+# Value tolerance by the lowest precision a run involves, relative to
+# 1 + max |reference| (bf16 keeps 8 significant bits, fp16 11; a few steps of
+# rounding in forward, backward and the reduction stay well inside these,
+# a wrong scale or a lost microbatch is far outside).
+TOLERANCE = {F32: 1e-4, "float16": 1.5e-2, "bfloat16": 8e-2}
+# ... unless the case is ill-conditioned in its compute dtype: where the
+# reference itself, computed in that dtype (one process, parameters and
+# inputs cast), lands further from fp32 training (large intermediate values
+# cancelling, seed 66), FSDP's mixed precision may too, by a small factor:
+# it rounds at other points (per-unit casts, a low-precision reduction,
+# each rank's own loss), so its error is of the same order, not the same
+# sample. A lost microbatch or a doubled gradient stays far outside.
+NOISE_FACTOR = 4.0
+
+
+def step_tolerance(pred: "SchedulePrediction", rounding_noise: float) -> float:
+    """The tolerance of one step's values, given the step's rounding noise
+    (ScheduleObservation.rounding_noise)."""
+    return max(pred.tolerance, NOISE_FACTOR * rounding_noise)
+
+
+@dataclass(frozen=True)
+class SchedulePrediction:
+    api: str
+    applicable: str  # "" or why the case is outside what the API promises
+    input_dtype: str  # what the test feeds the model (the user casts when FSDP will not)
+    compute_dtype: str  # managed parameters and floating inputs inside every forward
+    reduce_dtype: str  # the gradient reduce-scatter / all-reduce
+    grad_dtype: str  # .grad after backward, as the optimizer sees it
+    buffer_dtype: str  # buffers inside forward and after it
+    output_dtype: str | None  # the root's output (None: no promise beyond compute)
+    tolerance: float
+    compare_params: bool  # parameters after a step are comparable (SGD, or full precision)
+    frozen_by_step: tuple[tuple[str, ...], ...]
+    trainable: tuple[str, ...]  # canonical FQNs
+    # FSDP1, per step: the trainable parameters the step does not use while
+    # another trainable parameter of their unit is used. FSDP1 reduces whole
+    # FlatParameters, so these get a zero gradient, not None: a step of a
+    # stateful optimizer (momentum, Adam, weight decay), where single-process
+    # training skips them.
+    unused_in_used_unit: tuple[tuple[str, ...], ...] = ()
+    # ... and the reference gives them that zero gradient too: with
+    # use_orig_params=False "the optimizer sees the sharded FlatParameters
+    # themselves" (spec source 000); with use_orig_params=True it sees the
+    # original parameters, whose gradient single-process training leaves None
+    reference_zero_grads: bool = False
+
+
+def effective(pr: Precision | None, api: str) -> dict:
+    """The dtypes a precision setting means (docstring defaults applied)."""
+    pr = pr or Precision()
+    param = pr.param_dtype or F32
+    reduce = pr.reduce_dtype or pr.param_dtype or F32
+    cast = pr.cast_forward_inputs if pr.cast_forward_inputs is not None else api == "fsdp2"
+    root_casts = cast if api == "fsdp2" else pr.cast_root_forward_inputs
+    return dict(param=param, reduce=reduce, root_casts=root_casts)
+
+
+def used_params(spec: CaseSpec, skip: tuple[str, ...]) -> set[str]:
+    """Canonical FQNs of the parameters a forward that passes over the
+    modules at ``skip`` (spec paths) reads."""
+    g = ModelGraph(spec)
+    skipped = set(skip)
+    out: set[str] = set()
+    seen: set[str] = set()
+
+    def visit(nid: str) -> None:
+        if nid in seen:
+            return
+        seen.add(nid)
+        out.update(g.param_fqn[pid] for _, pid in g.nodes[nid].params)
+        for name, child in g.nodes[nid].children:
+            # a skip names a registration in the spec's own tree; a shared
+            # module's second name is never skipped
+            tree_child = child == (f"{nid}.{name}" if nid else name)
+            if not (tree_child and child in skipped):
+                visit(child)
+
+    visit("")
+    return out
+
+
+def unused_in_used_unit(spec: CaseSpec) -> tuple[tuple[str, ...], ...]:
+    """FSDP1, per step of the schedule: see SchedulePrediction."""
+    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+
+    units = [set(u.managed) for u in predict_fsdp1(spec).units]
+    out = []
+    for st in spec.schedule.steps:
+        used = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches)) - set(st.frozen)
+        zero: set[str] = set()
+        for managed in units:
+            trainable = managed - set(st.frozen)
+            if trainable & used:
+                zero |= trainable - used
+        out.append(tuple(sorted(zero)))
+    return tuple(out)
+
+
+def lowest(*dtypes: str) -> str:
+    return max(dtypes, key=lambda d: TOLERANCE[d])
+
+
+@functools.lru_cache(maxsize=256)
+def predict_schedule(spec: CaseSpec) -> SchedulePrediction:
+    s = spec.schedule
+    api = spec.plan.api
+    pr = s.precision or Precision()
+    e = effective(pr, api)
+    g = ModelGraph(spec)
+    names = tuple(f for f, _ in g.named_parameters())
+    why = ""
+    if api == "fsdp1" and not spec.plan.use_orig_params and len({st.frozen for st in s.steps}) > 1:
+        why = "FSDP1 with use_orig_params=False flattens parameters: requires_grad cannot change after wrapping"
+    if api == "fsdp1":
+        # keep_low_precision_grads: "keeps the gradients in the dtype used for gradient reduction"
+        grad = e["reduce"] if pr.keep_low_precision_grads else F32
+        buffer = pr.buffer_dtype or F32
+    else:
+        grad, buffer = F32, F32  # FSDP2: the sharded parameter's dtype; buffers are not FSDP2's
+    low = lowest(e["param"], e["reduce"], grad, pr.output_dtype or F32, pr.buffer_dtype or F32)
+    return SchedulePrediction(
+        api=api,
+        applicable=why,
+        input_dtype=F32 if e["root_casts"] else e["param"],
+        compute_dtype=e["param"],
+        reduce_dtype=e["reduce"],
+        grad_dtype=grad,
+        buffer_dtype=buffer,
+        output_dtype=pr.output_dtype,
+        tolerance=TOLERANCE[low],
+        compare_params=low == F32 or s.optimizer == "SGD",
+        frozen_by_step=tuple(tuple(st.frozen) for st in s.steps),
+        trainable=names,
+        unused_in_used_unit=unused_in_used_unit(spec) if api == "fsdp1" and not why else (),
+        reference_zero_grads=api == "fsdp1" and not spec.plan.use_orig_params,
+    )

@@ -1,0 +1,295 @@
+"""Standalone, torch-only reproduction scripts for training-schedule cases
+(MP-DTYPES, ACCUM): the case's model under FSDP1 or FSDP2 with its mixed
+precision, its steps, freeze masks and microbatches, next to fp32
+single-process training on every rank's data; prints what differs."""
+
+from __future__ import annotations
+
+import textwrap
+
+from conformance.areas.common.fsdp2_oracle import shard_order
+from conformance.case.graph import ModelGraph
+from conformance.areas.schedule.oracle import predict_schedule
+from conformance.areas.common.repro import DEVICE_CODE, class_code, model_lines
+from conformance.areas.autowrap.repro import _policy_code
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import walk
+
+# The case's forward (conformance/build.py), with the microbatch's skips.
+_RUNTIME = '''
+def read_attr(obj, path):
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def call_child(child, x):
+    inner = getattr(child, "module", child)  # an FSDP1 wrapper's module
+    if isinstance(inner, nn.Linear):
+        return child(x[:, None].expand(x.shape[0], inner.in_features)).mean(-1) + x
+    if isinstance(inner, nn.Embedding):
+        return child(torch.arange(x.shape[0], device=x.device) % inner.num_embeddings).mean(-1) + x
+    if isinstance(inner, nn.LayerNorm):
+        n = inner.normalized_shape[0]
+        return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
+    if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
+        skip = inner.__dict__.get("case_skip", ())
+        for name, c in inner._modules.items():
+            if name not in skip:
+                x = call_child(c, x)
+        return x
+    return child(x)
+
+
+def generic_forward(self, x):
+    for name in self.case_params:
+        x = x + 0.5 * torch.tanh(getattr(self, name)).mean()
+    for name in self.case_buffers:
+        x = x + getattr(self, name).mean()
+    skip = self.__dict__.get("case_skip", ())
+    for name, child in self._modules.items():
+        if name not in skip:
+            x = call_child(child, x)
+    return x
+
+
+def encode(self, x):  # the registered method a schedule may call first
+    return self.forward(x)
+
+
+class ReduceDtypes(TorchDispatchMode):
+    """The gradient-reduction collectives a backward issues, with their dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if "reduce_scatter" in name or "allreduce" in name or "all_reduce" in name:
+            ts = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            self.seen.append(f"{name}:{ts[0].dtype if ts else '?'}")
+        return func(*args, **(kwargs or {}))
+'''
+
+_MAIN = '''
+def data(step, micro, rank):
+    gen = torch.Generator().manual_seed(SEED * 7919 + step * 613 + micro * 31 + rank)
+    return (0.5 * torch.randn(2, generator=gen)).to(DEVICE)
+
+
+def optimizer(params):
+    params = list(params)
+    if OPTIMIZER == "Adam":
+        return torch.optim.Adam(params, lr=LR)
+    if OPTIMIZER == "AdamW":
+        return torch.optim.AdamW(params, lr=LR)
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def rel(a, b):
+    a = torch.zeros_like(b) if a is None else a.detach().float()
+    b = b.detach().float()
+    return float((a - b).abs().max() / (1 + b.abs().max())) if b.numel() else 0.0
+
+
+def main():
+    init_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, mods = build()
+    model.to(DEVICE)
+    ref = copy.deepcopy(model)  # fp32 single-process training
+    ref_mods = {p: ref.get_submodule(p) for p in mods}
+    seen = {}
+    for path, mod in mods.items():
+        names = [n for n, _ in mod.named_parameters(recurse=False)]
+        def hook(m, args, path=path, names=names):
+            seen.setdefault(path, ([a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()],
+                                   {n: getattr(m, n).dtype for n in names}))
+        mod.register_forward_pre_hook(hook)
+    fsdp = wrap(model, mods)
+    inner = model if API == "fsdp2" else fsdp.module
+    opt, ropt = optimizer(fsdp.parameters()), optimizer(ref.parameters())
+    names = [n for n, _ in ref.named_parameters()]
+
+    def full_values():
+        if API == "fsdp2":
+            return {n: (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)(read_attr(inner, n).detach()).clone() for n in names}
+        with FSDP.summon_full_params(fsdp, writeback=False):
+            return {n: read_attr(fsdp, n).detach().clone() for n in names}
+
+    def set_skip(skip):
+        for ms in (mods, ref_mods):
+            for path, mod in ms.items():
+                mod.__dict__["case_skip"] = {c.rpartition(".")[2] for c in skip if c.rpartition(".")[0] == path}
+
+    for si, (frozen, microbatches, sync_every) in enumerate(SCHEDULE):
+        if API == "fsdp2" or USE_ORIG_PARAMS:
+            for n, p in list(inner.named_parameters()) + list(ref.named_parameters()):
+                p.requires_grad_(n.replace("_fsdp_wrapped_module.", "") not in frozen)
+        start = full_values()
+        with torch.no_grad():  # the reference restarts from FSDP's values at every step
+            for n, v in start.items():
+                read_attr(ref, n).copy_(v.float())
+        opt.zero_grad(set_to_none=True)
+        ropt.zero_grad(set_to_none=True)
+        for k, skip in enumerate(microbatches):
+            sync = sync_every or k == len(microbatches) - 1
+            set_skip(skip)
+            seen.clear()
+            fn = fsdp.encode if (si, k, FIRST_METHOD) == (0, 0, True) else fsdp
+            try:
+                if API == "fsdp2":
+                    fsdp.set_requires_gradient_sync(sync)
+                with (fsdp.no_sync() if API == "fsdp1" and not sync else contextlib.nullcontext()), ReduceDtypes() as rec:
+                    out = fn(data(si, k, rank).to(INPUT_DTYPE))
+                    loss = (out.float() ** 2).sum()
+                    if loss.requires_grad:
+                        loss.backward()
+            except Exception as e:
+                print(f"[rank {rank}] step {si} microbatch {k}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                end_group()
+            ref_fn = ref.encode if (si, k, FIRST_METHOD) == (0, 0, True) else ref
+            losses = [(ref_fn(data(si, k, r)) ** 2).sum() for r in range(world)]
+            total = sum(losses) / world
+            if total.requires_grad:
+                total.backward()
+            print(f"[rank {rank}] step {si} microbatch {k} (sync {sync}): output {out.dtype}, loss off by {rel(loss, losses[rank]):.3g}, "
+                  f"reductions {sorted(set(rec.seen))}; forward saw {dict((p or '<root>', v) for p, v in seen.items())}")
+        set_skip(())
+        if API == "fsdp2":
+            grads = {n: read_attr(inner, n).grad for n in names}
+            grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) if g is not None else None for n, g in grads.items()}
+        elif USE_ORIG_PARAMS and not KEEP_LOW_PRECISION_GRADS:
+            with FSDP.summon_full_params(fsdp, writeback=False, with_grads=True):
+                grads = {n: read_attr(fsdp, n).grad for n in names}
+                grads = {n: None if g is None else g.clone() for n, g in grads.items()}
+        else:
+            grads = {}
+        for n in names:
+            r = read_attr(ref, n)
+            if n in grads:
+                g = grads[n]
+                print(f"[rank {rank}] step {si}: {n} grad {None if g is None else g.dtype}"
+                      f"{' (frozen)' if n in frozen else ''}, off by {rel(g, r.grad if r.grad is not None else torch.zeros_like(r)):.3g}")
+        if KEEP_LOW_PRECISION_GRADS:
+            for p in fsdp.parameters():
+                if p.grad is not None:
+                    print(f"[rank {rank}] step {si}: a gradient FSDP keeps: {p.grad.dtype} (parameter {p.dtype})")
+                    p.grad = p.grad.to(p.dtype)
+        opt.step()
+        ropt.step()
+        after = full_values()
+        for n in names:
+            print(f"[rank {rank}] step {si}: {n} after the step off by {rel(after[n], read_attr(ref, n)):.3g}"
+                  f"{' (frozen, unchanged: ' + str(torch.equal(after[n], start[n])) + ')' if n in frozen else ''}")
+    print(f"[rank {rank}] buffers after training: {[(n, b.dtype) for n, b in inner.named_buffers()]}")
+    end_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _dt(name: str | None) -> str:
+    return "None" if name is None else f"torch.{name}"
+
+
+def schedule_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
+    import torch
+
+    s = spec.schedule
+    api = spec.plan.api
+    pred = predict_schedule(spec)
+    head = [f"# fsdp-conformance reproduction ({api} training schedule){': ' + title if title else ''}", f"# found with torch {torch.__version__}"]
+    head += [f"# {v}" for v in violations or ()]
+    head += [
+        f"# expected: forward in {pred.compute_dtype}, reduction in {pred.reduce_dtype}, gradients in {pred.grad_dtype}, "
+        f"buffers {pred.buffer_dtype}{', output ' + pred.output_dtype if pred.output_dtype else ''}; "
+        f"gradients and updates as fp32 single-process training within {pred.tolerance:g} (relative)",
+        "# run: torchrun --nproc-per-node 2 repro.py   (or python repro.py: one rank)",
+    ]
+    imports = [
+        "import contextlib", "import copy", "import os", "import socket", "",
+        "import torch", "import torch.distributed as dist", "import torch.nn as nn",
+        "from torch.utils._python_dispatch import TorchDispatchMode",
+    ]
+    pr = s.precision
+    if api == "fsdp1":
+        imports += [
+            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy",
+            "from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy",
+            "import functools",
+        ]
+    else:
+        imports += ["from torch.distributed.device_mesh import init_device_mesh",
+                    "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method"]
+    lines, var = model_lines(spec)
+    # the suite's own initial values (conformance.case.build): the same generator,
+    # order and scale, so that the script computes the very numbers the
+    # suite saw (rounding errors and tolerances depend on them)
+    lines.append("gen = torch.Generator().manual_seed(SEED)")
+    lines.append("with torch.no_grad():")
+    for path, m in walk(spec.tree):
+        for p in m.params:
+            lines.append(f"    {var[path]}.{p.name}.copy_(torch.randn({tuple(p.shape)!r}, generator=gen) * 0.5)")
+        for b in m.buffers:
+            lines.append(f"    {var[path]}.{b.name}.copy_(torch.randn({tuple(b.shape)!r}, generator=gen))")
+    lines.append("    pass")
+    drawn = {c.name for c in spec.classes}
+    graph = ModelGraph(spec)
+    for path, m in walk(spec.tree):
+        if m.cls in drawn:
+            lines.append(f"{var[path]}.case_params = {[n for n, _ in graph.nodes[path].params]!r}")
+            lines.append(f"{var[path]}.case_buffers = {[b.name for b in m.buffers]!r}")
+    lines.append("mods = {" + ", ".join(f"{p!r}: {v}" for p, v in var.items()) + "}")
+    lines.append("return m0, mods")
+    build = "def build():\n" + textwrap.indent("\n".join(lines), "    ") + "\n"
+    if api == "fsdp1":
+        mp = "None"
+        if pr is not None:
+            kw = [f"param_dtype={_dt(pr.param_dtype)}", f"reduce_dtype={_dt(pr.reduce_dtype)}", f"buffer_dtype={_dt(pr.buffer_dtype)}",
+                  f"keep_low_precision_grads={pr.keep_low_precision_grads}", f"cast_root_forward_inputs={pr.cast_root_forward_inputs}"]
+            if pr.cast_forward_inputs is not None:
+                kw.append(f"cast_forward_inputs={pr.cast_forward_inputs}")
+            mp = f"MixedPrecision({', '.join(kw)})"
+        body = _policy_code(spec, {p: f"mods[{p!r}]" for p in var}) + (
+            f"\nreturn FSDP(m0, auto_wrap_policy=policy, use_orig_params={spec.plan.use_orig_params}, "
+            f"mixed_precision={mp}, device_id=DEVICE)"
+        )
+        wrap = "def wrap(m0, mods):\n" + textwrap.indent(body, "    ") + "\n"
+    else:
+        body = []
+        for grp in shard_order(spec, graph):
+            target = "[" + ", ".join(f"mods[{m!r}]" for m in grp.modules) + "]" if len(grp.modules) > 1 else f"mods[{grp.modules[0]!r}]"
+            kw = "" if grp.reshard_after_forward is None else f", reshard_after_forward={grp.reshard_after_forward}"
+            if pr is not None:
+                mp = [f"param_dtype={_dt(pr.param_dtype)}", f"reduce_dtype={_dt(pr.reduce_dtype)}"]
+                if pr.cast_forward_inputs is not None:
+                    mp.append(f"cast_forward_inputs={pr.cast_forward_inputs}")
+                if grp.modules == ("",) and pr.output_dtype:
+                    mp.append(f"output_dtype={_dt(pr.output_dtype)}")
+                kw += f", mp_policy=MixedPrecisionPolicy({', '.join(mp)})"
+            body.append(f"fully_shard({target}, mesh=mesh{kw})")
+        if s.first >= 0:
+            body.append("register_fsdp_forward_method(m0, 'encode')")
+        body.insert(0, "mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))")
+        body.append("return m0")
+        wrap = "def wrap(m0, mods):\n    # bottom-up: each group after every group below it, the root last\n" + textwrap.indent("\n".join(body), "    ") + "\n"
+    steps = [(list(st.frozen), [list(mb.skip) for mb in st.microbatches], st.sync_every) for st in s.steps]
+    consts = (
+        f"API = {api!r}\nUSE_ORIG_PARAMS = {spec.plan.use_orig_params}\nSEED = {spec.seed}\n"
+        f"OPTIMIZER, LR = {s.optimizer!r}, {s.lr!r}\n"
+        f"KEEP_LOW_PRECISION_GRADS = {bool(pr and pr.keep_low_precision_grads)}\n"
+        f"INPUT_DTYPE = torch.{pred.input_dtype}  # what FSDP does not cast, the user does\n"
+        f"FIRST_METHOD = {s.first >= 0}  # the very first microbatch calls the registered encode()\n"
+        f"# per step: (frozen FQNs, per microbatch the modules it skips, sync on every microbatch)\n"
+        f"SCHEDULE = {steps!r}\n"
+    )
+    classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
+    if s.first >= 0:
+        root_cls = spec.tree.cls
+        classes = classes.replace(f"class {root_cls}(", f"class {root_cls}(", 1) + f"\n\n{root_cls}.encode = encode\n"
+    parts = ["\n".join(head), "\n".join(imports), DEVICE_CODE, _RUNTIME, classes, build, wrap, consts, _MAIN]
+    return "\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n"

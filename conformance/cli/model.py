@@ -1,0 +1,88 @@
+"""`fsdp-conformance model TARGET`: every applicable invariant on a real
+model, in this process (rank pools are closed before it exits)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_REPORT_DIR = "reports/latest-model"
+
+
+def add_parser(sub, usage_error, backends) -> None:
+    m = sub.add_parser("model", help="check a real model: TARGET is 'package.module:attr' naming a conformance.Target")
+    m.add_argument("target", metavar="TARGET")
+    m.add_argument("--invariant", action="append", help="invariant ID or area (repeatable); default every one that applies")
+    m.add_argument("--profile", default=None, help="dev | ci | thorough: the example budget (default: $FSDP_CONFORMANCE_PROFILE or dev)")
+    m.add_argument("--examples", type=int, default=None, help="examples per invariant and tier (default: the profile's, at most 20)")
+    m.add_argument("--backend", default=None, help="fake | gloo | nccl (default: fake and gloo)")
+    m.add_argument("--tiers", default=None, help="several backends, comma-separated")
+    m.add_argument("--world-size", type=int, default=2)
+    m.add_argument("--fake-world-size", type=int, default=4)
+    m.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: derandomized)")
+    m.add_argument("--deadline", type=float, default=120.0, help="seconds before a pool example is a HANG")
+    m.add_argument("--report-dir", default=DEFAULT_REPORT_DIR, help=f"where the report goes (default {DEFAULT_REPORT_DIR})")
+    m.set_defaults(fn=lambda ns: cmd_model(ns, usage_error, backends))
+
+
+def _budget(profile: str | None, examples: int | None, usage_error) -> int:
+    from conformance.run import profiles
+
+    if examples is not None:
+        if examples < 1:
+            raise usage_error(f"--examples must be >= 1, got {examples}")
+        return examples
+    try:
+        name = profiles.selected(profile)
+    except ValueError as e:
+        raise usage_error(str(e)) from None
+    # a real model costs far more per example than a drawn tree
+    return {"dev": 5, "ci": 20, "thorough": 100}[name]
+
+
+def cmd_model(ns, usage_error, backends) -> int:
+    from conformance import areas as invariants
+    from conformance.run.models import check_model, model_invariants, report
+    from conformance.case.target import TargetError
+
+    examples = _budget(ns.profile, ns.examples, usage_error)
+    if ns.backend and ns.tiers:
+        raise usage_error("give --backend or --tiers, not both")
+    tiers = [t for t in (ns.tiers or ns.backend or "fake,gloo").split(",") if t]
+    bad = [t for t in tiers if t not in backends or t == "auto"]
+    if bad:
+        raise usage_error(f"unknown backend {bad[0]!r}; choose from fake, gloo, nccl")
+    if ns.world_size < 1 or ns.fake_world_size < 1:
+        raise usage_error("world sizes must be >= 1")
+    try:
+        model_invariants(ns.invariant)
+    except invariants.UnknownInvariant as e:
+        raise usage_error(str(e)) from None
+    report_dir = Path(ns.report_dir).resolve()
+    # the target is the user's code, importable from where they run us (as
+    # `python -m` and pytest would); rank pools inherit this sys.path
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        run = check_model(
+            ns.target, invariants=ns.invariant, tiers=tuple(tiers), examples=examples, seed=ns.seed,
+            world_size=ns.world_size, fake_world_size=ns.fake_world_size, deadline=ns.deadline,
+            repro_dir=report_dir / "repros", progress=lambda line: print(line, flush=True),
+        )
+    except TargetError as e:
+        raise usage_error(str(e)) from None
+    from conformance.report import write
+
+    info = [{"tier": t, "backend": t, "world_size": ns.fake_world_size if t == "fake" else ns.world_size} for t in tiers]
+    rep = report(run, info, ns.invariant)
+    write.write_all(rep, report_dir)
+    print(run.summary())
+    print(f"report: {report_dir / 'report.json'} (+ summary.md, junit.xml, report.html)")
+    return 0 if run.ok and not rep["summary"]["failed"] else 1
+
+
+def main() -> int:  # pragma: no cover - python -m conformance.cli.model
+    from conformance.cli import main as cli_main
+
+    return cli_main(["model", *sys.argv[1:]])

@@ -1,0 +1,333 @@
+"""One conformance session: runs cases, records verdicts per invariant, API
+and tier, keeps the smallest case of every finding, writes repro scripts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import pytest
+from hypothesis import event
+
+from conformance.areas import CATALOG, area_of, get, scenario_of
+from conformance.areas.common import support
+from conformance.case.spec import CaseSpec
+from conformance.case.tree import walk
+from conformance.case.violation import Violation
+from conformance.engine.errors import ExampleFailed
+from conformance.run import corpus as corpus_mod
+from conformance.run import known as known_mod
+from conformance.run.features import case_features
+from conformance.run.repro import repro_script
+from conformance.run.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, check_case
+
+EXPECTTEST_HINT = "expected-output snapshots: rerun with EXPECTTEST_ACCEPT=1 to accept new texts"
+
+# Finding kinds. FAIL, HANG, CRASH and ERROR make the invariant's verdict FAIL.
+HANG, CRASH, ERROR = "HANG", "CRASH", "ERROR"
+FAILING_KINDS = (FAIL, HANG, CRASH, ERROR)
+
+
+def size(spec: CaseSpec) -> tuple[int, int]:
+    """How big a case is: modules first, then the length of its JSON (a
+    ModelCase: its frozen parameters, then its JSON)."""
+    own = getattr(spec, "size", None)
+    if own is not None:
+        return own()
+    return sum(1 for _ in walk(spec.tree)), len(spec.to_json())
+
+
+def skip_if_unavailable(invariant: str, spec: CaseSpec, tier: str) -> None:
+    """An API this torch lacks (or cannot run here) is a SKIP with its reason
+    (the area's own check; conformance.areas.common.support), never a crash."""
+    area = area_of(invariant)
+    reason = support.unavailable(api_of(invariant, spec), get(invariant).scenario, tier) or (area.unavailable(spec) if area.unavailable else None)
+    if reason:
+        pytest.skip(reason)
+
+
+def api_of(invariant: str, spec: CaseSpec | None = None) -> str:
+    """The FSDP API an example exercised: the spec's plan says, else the catalog."""
+    api = getattr(getattr(spec, "plan", None), "api", None)
+    if api:
+        return api
+    inv = CATALOG.get(invariant)
+    return inv.api if inv is not None else "?"
+
+
+def model_of(spec) -> str:
+    """The real model an example ran on (a ModelCase's target,
+    "package.module:attr"); "" for a synthetic case. A model's examples
+    get rows of their own beside the synthetic ones."""
+    return getattr(spec, "target", None) or ""
+
+
+@dataclass
+class Finding:
+    """One distinct deviation seen for one invariant on one tier: the smallest
+    case that showed it, and how often it showed."""
+
+    kind: str  # FAIL | KNOWN | HANG | CRASH | ERROR
+    key: str  # unique within its tally: "known:<id>", "FAIL:<kind tags>", "HANG", ...
+    spec: CaseSpec
+    message: str
+    violations: list[dict] = field(default_factory=list)  # {invariant, message, tags}
+    known_failure: str | None = None
+    count: int = 0
+    engine: dict | None = None  # ExampleFailed.to_dict() for HANG / CRASH
+    repro: str | None = None  # path of the repro script, once written
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "key": self.key,
+            "message": self.message,
+            "violations": self.violations,
+            "known_failure": self.known_failure,
+            "count": self.count,
+            "spec": json.loads(self.spec.to_json()),
+            "spec_python": self.spec.to_python(),
+            "engine": self.engine,
+            "repro": self.repro,
+        }
+
+
+@dataclass
+class Tally:
+    invariant: str
+    tier: str
+    api: str = "fsdp1"
+    model: str = ""  # a real model's target; "" for the synthetic cases
+    examples: int = 0
+    verdicts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    findings: dict[str, Finding] = field(default_factory=dict)
+    features: dict[str, int] = field(default_factory=dict)  # examples per case feature (conformance.run.features)
+
+    @property
+    def verdict(self) -> str:
+        for v in FAILING_KINDS:
+            if self.verdicts.get(v):
+                return FAIL
+        return KNOWN if self.verdicts.get(KNOWN) else PASS
+
+    def add(self, finding: Finding) -> None:
+        old = self.findings.get(finding.key)
+        if old is None:
+            finding.count = finding.count or 1
+            self.findings[finding.key] = finding
+            return
+        old.count += 1
+        if size(finding.spec) < size(old.spec):
+            old.spec, old.message, old.violations, old.engine = finding.spec, finding.message, finding.violations, finding.engine
+            old.repro = None
+
+    def to_dict(self) -> dict:
+        return {
+            "invariant": self.invariant,
+            "api": self.api,
+            "tier": self.tier,
+            "model": self.model or None,
+            "examples": self.examples,
+            "outcomes": dict(self.verdicts),
+            "seconds": round(self.seconds, 3),
+            "features": dict(self.features),
+            "findings": [f.to_dict() for f in self.findings.values()],
+        }
+
+
+def _violation_dict(v) -> dict:
+    return {"invariant": v.invariant, "message": v.message, "tags": sorted(v.tags)}
+
+
+def _fail_key(violations) -> str:
+    kinds = sorted({t for v in violations for t in v.tags if t.startswith("kind:")})
+    return "FAIL:" + (",".join(kinds) or violations[0].invariant)
+
+
+def _in_final_replay() -> bool:
+    """True outside Hypothesis, or in the replay of the shrunk example that
+    Hypothesis reports; False while it is still searching or shrinking."""
+    try:
+        from hypothesis.control import _current_build_context
+
+        ctx = _current_build_context.value
+    except Exception:  # pragma: no cover - older Hypothesis
+        return True
+    return ctx is None or bool(getattr(ctx, "is_final", True))
+
+
+class Session:
+    def __init__(self, repro_dir: Path | None = None, known_path: Path = known_mod.DEFAULT_PATH):
+        self.known = known_mod.load(known_path)
+        self.tallies: dict[tuple[str, str, str, str], Tally] = {}  # (invariant, tier, api, model)
+        self.repro_dir = repro_dir
+        self.on_change: Callable[[], None] | None = None  # called after every example (reports throttle it)
+        self.corpus: dict[tuple[str, str, str], dict] = {}  # (case, invariant, tier) -> outcome of a corpus case
+        self._corpus_index = corpus_mod.by_digest()
+        # rank tiers run with one rank: their corpus cases (recorded at world
+        # size 2) cannot show a rank-dependent deviation, so they check nothing
+        self._one_rank_tiers: set[str] = set()
+
+    def tally(self, invariant: str, tier: str, api: str | None = None, model: str = "") -> Tally:
+        api = api or api_of(invariant)
+        return self.tallies.setdefault((invariant, tier, api, model), Tally(invariant, tier, api, model))
+
+    def record(self, res: CaseResult, tier: str, seconds: float) -> None:
+        t = self.tally(res.invariant, tier, api_of(res.invariant, res.spec), model_of(res.spec))
+        t.examples += 1
+        t.seconds += seconds
+        t.verdicts[res.verdict] = t.verdicts.get(res.verdict, 0) + 1
+        by_known: dict[str, list] = {}
+        for v, fid in res.known:
+            by_known.setdefault(fid, []).append(v)
+        self._record_corpus(res.invariant, res.spec, tier, res.verdict, sorted(by_known))
+        for fid, vs in by_known.items():
+            t.add(Finding(KNOWN, f"known:{fid}", res.spec, str(vs[0]), [_violation_dict(v) for v in vs], known_failure=fid))
+        if res.violations:
+            t.add(Finding(FAIL, _fail_key(res.violations), res.spec, str(res.violations[0]), [_violation_dict(v) for v in res.violations]))
+        self._changed()
+
+    def record_failure(self, invariant: str, spec: CaseSpec, tier: str, seconds: float, kind: str, message: str, engine: dict | None = None) -> Finding:
+        """An example that gave no verdict: HANG / CRASH from the engine, or
+        ERROR (the scenario raised inside a rank)."""
+        t = self.tally(invariant, tier, api_of(invariant, spec), model_of(spec))
+        t.examples += 1
+        t.seconds += seconds
+        t.verdicts[kind] = t.verdicts.get(kind, 0) + 1
+        t.add(Finding(kind, kind, spec, message, [], engine=engine))
+        self._record_corpus(invariant, spec, tier, kind, [])
+        self._changed()
+        return t.findings[kind]
+
+    def _features(self, invariant: str, spec: CaseSpec, engine, tier: str) -> None:
+        """Count the example's case features (and report them to Hypothesis
+        as events: ``--hypothesis-show-statistics``)."""
+        try:
+            feats = case_features(spec, getattr(engine, "world_size", 2))
+        except Exception:  # an oracle that rejects the case: no features, the check says why
+            feats = []
+        t = self.tally(invariant, tier, api_of(invariant, spec), model_of(spec))
+        for f in feats:
+            t.features[f] = t.features.get(f, 0) + 1
+            try:
+                event(f"case: {f}")
+            except Exception:  # outside a Hypothesis test (check, repro)
+                pass
+
+    def _record_corpus(self, invariant: str, spec: CaseSpec, tier: str, verdict: str, known: list[str]) -> None:
+        """Remember what a corpus case gave (the report tells a finding that
+        no longer reproduces, FIXED, from one that was not checked)."""
+        if not self._corpus_index:
+            return
+        case = self._corpus_index.get(corpus_mod.spec_digest(spec))
+        if case is None or (case.tier == "ranks" and tier in self._one_rank_tiers):
+            return
+        rec = self.corpus.setdefault((case.name, invariant, tier), {
+            "case": case.name, "finding": case.finding, "case_tier": case.tier,
+            "invariant": invariant, "tier": tier, "verdicts": {}, "known": [],
+        })
+        rec["verdicts"][verdict] = rec["verdicts"].get(verdict, 0) + 1
+        rec["known"] = sorted(set(rec["known"]) | set(known))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def check(self, invariant: str, spec: CaseSpec, engine, tier: str) -> CaseResult:
+        """Run one example; raise AssertionError (with the spec as Python and
+        a repro script's path as notes) when FSDP breaks the invariant."""
+        skip_if_unavailable(invariant, spec, tier)
+        if tier != "fake" and getattr(engine, "world_size", 2) < 2:
+            self._one_rank_tiers.add(tier)
+        self._features(invariant, spec, engine, tier)
+        t0 = time.perf_counter()
+        try:
+            res = check_case(invariant, spec, engine, self.known)
+        except ExampleFailed as e:
+            res = self._known_engine_failure(invariant, spec, e, time.perf_counter() - t0, tier)
+            if res is not None:
+                return res
+            self.record_failure(invariant, spec, tier, time.perf_counter() - t0, e.verdict, str(e), e.to_dict())
+            err = AssertionError(f"{invariant}: {e}")
+            self._annotate(err, spec, invariant, [str(e)])
+            raise err from e
+        except ScenarioFailed as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            self.record_failure(invariant, spec, tier, time.perf_counter() - t0, ERROR, first)
+            err = AssertionError(f"{invariant}: {first}")
+            self._annotate(err, spec, invariant, [first])
+            raise err from e
+        self.record(res, tier, time.perf_counter() - t0)
+        if res.verdict == FAIL:
+            err = AssertionError(res.describe())
+            self._annotate(err, spec, invariant, [str(v) for v in res.violations], res)
+            raise err
+        return res
+
+    def _known_engine_failure(self, invariant: str, spec: CaseSpec, e, seconds: float, tier: str) -> CaseResult | None:
+        """A HANG / CRASH that a known failure describes (only for invariants
+        that register their case tags for it): recorded KNOWN."""
+        sc = scenario_of(invariant)
+        if sc.failure_tags is None:
+            return None
+        v = Violation(invariant, str(e).splitlines()[0], frozenset(sc.failure_tags(spec, sc.predict(spec)) | {f"kind:{e.verdict.lower()}"}))
+        k = known_mod.match(v, self.known, torch.__version__)
+        if k is None:
+            return None
+        res = CaseResult(invariant, spec, KNOWN, known=[(v, k.id)])
+        self.record(res, tier, seconds)
+        return res
+
+    def _annotate(self, err: BaseException, spec: CaseSpec, invariant: str, lines: list[str], res: CaseResult | None = None) -> None:
+        err.add_note("Case (paste into Python):\n" + spec.to_python())
+        # Hypothesis raises many times while it shrinks; only the example it
+        # finally reports gets a script.
+        if _in_final_replay():
+            path = self.write_repro(spec, res) if res is not None else self.write_repro_lines(spec, invariant, lines)
+            if path:
+                err.add_note(f"Standalone torch-only repro: {path}")
+
+    def write_repro(self, spec: CaseSpec, res: CaseResult) -> Path | None:
+        return self.write_repro_lines(spec, res.invariant, [str(v) for v in res.violations] + [f"KNOWN {fid}: {v}" for v, fid in res.known])
+
+    def write_repro_lines(self, spec: CaseSpec, invariant: str, lines: list[str]) -> Path | None:
+        if self.repro_dir is None:
+            return None
+        return write_repro_file(self.repro_dir, spec, invariant, lines)
+
+    def unused_known(self) -> list[known_mod.KnownFailure]:
+        """Known failures for this torch whose invariant ran but never matched."""
+        ran = {key[0] for key in self.tallies}
+        hit = {f.known_failure for t in self.tallies.values() for f in t.findings.values() if f.known_failure}
+        return [
+            k for k in self.known
+            if k.invariants & ran and k.id not in hit and known_mod._in_range(torch.__version__, k.torch)
+        ]
+
+    def to_dict(self) -> dict:
+        return {"tallies": [t.to_dict() for t in self.tallies.values()], "corpus": list(self.corpus.values())}
+
+
+def repro_name(spec: CaseSpec, invariant: str) -> str:
+    digest = hashlib.sha1(spec.to_json().encode()).hexdigest()[:10]
+    return f"{invariant}-{digest}.py"
+
+
+def write_repro_file(repro_dir: Path, spec: CaseSpec, invariant: str, lines: list[str]) -> Path:
+    """Write (atomically) the torch-only repro script of ``spec``; its name is
+    the invariant and a digest of the case, so writing it twice is harmless."""
+    repro_dir = Path(repro_dir)
+    repro_dir.mkdir(parents=True, exist_ok=True)
+    path = repro_dir / repro_name(spec, invariant)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(repro_script(spec, lines, title=invariant))
+    tmp.replace(path)
+    return path
