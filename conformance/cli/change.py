@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from conformance.report.data import row_label
+from conformance.cli.errors import UsageError
+from conformance.cli.run import run_argv
 
 INSTALLED = "installed"
 
@@ -77,10 +79,9 @@ def render(comparison, repros: list[dict], messages: list[str], base_label: str,
     return "\n".join(lines) + "\n"
 
 
-def run_change(ns, run_cmd) -> int:
-    """``run_cmd(argv) -> exit status`` runs ``fsdp-conformance run``."""
+def run_change(ns) -> int:
+    """Run ``fsdp-conformance run`` on each side and compare the two reports."""
     from conformance.selfcheck import fsdp_source
-    from conformance.cli import UsageError
     from conformance.report import compare, data
 
     sources = {}
@@ -118,7 +119,7 @@ def run_change(ns, run_cmd) -> int:
             else:
                 os.environ[fsdp_source.ENV_VAR] = info["path"]
             print(f"== {side.upper()}: FSDP from {_source_label(info)}", file=sys.stderr)
-            rc = run_cmd(["run", *common, "--report-dir", str(out_dir / side)])
+            rc = run_argv([*common, "--report-dir", str(out_dir / side)])
             if rc not in (0, 1):
                 print(f"fsdp-conformance: error: the {side.upper()} run ended with exit status {rc}", file=sys.stderr)
                 return rc
@@ -144,7 +145,7 @@ def run_change(ns, run_cmd) -> int:
     return c.exit_status
 
 
-def add_parser(sub, run_cmd) -> None:
+def add_parser(sub) -> None:
     ch = sub.add_parser("change", help="run the same profile and seed on two FSDP sources and compare: regressions (exit 1), fixes, changed messages")
     ch.add_argument("base", metavar="BASE", help="FSDP source tree (holding torch/distributed/fsdp/) or 'installed'")
     ch.add_argument("new", metavar="NEW", help="FSDP source tree or 'installed'")
@@ -160,4 +161,4 @@ def add_parser(sub, run_cmd) -> None:
     ch.add_argument("--deadline", type=float, default=60.0)
     ch.add_argument("--progress", choices=("auto", "live", "quiet"), default="auto")
     ch.add_argument("--report-dir", default=None, help="BASE and NEW reports go to DIR/base and DIR/new (default reports/change under the current directory)")
-    ch.set_defaults(fn=lambda ns: run_change(ns, run_cmd))
+    ch.set_defaults(fn=run_change)

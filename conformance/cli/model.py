@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from conformance.cli.common import BACKENDS
+from conformance.cli.errors import UsageError
 
 DEFAULT_REPORT_DIR = "reports/latest-model"
 
 
-def add_parser(sub, usage_error, backends) -> None:
+def add_parser(sub) -> None:
     m = sub.add_parser("model", help="check a real model: TARGET is 'package.module:attr' naming a conformance.Target")
     m.add_argument("target", metavar="TARGET")
     m.add_argument("--invariant", action="append", help="invariant ID or area (repeatable); default every one that applies")
@@ -23,42 +25,42 @@ def add_parser(sub, usage_error, backends) -> None:
     m.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: derandomized)")
     m.add_argument("--deadline", type=float, default=120.0, help="seconds before a pool example is a HANG")
     m.add_argument("--report-dir", default=DEFAULT_REPORT_DIR, help=f"where the report goes (default {DEFAULT_REPORT_DIR})")
-    m.set_defaults(fn=lambda ns: cmd_model(ns, usage_error, backends))
+    m.set_defaults(fn=cmd_model)
 
 
-def _budget(profile: str | None, examples: int | None, usage_error) -> int:
+def _budget(profile: str | None, examples: int | None) -> int:
     from conformance.run import profiles
 
     if examples is not None:
         if examples < 1:
-            raise usage_error(f"--examples must be >= 1, got {examples}")
+            raise UsageError(f"--examples must be >= 1, got {examples}")
         return examples
     try:
         name = profiles.selected(profile)
     except ValueError as e:
-        raise usage_error(str(e)) from None
+        raise UsageError(str(e)) from None
     # a real model costs far more per example than a drawn tree
     return {"dev": 5, "ci": 20, "thorough": 100}[name]
 
 
-def cmd_model(ns, usage_error, backends) -> int:
+def cmd_model(ns) -> int:
     from conformance import areas as invariants
     from conformance.run.models import check_model, model_invariants, report
     from conformance.case.target import TargetError
 
-    examples = _budget(ns.profile, ns.examples, usage_error)
+    examples = _budget(ns.profile, ns.examples)
     if ns.backend and ns.tiers:
-        raise usage_error("give --backend or --tiers, not both")
+        raise UsageError("give --backend or --tiers, not both")
     tiers = [t for t in (ns.tiers or ns.backend or "fake,gloo").split(",") if t]
-    bad = [t for t in tiers if t not in backends or t == "auto"]
+    bad = [t for t in tiers if t not in BACKENDS or t == "auto"]
     if bad:
-        raise usage_error(f"unknown backend {bad[0]!r}; choose from fake, gloo, nccl")
+        raise UsageError(f"unknown backend {bad[0]!r}; choose from fake, gloo, nccl")
     if ns.world_size < 1 or ns.fake_world_size < 1:
-        raise usage_error("world sizes must be >= 1")
+        raise UsageError("world sizes must be >= 1")
     try:
         model_invariants(ns.invariant)
     except invariants.UnknownInvariant as e:
-        raise usage_error(str(e)) from None
+        raise UsageError(str(e)) from None
     report_dir = Path(ns.report_dir).resolve()
     # the target is the user's code, importable from where they run us (as
     # `python -m` and pytest would); rank pools inherit this sys.path
@@ -71,7 +73,7 @@ def cmd_model(ns, usage_error, backends) -> int:
             repro_dir=report_dir / "repros", progress=lambda line: print(line, flush=True),
         )
     except TargetError as e:
-        raise usage_error(str(e)) from None
+        raise UsageError(str(e)) from None
     from conformance.report import write
 
     info = [{"tier": t, "backend": t, "world_size": ns.fake_world_size if t == "fake" else ns.world_size} for t in tiers]
@@ -80,9 +82,3 @@ def cmd_model(ns, usage_error, backends) -> int:
     print(run.summary())
     print(f"report: {report_dir / 'report.json'} (+ summary.md, junit.xml, report.html)")
     return 0 if run.ok and not rep["summary"]["failed"] else 1
-
-
-def main() -> int:  # pragma: no cover - python -m conformance.cli.model
-    from conformance.cli import main as cli_main
-
-    return cli_main(["model", *sys.argv[1:]])

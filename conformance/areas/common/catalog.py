@@ -37,7 +37,7 @@ class UnknownInvariant(KeyError):
         self.known = tuple(known)
 
     def __str__(self) -> str:
-        return f"unknown invariant ID {self.args[0]!r} (known: {', '.join(sorted(self.known))})"
+        return f"unknown invariant ID {self.args[0]!r} (known: {', '.join(sorted(set(self.known)))})"
 
 
 class Catalog:

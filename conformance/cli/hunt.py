@@ -1,4 +1,4 @@
-"""Hunting mode: rounds of freshly seeded examples until the time is up, the
+"""`fsdp-conformance hunt`: Hunting mode: rounds of freshly seeded examples until the time is up, the
 finds kept in a Hypothesis example database (so that they replay first on
 the next run), one report over every round with unexplained failures first.
 
@@ -12,9 +12,13 @@ Hypothesis's own example database.
 
 from __future__ import annotations
 
+
+
 import json
 import time
 from pathlib import Path
+
+from conformance.report import data, markdown
 
 FAILING = ("FAIL", "HANG", "CRASH", "ERROR")
 MIN_ROUND_SECONDS = 10  # no new round with less time than this left
@@ -63,7 +67,6 @@ def unexplained(report: dict) -> list[dict]:
 
 
 def _write_summary(report_dir: Path, rounds: list[dict], report: dict | None) -> None:
-    from conformance.report import data
 
     body = {"rounds": rounds, "unexplained": [f["id"] for f in unexplained(report)] if report else None}
     data.write_json(Path(report_dir) / "hunt.json", body)
@@ -73,7 +76,6 @@ def _print_finds(report: dict | None, rounds: list[dict], seconds: float, out) -
     if report is None:
         out("hunt: error: the rounds wrote no report")
         return 2
-    from conformance.report import markdown
 
     new = unexplained(report)
     known = [f for f in report.get("findings", []) if f["kind"] == "KNOWN"]
@@ -87,3 +89,40 @@ def _print_finds(report: dict | None, rounds: list[dict], seconds: float, out) -
         out(f"  known {fid}")
     out(markdown.headline(report))
     return 1 if new or report["summary"]["failed"] else 0
+from conformance.cli.errors import UsageError
+from conformance.cli.pytest_run import conformance_args
+from conformance.cli.pytest_run import run_pytest
+
+
+def cmd_hunt(ns) -> int:
+    """Rounds of fresh random examples until --minutes are up; finds kept in
+    the example database and replayed first by the next hunt (or run)."""
+    if not ns.minutes > 0:
+        raise UsageError(f"--minutes must be > 0, got {ns.minutes}")
+    args, report_dir = conformance_args(ns, "hunt", Path("reports") / "hunt")
+
+    def run_round(stop_at: float, save: Path, priors: list[Path]) -> int:
+        round_args = args + [f"--stop-at={stop_at}", f"--save-partials={save}"]
+        round_args += [f"--prior-partials={p}" for p in priors]
+        return run_pytest(round_args, report_dir, live=False, quiet=True)
+
+    print(f"hunt: {ns.minutes:g} min, example database {ns.database}, report {report_dir}")
+    return hunt(run_round, minutes=ns.minutes, report_dir=report_dir)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("hunt", help="keep drawing fresh examples until the time is up; keep the finds in an example database")
+    p.add_argument("--minutes", type=float, required=True, help="how long to hunt")
+    p.add_argument("--database", default=".fsdp-conformance-db", help="example database: a directory (default .fsdp-conformance-db), github:OWNER/REPO (read the CI artifact), redis://HOST:PORT (a fleet)")
+    p.add_argument("--examples", type=int, default=None, help="examples per test and round (default 50; the pool-backed tests a fifth of it)")
+    p.add_argument("--backend", default=None, help="fake | gloo | nccl | auto; default: fake and gloo")
+    p.add_argument("--tiers", default=None, help="several backends, comma-separated (e.g. fake,gloo)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks of the gloo / NCCL pool (default 2)")
+    p.add_argument("--fake-world-size", type=int, default=4, help="world size of the fake process group (default 4)")
+    p.add_argument("--invariant", action="append", help="invariant ID or area (repeatable); default all")
+    p.add_argument("-n", "--workers", type=int, default=0, help="pytest-xdist workers (default 0: one process)")
+    p.add_argument("--report-dir", default=None, help="where the report goes (default: reports/hunt under the current directory)")
+    p.add_argument("--baseline", action="append", help="baseline report (default auto; 'none')")
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds before a pool example is a HANG")
+    p.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
+    p.set_defaults(fn=cmd_hunt)

@@ -1,0 +1,34 @@
+"""`fsdp-conformance check CASE.json`: one case against invariants."""
+
+from __future__ import annotations
+from conformance.cli.common import BACKENDS
+from conformance.cli.errors import UsageError
+from conformance.cli.cases import applicable
+from conformance.cli.cases import check_case_file
+from conformance.cli.cases import load_spec
+from conformance.cli.common import need_distributed
+
+
+def cmd_check(ns) -> int:
+    """Check one CaseSpec JSON against invariants on the fake tier or the pool."""
+    from conformance import areas as invariants
+
+    spec = load_spec(ns.spec)
+    try:
+        selected = invariants.select(ns.invariant)
+    except invariants.UnknownInvariant as e:
+        raise UsageError(str(e)) from None
+    need_distributed()
+    from conformance.run.models import NOT_FOR_MODELS
+
+    selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
+    return check_case_file(spec, [i for i in selected if spec.plan.api in i.api.split("|") and applicable(i, spec)], ns.backend, ns.world_size)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("check", help="check one CaseSpec JSON file against invariants")
+    p.add_argument("spec")
+    p.add_argument("--invariant", action="append")
+    p.add_argument("--backend", default="fake", choices=BACKENDS)
+    p.add_argument("--world-size", type=int, default=4)
+    p.set_defaults(fn=cmd_check)

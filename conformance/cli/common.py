@@ -1,0 +1,60 @@
+"""What several commands share: the torch they need, the tiers and engines they run on."""
+
+from __future__ import annotations
+from conformance.cli.errors import UsageError
+
+
+BACKENDS = ("fake", "gloo", "nccl", "auto")
+
+
+def need_distributed() -> None:
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("torch is not installed in this Python") from None
+    try:
+        import torch.distributed as dist
+
+        ok = dist.is_available()
+    except ImportError:
+        ok = False
+    if not ok:
+        raise UsageError(f"this torch build ({torch.__version__}) has no torch.distributed; FSDP needs it")
+
+
+def resolve_tiers(ns) -> list[str]:
+    """--backend picks one tier (auto: nccl with a GPU per rank, else gloo);
+    --tiers lists them; neither: fake,gloo."""
+    from conformance.engine.errors import EngineError
+    from conformance.engine.pool import resolve_backend
+
+    if ns.backend and ns.tiers:
+        raise UsageError("give --backend or --tiers, not both")
+    tiers = [t for t in (ns.tiers or ns.backend or "fake,gloo").split(",") if t]
+    bad = [t for t in tiers if t not in BACKENDS]
+    if bad:
+        raise UsageError(f"unknown backend {bad[0]!r}; choose from {', '.join(BACKENDS)}")
+    out = []
+    for t in tiers:
+        try:
+            t = resolve_backend(t, ns.world_size) if t != "fake" else t
+        except EngineError as e:
+            raise UsageError(str(e)) from None
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def make_engine(backend: str, world_size: int):
+    from conformance.engine.errors import EngineError
+
+    try:
+        if backend == "fake":
+            from conformance.engine.fake import FakeEngine
+
+            return FakeEngine(world_size=world_size)
+        from conformance.engine.pool import RankPool, resolve_backend
+
+        return RankPool(world_size=world_size, backend=resolve_backend(backend, world_size))
+    except EngineError as e:
+        raise UsageError(str(e)) from None

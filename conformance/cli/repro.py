@@ -1,0 +1,66 @@
+"""`fsdp-conformance repro PATH`: re-run a finding and write its standalone repro script."""
+
+from __future__ import annotations
+from conformance.cli.common import BACKENDS
+from pathlib import Path
+from conformance.cli.errors import UsageError
+from conformance.cli.cases import applicable
+from conformance.cli.cases import check_case_file
+from conformance.cli.cases import load_case
+from conformance.cli.common import need_distributed
+import sys
+
+
+def cmd_repro(ns) -> int:
+    """Re-run one finding (or every invariant of a case) on the pool and
+    write its standalone torch-only repro script."""
+    from conformance import areas as invariants
+    from conformance.run.repro import repro_script
+
+    spec, inv_id, finding = load_case(ns.spec, ns.finding)
+    if ns.invariant:
+        try:
+            selected = invariants.select(ns.invariant)
+        except invariants.UnknownInvariant as e:
+            raise UsageError(str(e)) from None
+    elif inv_id:
+        try:
+            selected = [invariants.get(inv_id)]
+        except invariants.UnknownInvariant as e:
+            raise UsageError(str(e)) from None
+    else:
+        selected = [i for i in invariants.select(None) if spec.plan.api in i.api.split("|") and applicable(i, spec)
+                    and not (hasattr(spec, "target") and i.id == "FWD-SUMMON")]
+    lines = [v["message"] if isinstance(v, dict) else str(v) for v in (finding or {}).get("violations", [])]
+    title = inv_id or Path(ns.spec).stem
+    text = repro_script(spec, lines, title=title)
+    if ns.output == "-":
+        sys.stdout.write(text)
+        out = sys.stderr
+    else:
+        Path(ns.output).write_text(text)
+        out = sys.stdout
+        print(f"torch-only repro script: {ns.output}", file=out)
+    if ns.no_run:
+        return 0
+    need_distributed()
+    if finding is not None:
+        print(f"re-running {finding.get('id', inv_id)} (was {finding.get('kind')}) on {ns.backend}, world size {ns.world_size}", file=out)
+    stdout = sys.stdout
+    sys.stdout = out
+    try:
+        return check_case_file(spec, selected, ns.backend, ns.world_size)
+    finally:
+        sys.stdout = stdout
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("repro", help="re-run a finding (report JSON, finding JSON or CaseSpec JSON) on the pool and write its torch-only repro")
+    p.add_argument("spec", metavar="PATH")
+    p.add_argument("--finding", default=None, help="finding ID, when PATH is a report with several")
+    p.add_argument("--invariant", action="append", help="check these invariants instead of the finding's")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="default auto: nccl with a GPU per rank, else gloo")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("-o", "--output", default="-", help="where the script goes (default: stdout)")
+    p.add_argument("--no-run", action="store_true", help="only write the script")
+    p.set_defaults(fn=cmd_repro)
