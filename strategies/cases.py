@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.case.spec import CaseSpec
-
 from strategies._common import TreeIndex, check_bool, check_int, check_strategy, ints, pick
 from strategies.freeze import FREEZE_KINDS, apply_freeze_mask, draw_freeze_mask
 from strategies.policies import OBJECT_POLICIES, PlanChoices, check_policy_kinds, draw_plan
@@ -40,6 +41,7 @@ def _case_specs(
     allow_shared: bool,
     allow_ignored: bool,
     freeze: bool,
+    require_ties: bool,
 ) -> CaseSpec:
     # Choices that do not depend on the tree first, at fixed positions (see PlanChoices).
     plan_choices = PlanChoices(draw, apis, use_orig_params, kinds, allow_ignored)
@@ -49,6 +51,8 @@ def _case_specs(
         # FSDP1's policy objects traverse the tree once per module
         # (_post_order_apply's visited set): shared modules more often with them
         extras = extras + (("shared",), ("shared",))
+    if require_ties:
+        extras = tuple(e for e in extras if "ties" in e)
     extras = pick(draw, extras)  # share modules? tie parameters?
     tree, classes = draw(trees)
     index = TreeIndex(tree, classes)
@@ -75,12 +79,14 @@ def case_specs(
     allow_shared: bool = True,
     allow_ignored: bool = True,
     freeze: bool = True,
+    require_ties: bool = False,
 ) -> SearchStrategy[CaseSpec]:
     """CaseSpecs that pass spec.validate and build.
 
     - tree: :func:`module_trees` with ``max_modules`` and ``max_depth``;
     - with ``allow_shared``, sometimes 1..2 shared modules (:func:`shared_modules`);
     - with ``allow_ties``, sometimes 1..2 tied parameters (:func:`ties`);
+      with ``require_ties`` always (a tree where no tie fits is rejected);
     - with ``freeze``, a freeze mask of any kind in FREEZE_KINDS
       (:func:`freeze_masks`), else every parameter trainable;
     - plan: API from ``apis`` ("fsdp1" / "fsdp2"), use_orig_params from
@@ -97,9 +103,12 @@ def case_specs(
     check_strategy(apis, "apis")
     check_strategy(use_orig_params, "use_orig_params")
     kinds = check_policy_kinds(policies)
-    for name, flag in (("allow_ties", allow_ties), ("allow_shared", allow_shared), ("allow_ignored", allow_ignored), ("freeze", freeze)):
+    for name, flag in (("allow_ties", allow_ties), ("allow_shared", allow_shared), ("allow_ignored", allow_ignored), ("freeze", freeze),
+                       ("require_ties", require_ties)):
         check_bool(flag, name)
+    if require_ties and not allow_ties:
+        raise InvalidArgument("require_ties=True needs allow_ties=True")
     return _case_specs(
         module_trees(max_modules=max_modules, max_depth=max_depth),
-        apis, use_orig_params, kinds, allow_ties, allow_shared, allow_ignored, freeze,
+        apis, use_orig_params, kinds, allow_ties, allow_shared, allow_ignored, freeze, require_ties,
     )

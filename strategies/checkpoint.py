@@ -8,16 +8,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.checkpoint.oracle import predict_ckpt
-from conformance.case.graph import ModelGraph
 from conformance.areas.common.training_oracle import predict_training
+from conformance.case.graph import ModelGraph
 from conformance.case.spec import CKPT_OPTIMIZERS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan
-
-from strategies._common import TreeIndex, check_int, ints, maybe, pick, pick_subset
+from strategies._common import check_int, ints, maybe, pick, pick_subset
 from strategies.cases import case_specs
 from strategies.methods import _fsdp1_trainable, draw_groups, fsdp2_case_specs
 

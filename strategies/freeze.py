@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from conformance.case.spec import ModuleSpec, ParamSpec, TiedParam
 from conformance.case.tree import join
-
 from strategies._common import TreeIndex, check_kinds, check_tree, ints, pick, pick_subset
 
 # Simplest first. "adapters": only parameters under a module named lora* or

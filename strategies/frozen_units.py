@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hypothesis import assume, event, strategies as st
+from hypothesis import assume, event
+from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, CustomWrap, ModuleWrap
 from strategies._common import check_strategy, pick, pick_subset
 from strategies.cases import case_specs
@@ -34,6 +36,34 @@ def _several_mixed_units(draw: Any, use_orig_params: SearchStrategy[bool]) -> Ca
     event(f"mixed units: {len(chosen)}")
     mask = {pick(draw, sorted(u.managed)): False for u in chosen}
     return dataclasses.replace(spec, tree=apply_freeze_mask(spec.tree, mask))
+
+
+@st.composite
+def _mixed_unit_cases(draw: Any, use_orig_params: SearchStrategy[bool]) -> CaseSpec:
+    # any case (ties, shared modules, every policy and freeze mask) ...
+    spec = draw(case_specs(use_orig_params=use_orig_params))
+    pred = predict_fsdp1(spec)
+    if pred.error is not None or pred.warnings:
+        return spec
+    # ... made mixed where the mask left every unit uniform: one parameter
+    # of one unit (the root's included) flipped
+    units = [u for u in pred.units if len(set(u.managed)) >= 2]
+    assume(units)
+    unit = pick(draw, units)
+    g = ModelGraph(spec)
+    pid = g.resolve_param(pick(draw, sorted(set(unit.managed))))
+    event("mixed unit: made")
+    return dataclasses.replace(spec, tree=apply_freeze_mask(spec.tree, {pid: not g.requires_grad(pid)}, spec.ties))
+
+
+def mixed_unit_cases(*, use_orig_params: SearchStrategy[bool] = st.booleans()) -> SearchStrategy[CaseSpec]:
+    """FSDP1 CaseSpecs (any policy, ties, shared modules, freeze mask) in
+    which at least one unit mixes requires_grad: a drawn case as it is when
+    its mask already mixes a unit, else with one parameter of one unit
+    flipped (so that the error and warning paths are drawn without
+    rejecting most cases)."""
+    check_strategy(use_orig_params, "use_orig_params")
+    return _mixed_unit_cases(use_orig_params)
 
 
 def several_mixed_units(*, use_orig_params: SearchStrategy[bool] = st.booleans()) -> SearchStrategy[CaseSpec]:

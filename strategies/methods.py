@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
@@ -15,7 +16,6 @@ from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import METHOD_NAMES, OPTIMIZERS, CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup, TrainPlan, WrapPlan
 from conformance.case.tree import join
-
 from strategies._common import TreeIndex, check_bool, check_int, ints, maybe, pick, pick_subset
 from strategies.cases import case_specs
 
@@ -277,8 +277,7 @@ def training_specs(
 
 
 def _fsdp1_trainable(spec: CaseSpec) -> bool:
-    from conformance.areas.common.fsdp1_oracle import fsdp1_case_tags
-    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+    from conformance.areas.common.fsdp1_oracle import fsdp1_case_tags, predict_fsdp1
 
     pred = predict_fsdp1(spec)
     # A unit that is torch's own container: the case iterates its children

@@ -5,13 +5,25 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.case.spec import CUSTOM_KWARGS, CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, Policy, SharedModule, SizeBasedWrap, TiedParam, TransformerWrap, WrapPlan
+from conformance.case.spec import (
+    CUSTOM_KWARGS,
+    CaseSpec,
+    CustomWrap,
+    LambdaWrap,
+    ModuleWrap,
+    Policy,
+    SharedModule,
+    SizeBasedWrap,
+    TiedParam,
+    TransformerWrap,
+    WrapPlan,
+)
 from conformance.case.tree import join
-
 from strategies._common import TreeIndex, check_bool, check_kinds, check_strategy, maybe, pick, pick_subset
 
 # None (no auto-wrap policy) first: the simplest plan.

@@ -10,16 +10,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.case.graph import ModelGraph
 from conformance.areas.common.training_oracle import predict_training
 from conformance.areas.schedule.oracle import used_params
+from conformance.case.graph import ModelGraph
 from conformance.case.spec import SCHEDULE_OPTIMIZERS, CaseSpec, ForwardMethod, MethodStep, Microbatch, Precision, Schedule, ScheduleStep
 from conformance.case.tree import walk
-
 from strategies._common import check_bool, check_int, ints, maybe, pick, pick_subset
 from strategies.cases import case_specs
 from strategies.methods import fsdp2_case_specs

@@ -15,11 +15,21 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.case.model_case import ModelCase
 from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS
-from conformance.case.spec import CUSTOM_KWARGS, CustomWrap, ForwardMethod, LambdaWrap, ModuleWrap, ShardGroup, SizeBasedWrap, TrainPlan, TransformerWrap, WrapPlan
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import (
+    CUSTOM_KWARGS,
+    CustomWrap,
+    ForwardMethod,
+    LambdaWrap,
+    ModuleWrap,
+    ShardGroup,
+    SizeBasedWrap,
+    TrainPlan,
+    TransformerWrap,
+    WrapPlan,
+)
 from conformance.case.target import TargetError, base_graph, cached_target
-
 from strategies._common import check_kinds, check_strategy
 
 # "random" right after "none": a failure shrinks to one frozen parameter

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from conformance.case.spec import ModuleSpec, SharedModule, TiedParam
 from conformance.case.tree import join
-
 from strategies._common import TreeIndex, check_int, check_kinds, check_tree, maybe, pick
 
 # Where the second registration of a shared module is, relative to the first,

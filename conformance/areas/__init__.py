@@ -79,3 +79,16 @@ def areas_of_case(case) -> list[Area]:
 
 __all__ = ["AREAS", "CATALOG", "Area", "AreaScenario", "Invariant", "UnknownInvariant", "area_of", "areas_of_case", "get",
            "scenario_of", "select"]
+
+
+def invariant_table() -> str:
+    """The README's invariant table, one section per area (Markdown): made
+    from AREAS, checked against the README by a test (tests/self/test_readme.py)."""
+    lines = []
+    for area in AREAS:
+        lines += [f"**{area.name}**: {area.title}", "", "| ID | API | statement | spec source |", "| --- | --- | --- | --- |"]
+        for inv in area.invariants:
+            cells = [inv.id, inv.api.replace("|", ", "), inv.statement, inv.source]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -14,7 +14,6 @@ from conformance.case.model_case import ModelCase
 from conformance.case.spec import CaseSpec, MethodCall, ModuleSpec
 from conformance.case.target import Target, apply_freeze, cached_target, make_model
 from conformance.case.tree import join, walk
-from typing import Any
 
 _TORCH_BASES = {
     "Module": nn.Module,

@@ -12,11 +12,23 @@ each rank imports the target and builds the model from the seed.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
 from conformance.case import spec as _spec
-from conformance.case.spec import CUSTOM_KWARGS, OPTIMIZERS, POLICY_TYPES, CaseSpec, CustomWrap, ForwardMethod, MethodCall, SpecError, TrainPlan, WrapPlan
+from conformance.case.spec import (
+    CUSTOM_KWARGS,
+    OPTIMIZERS,
+    POLICY_TYPES,
+    CaseSpec,
+    CustomWrap,
+    ForwardMethod,
+    MethodCall,
+    SpecError,
+    TrainPlan,
+    WrapPlan,
+)
 
 MODEL_CASE_VERSION = 1
 
@@ -60,6 +72,10 @@ class ModelCase:
 
     # -- JSON ---------------------------------------------------------------
     def to_json(self) -> str:
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> str:
         return json.dumps({"version": MODEL_CASE_VERSION, "model_case": _spec._to_data(self)}, sort_keys=True)
 
     @classmethod

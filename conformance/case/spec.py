@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -280,6 +281,11 @@ class CaseSpec:
 
     # -- JSON ---------------------------------------------------------------
     def to_json(self) -> str:
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> str:
+        # the spec is immutable: its JSON (digests, repro names, sizes) is made once
         return json.dumps({"version": SPEC_VERSION, "case": _to_data(self)}, sort_keys=True)
 
     @classmethod

@@ -2,10 +2,12 @@
 report or a finding, and checking it against invariants on an engine."""
 
 from __future__ import annotations
-from pathlib import Path
-from conformance.cli.errors import UsageError
+
 import json
+from pathlib import Path
+
 from conformance.cli.common import make_engine
+from conformance.cli.errors import UsageError
 
 
 def load_spec(path: str):
@@ -42,8 +44,8 @@ def load_case(path: str, finding_id: str | None):
     report JSON (with --finding, or its only failing finding), or one finding
     object copied out of a report."""
     from conformance.case.model_case import case_from_json
-    from conformance.report import data
     from conformance.case.spec import SpecError
+    from conformance.report import data
 
     try:
         text = Path(path).read_text()
@@ -91,8 +93,8 @@ def applicable(inv, spec) -> bool:
 
 
 def check_case_file(spec, selected, backend: str, world_size: int) -> int:
-    from conformance.run.runner import FAIL, check_case
     from conformance.engine.errors import ExampleFailed
+    from conformance.run.runner import FAIL, check_case
 
     if getattr(spec, "ckpt", None) is not None or getattr(spec, "schedule", None) is not None:
         if backend == "fake":  # values and world sizes: the suite runs these on real ranks only

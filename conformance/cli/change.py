@@ -11,17 +11,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from conformance.report.data import row_label
 from conformance.cli.errors import UsageError
 from conformance.cli.run import run_argv
+from conformance.report.data import row_label
+from conformance.report.markdown import fsdp_source_label
 
 INSTALLED = "installed"
 
 
 def _source_label(info: dict | None) -> str:
-    from conformance.selfcheck.fsdp_source import label
-
-    return label(info)
+    return fsdp_source_label(info)
 
 
 def _changed_messages(base: dict, new: dict) -> list[str]:
@@ -81,8 +80,8 @@ def render(comparison, repros: list[dict], messages: list[str], base_label: str,
 
 def run_change(ns) -> int:
     """Run ``fsdp-conformance run`` on each side and compare the two reports."""
-    from conformance.selfcheck import fsdp_source
     from conformance.report import compare, data
+    from conformance.selfcheck import fsdp_source
 
     sources = {}
     for side, path in (("base", ns.base), ("new", ns.new)):

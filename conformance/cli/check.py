@@ -1,12 +1,10 @@
 """`fsdp-conformance check CASE.json`: one case against invariants."""
 
 from __future__ import annotations
-from conformance.cli.common import BACKENDS
+
+from conformance.cli.cases import applicable, check_case_file, load_spec
+from conformance.cli.common import BACKENDS, need_distributed
 from conformance.cli.errors import UsageError
-from conformance.cli.cases import applicable
-from conformance.cli.cases import check_case_file
-from conformance.cli.cases import load_spec
-from conformance.cli.common import need_distributed
 
 
 def cmd_check(ns) -> int:

@@ -1,8 +1,8 @@
 """What several commands share: the torch they need, the tiers and engines they run on."""
 
 from __future__ import annotations
-from conformance.cli.errors import UsageError
 
+from conformance.cli.errors import UsageError
 
 BACKENDS = ("fake", "gloo", "nccl", "auto")
 

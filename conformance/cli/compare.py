@@ -1,10 +1,12 @@
 """`fsdp-conformance compare`: a report against a baseline."""
 
 from __future__ import annotations
-from pathlib import Path
-from conformance.cli.errors import UsageError
+
 import json
 import sys
+from pathlib import Path
+
+from conformance.cli.errors import UsageError
 
 
 def cmd_compare(ns) -> int:

@@ -1,6 +1,7 @@
 """Bad input on the command line: one line on stderr and exit status 2."""
 
 from __future__ import annotations
+
 import argparse
 import sys
 

@@ -12,8 +12,6 @@ Hypothesis's own example database.
 
 from __future__ import annotations
 
-
-
 import json
 import time
 from pathlib import Path
@@ -90,8 +88,7 @@ def _print_finds(report: dict | None, rounds: list[dict], seconds: float, out) -
     out(markdown.headline(report))
     return 1 if new or report["summary"]["failed"] else 0
 from conformance.cli.errors import UsageError
-from conformance.cli.pytest_run import conformance_args
-from conformance.cli.pytest_run import run_pytest
+from conformance.cli.pytest_run import conformance_args, run_pytest
 
 
 def cmd_hunt(ns) -> int:

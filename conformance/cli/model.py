@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
 from conformance.cli.common import BACKENDS
 from conformance.cli.errors import UsageError
+from conformance.report import data
+from conformance.run.models import ModelRun, check_model, model_invariants
+from conformance.selfcheck import fsdp_source
 
 DEFAULT_REPORT_DIR = "reports/latest-model"
 
@@ -45,7 +49,6 @@ def _budget(profile: str | None, examples: int | None) -> int:
 
 def cmd_model(ns) -> int:
     from conformance import areas as invariants
-    from conformance.run.models import check_model, model_invariants, report
     from conformance.case.target import TargetError
 
     examples = _budget(ns.profile, ns.examples)
@@ -77,8 +80,22 @@ def cmd_model(ns) -> int:
     from conformance.report import write
 
     info = [{"tier": t, "backend": t, "world_size": ns.fake_world_size if t == "fake" else ns.world_size} for t in tiers]
-    rep = report(run, info, ns.invariant)
+    rep = model_report(run, info, ns.invariant)
     write.write_all(rep, report_dir)
     print(run.summary())
     print(f"report: {report_dir / 'report.json'} (+ summary.md, junit.xml, report.html)")
     return 0 if run.ok and not rep["summary"]["failed"] else 1
+
+
+def model_report(run: ModelRun, tiers_info: list[dict], selection: list[str] | None = None) -> dict:
+    """The report dict (same schema and rows as `fsdp-conformance run`'s)."""
+
+    selected = sorted({inv for inv, _ in run.checked})
+    return data.build(
+        fsdp_source=fsdp_source.report_info(),
+        partials=[run.session.to_dict()],
+        run={"tiers": tiers_info, "target": run.target, "selection": selection or selected, "selected": selected,
+             "profile": None, "seed": None},
+        status="complete",
+        wall_seconds=run.seconds,
+    )

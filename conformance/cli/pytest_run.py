@@ -2,14 +2,15 @@
 the suite's pytest arguments, the child process, its report."""
 
 from __future__ import annotations
-from pathlib import Path
-from conformance.cli.errors import UsageError
-from conformance.cli.common import need_distributed
+
 import os
-from conformance.cli.common import resolve_tiers
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+from conformance.cli.common import need_distributed, resolve_tiers
+from conformance.cli.errors import UsageError
 
 
 def pytest_main(args: list[str], cwd=None) -> int:
@@ -32,9 +33,10 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[str], Path]:
     """Validate the options `run` and `hunt` share; the pytest arguments of
     the conformance tests and the report directory."""
-    from conformance import areas as invariants, paths
-    from conformance.run import profiles
+    from conformance import areas as invariants
+    from conformance import paths
     from conformance.report import data
+    from conformance.run import profiles
 
     if ns.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
@@ -89,7 +91,9 @@ def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[s
     if ns.examples is not None:
         args.append(f"--max-examples={ns.examples}")
     if ns.workers:
-        args += ["-n", str(ns.workers)]
+        # worksteal: an idle worker takes tests from a busy one (the areas'
+        # tests differ in length by 10x; plain load leaves a worker idle)
+        args += ["-n", str(ns.workers), "--dist", "worksteal"]
     else:
         args += ["-p", "no:xdist"]
     args += ns.pytest_args or []

@@ -1,14 +1,13 @@
 """`fsdp-conformance repro PATH`: re-run a finding and write its standalone repro script."""
 
 from __future__ import annotations
-from conformance.cli.common import BACKENDS
-from pathlib import Path
-from conformance.cli.errors import UsageError
-from conformance.cli.cases import applicable
-from conformance.cli.cases import check_case_file
-from conformance.cli.cases import load_case
-from conformance.cli.common import need_distributed
+
 import sys
+from pathlib import Path
+
+from conformance.cli.cases import applicable, check_case_file, load_case
+from conformance.cli.common import BACKENDS, need_distributed
+from conformance.cli.errors import UsageError
 
 
 def cmd_repro(ns) -> int:

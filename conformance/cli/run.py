@@ -1,14 +1,12 @@
 """`fsdp-conformance run`: the conformance suite under pytest, and its report."""
 
 from __future__ import annotations
-from conformance.cli.errors import Parser
-from conformance.cli.errors import UsageError
-from conformance.cli.pytest_run import conformance_args
+
 import os
-from conformance.cli.pytest_run import run_pytest
-from conformance.cli.pytest_run import target_args
-from conformance.cli.pytest_run import use_fsdp_source
 import sys
+
+from conformance.cli.errors import Parser, UsageError
+from conformance.cli.pytest_run import conformance_args, run_pytest, target_args, use_fsdp_source
 
 
 def cmd_run(ns) -> int:

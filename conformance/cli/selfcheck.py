@@ -2,19 +2,30 @@
 mutation score."""
 
 from __future__ import annotations
-from conformance.selfcheck.mutants import Baseline
-from conformance.selfcheck.mutants import DEFAULT_TIMEOUT
-from conformance.selfcheck.mutants import Mutant
-from conformance.selfcheck.mutants import MutantError
-from conformance.selfcheck.mutants import Outcome
-from pathlib import Path
-from conformance.cli.errors import UsageError
-from conformance.selfcheck.mutants import DEFAULT_EXAMPLES, check_all, confirm_kill, load, render_md, render_text, run_one, select
+
 import json
-from conformance.cli.pytest_run import pytest_main
 import sys
 import tempfile
 import threading
+from pathlib import Path
+
+from conformance.cli.errors import UsageError
+from conformance.cli.pytest_run import pytest_main
+from conformance.selfcheck.mutants import (
+    DEFAULT_EXAMPLES,
+    DEFAULT_TIMEOUT,
+    Baseline,
+    Mutant,
+    MutantError,
+    Outcome,
+    check_all,
+    confirm_kill,
+    load,
+    render_md,
+    render_text,
+    run_one,
+    select,
+)
 
 
 def cmd_selfcheck(ns) -> int:

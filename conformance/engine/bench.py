@@ -10,10 +10,10 @@ import tempfile
 import time
 from typing import Sequence
 
-from conformance.run.bench import BenchError
+from conformance.case.spec import CaseSpec
+from conformance.engine.errors import BenchError
 from conformance.engine.fake import FakeEngine
 from conformance.engine.pool import RankPool
-from conformance.case.spec import CaseSpec
 
 
 def default_specs(n: int) -> list[CaseSpec]:
@@ -157,12 +157,12 @@ def bench_engines(
     }
 
 
-def show(res: dict) -> None:
+def show(res: dict, out=print) -> None:
     p, f, s = res["pool"], res["fake"], res["spawn_per_example"]
-    print(f"engines, scenario {res['scenario']}, world size {res['world_size']}:")
-    print(f"  spawn per example: {s['examples_per_s']:.2f} examples/s ({s['examples']} examples)")
-    print(f"  gloo pool: {p['examples_per_s']:.1f} examples/s (startup {p['startup_seconds']:.1f} s, "
+    out(f"engines, scenario {res['scenario']}, world size {res['world_size']}:")
+    out(f"  spawn per example: {s['examples_per_s']:.2f} examples/s ({s['examples']} examples)")
+    out(f"  gloo pool: {p['examples_per_s']:.1f} examples/s (startup {p['startup_seconds']:.1f} s, "
           f"overhead {p['overhead_ms_per_example']:.1f} ms per example, {100 * p['overhead_fraction']:.0f}%)")
-    print(f"  fake tier: {f['examples_per_s']:.1f} examples/s")
+    out(f"  fake tier: {f['examples_per_s']:.1f} examples/s")
     r = res["ratios"]
-    print(f"  pool / spawn {r['pool_over_spawn']:.1f}x, fake / pool {r['fake_over_pool']:.1f}x")
+    out(f"  pool / spawn {r['pool_over_spawn']:.1f}x, fake / pool {r['fake_over_pool']:.1f}x")

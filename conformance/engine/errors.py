@@ -122,3 +122,7 @@ class RankCrash(ExampleFailed):
     """CRASH: some rank process died (signal, os._exit, killed) mid-example."""
 
     verdict = CRASH
+
+
+class BenchError(RuntimeError):
+    """A measurement that could not complete (a rank failed or timed out, a run wrote no timings)."""

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from conformance.engine.errors import EngineError
-from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
 from conformance.case.model_case import ModelCase
 from conformance.case.spec import CaseSpec
+from conformance.engine.errors import EngineError
+from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
 
 # (world_size, rank) of the fake default group a FakeEngine made, if any.
 _fake_group: tuple[int, int] | None = None

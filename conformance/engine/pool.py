@@ -24,6 +24,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import CaseSpec
 from conformance.engine.errors import (
     BackendUnavailable,
     EngineError,
@@ -34,8 +36,6 @@ from conformance.engine.errors import (
     RankState,
 )
 from conformance.engine.scenarios import default_preload, get_scenario
-from conformance.case.model_case import ModelCase
-from conformance.case.spec import CaseSpec
 
 BACKENDS = ("auto", "gloo", "nccl", "fake")
 # Torchrun / launcher variables a rank must not mistake for its own.

@@ -21,9 +21,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from conformance.engine.errors import EngineError
 from conformance.case.model_case import case_from_json
 from conformance.case.spec import CaseSpec
+from conformance.engine.errors import EngineError
 
 ScenarioFn = Callable[[CaseSpec], dict]
 

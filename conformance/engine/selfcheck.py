@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import time
 
-from conformance.engine.scenarios import scenario
 from conformance.case.spec import CaseSpec
+from conformance.engine.scenarios import scenario
 
 
 def _device():

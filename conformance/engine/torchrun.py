@@ -25,10 +25,10 @@ import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
+from conformance.case.spec import CaseSpec
 from conformance.engine.errors import EngineError
 from conformance.engine.pool import resolve_backend
 from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
-from conformance.case.spec import CaseSpec
 
 SpecSource = Iterable[CaseSpec] | Callable[[], Iterable[CaseSpec]]
 

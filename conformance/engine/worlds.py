@@ -11,9 +11,9 @@ import os
 import shutil
 import tempfile
 
+from conformance.case.spec import CaseSpec
 from conformance.engine.errors import EngineError
 from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
-from conformance.case.spec import CaseSpec
 
 TMP_PREFIX = "fsdp-conformance-ckpt-"
 

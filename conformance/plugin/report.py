@@ -10,8 +10,6 @@ incomplete) after test items finish, and at the end writes every format.
 
 from __future__ import annotations
 
-from conformance.report.data import row_label
-
 import json
 import os
 import shutil
@@ -25,9 +23,11 @@ import pytest
 
 from conformance import paths
 from conformance.report import data, write
+from conformance.report.data import row_label
+from conformance.report.write import PARTIAL
+from conformance.selfcheck import fsdp_source
 
 PLUGIN_NAME = "fsdp-conformance-report"
-PARTIAL = ".partial"
 FLUSH_SECONDS = 1.0
 REPORT_SECONDS = 2.0
 NEEDS_RANKS_REASON = "needs several real ranks: not run on the fake tier"
@@ -46,10 +46,12 @@ def item_invariants(item) -> tuple[list[str], str | None]:
         return [inv], tier
     if "conformance" not in getattr(item, "fixturenames", ()):
         return [], tier
-    from conformance.areas import CATALOG
+    from conformance.areas import AREAS  # torch and FSDP: only where conformance tests run
 
-    area = getattr(item, "module", None).__name__.rpartition(".")[2].removeprefix("test_") if getattr(item, "module", None) else ""
-    return [i.id for i in CATALOG.values() if i.area == area], tier
+    module = getattr(item, "module", None)
+    name = module.__name__.rpartition(".")[2] if module is not None else ""
+    area = next((a for a in AREAS if a.suite_module == name), None)
+    return ([i.id for i in area.invariants] if area else []), tier
 
 
 def tier_info(config) -> list[dict]:
@@ -164,6 +166,7 @@ class ReportPlugin:
 
             self.session = Session(repro_dir=self.report_dir / "repros")
             self.session.on_change = self._changed
+            self.session.selected = set(self.selected) if self.selection else None
         return self.session
 
     def _changed(self) -> None:
@@ -321,6 +324,7 @@ class ReportPlugin:
                       "done": self.collected["done"]},
         }
         return data.build(
+            fsdp_source=fsdp_source.report_info(),
             partials=parts,
             run=run,
             tests=list(self.tests.values()),
@@ -383,7 +387,7 @@ class ReportPlugin:
                 continue
             counts = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
             tr.write_line(
-                f"{row_label(r):<20} {r['api']:<5} {r['tier']:<5} {r['verdict']:<6} {r['examples']:>5} examples"
+                f"{row_label(r):<20} {r['api']:<5} {r['tier']:<5} {r['verdict']:<6} {r.get('checked', r['examples']):>5}/{r['examples']:<5} checked"
                 f"  {r['seconds']:6.1f}s  ({counts or r.get('reason') or ''})"
             )
         for f in report["findings"]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conformance.report.data import row_label
+from conformance.report.markdown import fsdp_source_label
 
 BAD = ("FAIL",)
 GOOD = ("PASS", "FIXED")
@@ -67,9 +68,7 @@ def _describe(r: dict) -> str:
     tiers = ",".join(f"{x.get('tier')}:W{x.get('world_size')}" for x in run.get("tiers", []))
     src = ""
     if r.get("fsdp_source"):
-        from conformance.selfcheck.fsdp_source import label
-
-        src = f", FSDP from {label(r['fsdp_source'])}"
+        src = f", FSDP from {fsdp_source_label(r['fsdp_source'])}"
     return f"torch {t.get('version')} ({(t.get('git_version') or '?')[:12]}){src}, {tiers or '?'}, profile {run.get('profile')}"
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
+UNCHECKED = "UNCHECKED"  # an example's outcome when its invariant compared nothing (conformance.run.runner)
 VERDICTS = ("PASS", "FAIL", "KNOWN", "FIXED", "SKIP")
 FAILING_KINDS = ("FAIL", "HANG", "CRASH", "ERROR")
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one (git revision)
@@ -81,14 +82,6 @@ def torch_info() -> dict:
     return info
 
 
-def fsdp_source_info() -> dict | None:
-    """The FSDP source tree this run imported FSDP from (None: the installed
-    torch's own): path, git commit, hashes (conformance.selfcheck.fsdp_source)."""
-    from conformance.selfcheck import fsdp_source
-
-    return fsdp_source.report_info()
-
-
 def platform_info() -> dict:
     return {
         "system": platform.system(),
@@ -122,9 +115,11 @@ def merge_tallies(partials: list[dict]) -> dict[tuple[str, str, str, str], dict]
             key = (t["invariant"], t["api"], t["tier"], t.get("model") or "")
             cur = out.get(key)
             if cur is None:
-                out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": [], "features": {}}
+                out[key] = cur = {**t, "outcomes": {}, "examples": 0, "seconds": 0.0, "findings": [], "features": {}, "unchecked": {}}
             for k, v in t.get("features", {}).items():
                 cur["features"][k] = cur["features"].get(k, 0) + v
+            for k, v in t.get("unchecked", {}).items():
+                cur["unchecked"][k] = cur["unchecked"].get(k, 0) + v
             cur["examples"] += t["examples"]
             cur["seconds"] += t["seconds"]
             for k, v in t["outcomes"].items():
@@ -195,20 +190,23 @@ def build(
     baseline_paths: list[str] | None = None,
     catalog: dict | None = None,
     known: list | None = None,
+    fsdp_source: dict | None = None,
     torch_version: str | None = None,
     environment: dict | None = None,
     wall_seconds: float | None = None,
 ) -> dict:
     """The report dict. ``partials``: Session.to_dict() of every process;
     ``run``: options (tiers, profile, seed, selection); ``tests``: one
-    record per pytest test (nodeid, outcome, invariant, tier, message)."""
+    record per pytest test (nodeid, outcome, invariant, tier, message);
+    ``fsdp_source``: the FSDP source tree the run imported FSDP from (its
+    report_info; None: the installed torch's own)."""
     if catalog is None:
         from conformance.areas import CATALOG as catalog
     if known is None:
         from conformance.run import known as known_mod
 
         known = known_mod.load()
-    env = environment or {"suite": suite_info(), "torch": torch_info(), "platform": platform_info(), "fsdp_source": fsdp_source_info()}
+    env = environment or {"suite": suite_info(), "torch": torch_info(), "platform": platform_info(), "fsdp_source": fsdp_source}
     torch_version = torch_version or env["torch"]["version"]
     tests = tests or []
     tallies = merge_tallies(partials)
@@ -282,8 +280,10 @@ def build(
                     "verdict": "SKIP",
                     "reason": None,
                     "examples": 0,
+                    "checked": 0,
                     "seconds": 0.0,
                     "outcomes": {},
+                    "unchecked": {},
                     "features": {},
                     "findings": [],
                 }
@@ -292,6 +292,8 @@ def build(
                     row["examples"] = t["examples"]
                     row["seconds"] = round(t["seconds"], 3)
                     row["outcomes"] = t["outcomes"]
+                    row["checked"] = t["examples"] - t["outcomes"].get(UNCHECKED, 0)
+                    row["unchecked"] = dict(sorted(t.get("unchecked", {}).items(), key=lambda kv: -kv[1]))
                     row["features"] = t.get("features", {})
                     for f in sorted(t["findings"], key=lambda f: (f["kind"] == "KNOWN", f["key"])):
                         fid = _finding_id(inv_id, key[1], tier, f["key"], key[3])
@@ -305,12 +307,15 @@ def build(
                     row["reason"] = f"test {fail_item['nodeid']} failed: {fail_item.get('message') or ''}".strip()
                 elif "KNOWN" in kinds:
                     row["verdict"] = "KNOWN"
-                elif row["examples"]:
+                elif row["checked"]:
                     row["verdict"] = "PASS"
                     base = base_rows.get((inv_id, key[1], tier, key[3]))
-                    if base is not None and base.get("verdict") == "KNOWN" and row["examples"] >= base.get("examples", 0):
+                    if base is not None and base.get("verdict") == "KNOWN" and row["checked"] >= base.get("checked", base.get("examples", 0)):
                         row["verdict"] = "FIXED"
-                        row["reason"] = f"KNOWN in the baseline; no violation in {row['examples']} examples"
+                        row["reason"] = f"KNOWN in the baseline; no violation in {row['checked']} checked examples"
+                elif row["examples"]:
+                    reasons = "; ".join(f"{r} ({n})" for r, n in row["unchecked"].items()) or "no reason recorded"
+                    row["reason"] = f"compared nothing on its {row['examples']} examples: {reasons}"
                 elif t is not None:
                     row["reason"] = "no example got past the test's filters"
                 else:

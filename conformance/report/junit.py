@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from conformance.report.data import row_label
-
 import xml.etree.ElementTree as ET
+
+from conformance.report.data import row_label
 
 
 def render(report: dict) -> str:
@@ -46,7 +46,7 @@ def render(report: dict) -> str:
             ) or msg
         elif r["verdict"] == "SKIP":
             ET.SubElement(case, "skipped", message=r.get("reason") or "skipped")
-        out = [f"verdict {r['verdict']}, {r['examples']} examples"]
+        out = [f"verdict {r['verdict']}, {r.get('checked', r['examples'])} of {r['examples']} examples checked"]
         if r.get("reason"):
             out.append(r["reason"])
         out += [f"KNOWN {f['known_failure']}: {f['message']}" for f in fs if f["kind"] == "KNOWN"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from conformance.report.data import row_label
 
 MARK = {"PASS": "PASS", "FAIL": "**FAIL**", "KNOWN": "KNOWN", "FIXED": "_FIXED_", "SKIP": "SKIP"}
@@ -24,12 +26,6 @@ def headline(report: dict) -> str:
     return f"fsdp-conformance {state}: {', '.join(parts) or 'nothing ran'}; {s['examples']} examples in {secs:.0f}s"
 
 
-def fsdp_source_label(report: dict) -> str:
-    from conformance.selfcheck.fsdp_source import label
-
-    return label(report.get("fsdp_source"))
-
-
 def render(report: dict, *, details: bool = True) -> str:
     t = report.get("torch", {})
     run = report.get("run", {})
@@ -42,15 +38,15 @@ def render(report: dict, *, details: bool = True) -> str:
         f"torch `{t.get('version')}` (git `{(t.get('git_version') or '?')[:12]}`, CUDA {t.get('cuda') or '-'}, NCCL {t.get('nccl') or '-'})"
         f" | suite {suite.get('version')} `{rev}` | tiers {tiers or '-'}"
         f" | profile `{run.get('profile')}`" + (f", seed {run['seed']}" if run.get("seed") is not None else ""),
-        *([f"FSDP from source: `{fsdp_source_label(report)}`", ""] if report.get("fsdp_source") else []),
+        *([f"FSDP from source: `{fsdp_source_label(report.get('fsdp_source'))}`", ""] if report.get("fsdp_source") else []),
         "",
-        "| invariant | API | tier | verdict | examples | time | findings |",
+        "| invariant | API | tier | verdict | checked / examples | time | findings |",
         "| --- | --- | --- | --- | ---: | ---: | --- |",
     ]
     for r in report["results"]:
         fnd = ", ".join(f.rsplit("/", 1)[-1] for f in r["findings"]) or (r.get("reason") or "")
         lines.append(
-            f"| {row_label(r)} | {r['api']} | {r['tier']} | {MARK.get(r['verdict'], r['verdict'])} | {r['examples']} "
+            f"| {row_label(r)} | {r['api']} | {r['tier']} | {MARK.get(r['verdict'], r['verdict'])} | {r.get('checked', r['examples'])} / {r['examples']} "
             f"| {r['seconds']:.1f}s | {_cell(fnd)} |"
         )
     failed_tests = report.get("tests", {}).get("failed", [])
@@ -113,3 +109,22 @@ def features_table(report: dict) -> str:
         cells = [f"{100 * acc['features'].get(f, 0) / acc['examples']:.0f}%" for f in FEATURES]
         lines.append(f"| {area} | {tier} | {acc['examples']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def fsdp_source_label(info: dict | None) -> str:
+    """One line: "installed" or PATH@commit(+dirty sha)."""
+    if not info:
+        return "installed"
+    s = info.get("path", "?")
+    if info.get("git_commit"):
+        s += f"@{info['git_commit'][:12]}"
+        if info.get("git_dirty"):
+            s += f"+dirty:{(info.get('git_diff_sha256') or '')[:12]}"
+    else:
+        s += f" (files sha256 {(info.get('files_sha256') or '?')[:12]})"
+    diff = info.get("differs_from_installed")
+    if diff is not None:
+        s += f"; differs from installed in {len(diff)} file{'s' if len(diff) != 1 else ''}"
+        if 0 < len(diff) <= 3:
+            s += " (" + ", ".join(Path(d).name for d in diff) + ")"
+    return s

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from conformance.run import known as known_mod
 from conformance.report.data import VERDICTS
 from conformance.report.html import _ENV
 from conformance.report.markdown import MARK, _cell
+from conformance.run import known as known_mod
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "reports" / "matrix"
 NOTRUN_SUFFIX = ".notrun.json"

@@ -3,8 +3,6 @@ pytest processes write as they go: ``.partial/*.json`` and ``report.json``."""
 
 from __future__ import annotations
 
-from conformance.report.data import row_label
-
 import json
 import time
 from pathlib import Path
@@ -15,8 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from conformance.report.data import merge_tallies
-from conformance.plugin.report import PARTIAL
+from conformance.report.data import merge_tallies, row_label
+from conformance.report.write import PARTIAL
 
 STYLE = {"PASS": "green", "FAIL": "bold red", "KNOWN": "yellow", "FIXED": "cyan", "SKIP": "dim", "running": "blue"}
 

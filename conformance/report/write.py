@@ -7,6 +7,9 @@ from pathlib import Path
 
 from conformance.report import data, html, junit, markdown
 
+# where each process of a run keeps its part while the run goes (merged into the report)
+PARTIAL = ".partial"
+
 FILES = {"json": "report.json", "md": "summary.md", "junit": "junit.xml", "html": "report.html"}
 
 
@@ -14,10 +17,10 @@ def write_repros(report: dict, report_dir: Path) -> None:
     """Give every finding a repro script (its smallest case), path relative
     to the report directory. A script that cannot be generated is noted, not
     fatal: the report must still be written."""
-    from conformance.run.session import write_repro_file
-    from conformance.case.model_case import case_from_json
-
     import json
+
+    from conformance.case.model_case import case_from_json
+    from conformance.run.session import write_repro_file
 
     for f in report.get("findings", []):
         if f.get("repro") and (Path(report_dir) / f["repro"]).exists():

@@ -101,8 +101,8 @@ def check_model(
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
 
-    from conformance.run.session import Session
     from conformance.case.target import check_target
+    from conformance.run.session import Session
     from strategies.targets import model_cases
 
     check_target(target)
@@ -164,15 +164,3 @@ def _hypothesis_test(session, invariant: str, engine, tier: str, cases, config):
     return test
 
 
-def report(run: ModelRun, tiers_info: list[dict], selection: list[str] | None = None) -> dict:
-    """The report dict (same schema and rows as `fsdp-conformance run`'s)."""
-    from conformance.report import data
-
-    selected = sorted({inv for inv, _ in run.checked})
-    return data.build(
-        partials=[run.session.to_dict()],
-        run={"tiers": tiers_info, "target": run.target, "selection": selection or selected, "selected": selected,
-             "profile": None, "seed": None},
-        status="complete",
-        wall_seconds=run.seconds,
-    )

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 import pytest
+import torch
 from hypothesis import event
 
 from conformance.areas import CATALOG, area_of, get, scenario_of
@@ -26,13 +25,30 @@ from conformance.run import corpus as corpus_mod
 from conformance.run import known as known_mod
 from conformance.run.features import case_features
 from conformance.run.repro import repro_script
-from conformance.run.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, check_case
+from conformance.run.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, Timing, check_example
 
 EXPECTTEST_HINT = "expected-output snapshots: rerun with EXPECTTEST_ACCEPT=1 to accept new texts"
 
 # Finding kinds. FAIL, HANG, CRASH and ERROR make the invariant's verdict FAIL.
 HANG, CRASH, ERROR = "HANG", "CRASH", "ERROR"
 FAILING_KINDS = (FAIL, HANG, CRASH, ERROR)
+
+
+class InvariantFailed(AssertionError):
+    """FSDP broke an invariant on an example; one subclass per invariant
+    (failure_type), so that Hypothesis tells the invariants' failures apart."""
+
+    invariant = ""
+
+
+_FAILURE_TYPES: dict[str, type[InvariantFailed]] = {}
+
+
+def failure_type(invariant_id: str) -> type[InvariantFailed]:
+    if invariant_id not in _FAILURE_TYPES:
+        name = "InvariantFailed_" + "".join(c if c.isalnum() else "_" for c in invariant_id)
+        _FAILURE_TYPES[invariant_id] = type(name, (InvariantFailed,), {"invariant": invariant_id, "__module__": __name__})
+    return _FAILURE_TYPES[invariant_id]
 
 
 def size(spec: CaseSpec) -> tuple[int, int]:
@@ -110,6 +126,7 @@ class Tally:
     seconds: float = 0.0
     findings: dict[str, Finding] = field(default_factory=dict)
     features: dict[str, int] = field(default_factory=dict)  # examples per case feature (conformance.run.features)
+    unchecked: dict[str, int] = field(default_factory=dict)  # examples that compared nothing, by reason
 
     @property
     def verdict(self) -> str:
@@ -139,6 +156,7 @@ class Tally:
             "outcomes": dict(self.verdicts),
             "seconds": round(self.seconds, 3),
             "features": dict(self.features),
+            "unchecked": dict(self.unchecked),
             "findings": [f.to_dict() for f in self.findings.values()],
         }
 
@@ -175,6 +193,10 @@ class Session:
         # rank tiers run with one rank: their corpus cases (recorded at world
         # size 2) cannot show a rank-dependent deviation, so they check nothing
         self._one_rank_tiers: set[str] = set()
+        # the invariants the run selected (--invariant); None: all
+        self.selected: set[str] | None = None
+        # where each example's time went (the bench reads them); None: not kept
+        self.timings: list[Timing] | None = None
 
     def tally(self, invariant: str, tier: str, api: str | None = None, model: str = "") -> Tally:
         api = api or api_of(invariant)
@@ -185,6 +207,8 @@ class Session:
         t.examples += 1
         t.seconds += seconds
         t.verdicts[res.verdict] = t.verdicts.get(res.verdict, 0) + 1
+        if res.unchecked:
+            t.unchecked[res.unchecked] = t.unchecked.get(res.unchecked, 0) + 1
         by_known: dict[str, list] = {}
         for v, fid in res.known:
             by_known.setdefault(fid, []).append(v)
@@ -207,16 +231,18 @@ class Session:
         self._changed()
         return t.findings[kind]
 
-    def _features(self, invariant: str, spec: CaseSpec, engine, tier: str) -> None:
-        """Count the example's case features (and report them to Hypothesis
-        as events: ``--hypothesis-show-statistics``)."""
+    def _features(self, invariants: list[str], spec: CaseSpec, engine, tier: str) -> None:
+        """Count the example's case features for each invariant's row (and
+        report them to Hypothesis as events: ``--hypothesis-show-statistics``)."""
         try:
             feats = case_features(spec, getattr(engine, "world_size", 2))
         except Exception:  # an oracle that rejects the case: no features, the check says why
             feats = []
-        t = self.tally(invariant, tier, api_of(invariant, spec), model_of(spec))
+        for invariant in invariants:
+            t = self.tally(invariant, tier, api_of(invariant, spec), model_of(spec))
+            for f in feats:
+                t.features[f] = t.features.get(f, 0) + 1
         for f in feats:
-            t.features[f] = t.features.get(f, 0) + 1
             try:
                 event(f"case: {f}")
             except Exception:  # outside a Hypothesis test (check, repro)
@@ -242,35 +268,67 @@ class Session:
             self.on_change()
 
     def check(self, invariant: str, spec: CaseSpec, engine, tier: str) -> CaseResult:
-        """Run one example; raise AssertionError (with the spec as Python and
-        a repro script's path as notes) when FSDP breaks the invariant."""
-        skip_if_unavailable(invariant, spec, tier)
+        """One invariant on one example (check_example for that one)."""
+        return self.check_example([invariant], spec, engine, tier)[0]
+
+    def check_example(self, invariants: list[str], spec: CaseSpec, engine, tier: str) -> list[CaseResult]:
+        """Run one example once for every invariant of ``invariants`` that
+        the run selected (each scenario they need once); record a verdict
+        per invariant. Raises, when FSDP breaks some of them, one
+        InvariantFailed per broken invariant (an ExceptionGroup of them for
+        several: Hypothesis keeps each distinct failure apart and shrinks it
+        on its own), with the case as Python and the repro path as notes."""
+        invariants = [i for i in invariants if self.selected is None or i in self.selected]
+        if not invariants:
+            pytest.skip("no invariant of this test is selected")
+        for i in invariants:
+            skip_if_unavailable(i, spec, tier)
         if tier != "fake" and getattr(engine, "world_size", 2) < 2:
             self._one_rank_tiers.add(tier)
-        self._features(invariant, spec, engine, tier)
+        self._features(invariants, spec, engine, tier)
         t0 = time.perf_counter()
         try:
-            res = check_case(invariant, spec, engine, self.known)
+            results = check_example(invariants, spec, engine, self.known, self.timings)
         except ExampleFailed as e:
-            res = self._known_engine_failure(invariant, spec, e, time.perf_counter() - t0, tier)
-            if res is not None:
-                return res
-            self.record_failure(invariant, spec, tier, time.perf_counter() - t0, e.verdict, str(e), e.to_dict())
-            err = AssertionError(f"{invariant}: {e}")
-            self._annotate(err, spec, invariant, [str(e)])
-            raise err from e
+            self._engine_failed(invariants, spec, tier, e, time.perf_counter() - t0)
+            return []
         except ScenarioFailed as e:
             first = (str(e).splitlines() or [type(e).__name__])[0]
-            self.record_failure(invariant, spec, tier, time.perf_counter() - t0, ERROR, first)
-            err = AssertionError(f"{invariant}: {first}")
-            self._annotate(err, spec, invariant, [first])
+            share = (time.perf_counter() - t0) / len(invariants)
+            for i in invariants:
+                self.record_failure(i, spec, tier, share, ERROR, first)
+            err = failure_type(invariants[0])(f"{', '.join(invariants)}: {first}")
+            self._annotate(err, spec, invariants[0], [first])
             raise err from e
-        self.record(res, tier, time.perf_counter() - t0)
-        if res.verdict == FAIL:
-            err = AssertionError(res.describe())
-            self._annotate(err, spec, invariant, [str(v) for v in res.violations], res)
-            raise err
-        return res
+        share = (time.perf_counter() - t0) / len(results)
+        for res in results:
+            self.record(res, tier, share)
+        errors = []
+        for res in results:
+            if res.verdict == FAIL:
+                err = failure_type(res.invariant)(res.describe())
+                self._annotate(err, spec, res.invariant, [str(v) for v in res.violations], res)
+                errors.append(err)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ExceptionGroup(f"{len(errors)} invariants broken: {', '.join(e.invariant for e in errors)}", errors)
+        return results
+
+    def _engine_failed(self, invariants: list[str], spec: CaseSpec, tier: str, e, seconds: float) -> None:
+        """A HANG or CRASH: none of ``invariants`` got a verdict. Recorded
+        KNOWN for each where a known failure describes it, else as the
+        engine's verdict; raises unless every one was KNOWN."""
+        share = seconds / len(invariants)
+        failing = []
+        for i in invariants:
+            if self._known_engine_failure(i, spec, e, share, tier) is None:
+                self.record_failure(i, spec, tier, share, e.verdict, str(e), e.to_dict())
+                failing.append(i)
+        if failing:
+            err = failure_type(failing[0])(f"{', '.join(failing)}: {e}")
+            self._annotate(err, spec, failing[0], [str(e)])
+            raise err from e
 
     def _known_engine_failure(self, invariant: str, spec: CaseSpec, e, seconds: float, tier: str) -> CaseResult | None:
         """A HANG / CRASH that a known failure describes (only for invariants

@@ -241,25 +241,6 @@ def report_info() -> dict | None:
         return {"path": path, "error": str(e)}
 
 
-def label(info: dict | None) -> str:
-    """One line: "installed" or PATH@commit(+dirty sha)."""
-    if not info:
-        return "installed"
-    s = info.get("path", "?")
-    if info.get("git_commit"):
-        s += f"@{info['git_commit'][:12]}"
-        if info.get("git_dirty"):
-            s += f"+dirty:{(info.get('git_diff_sha256') or '')[:12]}"
-    else:
-        s += f" (files sha256 {(info.get('files_sha256') or '?')[:12]})"
-    diff = info.get("differs_from_installed")
-    if diff is not None:
-        s += f"; differs from installed in {len(diff)} file{'s' if len(diff) != 1 else ''}"
-        if 0 < len(diff) <= 3:
-            s += " (" + ", ".join(Path(d).name for d in diff) + ")"
-    return s
-
-
 # ---- can the installed torch import it? ------------------------------------------
 
 

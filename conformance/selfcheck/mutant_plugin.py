@@ -15,9 +15,9 @@ FILE_VAR = "FSDP_CONFORMANCE_MUTANT_FILE"
 RUNTIME_FILES = ("_runtime_utils.py", "_fsdp_collectives.py", "_fsdp_param.py")
 # areas (test_<area>.py) in the order they run for a mutant of each API
 ORDER = {
-    "fsdp1": ("wrap", "frozen", "ties", "lora", "ranks", "forward_methods", "parity"),
-    "fsdp2": ("fsdp2", "forward_methods", "parity"),
-    "forward_method": ("forward_methods", "fsdp2", "parity"),
+    "fsdp1": ("autowrap", "lora", "summon", "parity", "checkpoint", "schedule"),
+    "fsdp2": ("fully_shard", "parity", "checkpoint", "schedule"),
+    "forward_method": ("fully_shard", "parity"),
 }
 TIERS = ("fake", "gloo", "nccl")
 

@@ -31,8 +31,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance.selfcheck import fsdp_source
 from conformance import paths
+from conformance.selfcheck import fsdp_source
 
 CATALOG_PATH = Path(__file__).with_name("mutants.toml")
 APIS = ("fsdp1", "fsdp2", "forward_method")
@@ -164,7 +164,7 @@ def invariants_for(api: str) -> list[str]:
     from conformance.areas import CATALOG
 
     if api == "forward_method":
-        return [i.id for i in CATALOG.values() if i.area == "forward_methods" and "fsdp2" in i.api.split("|")]
+        return [i.id for i in CATALOG.values() if i.group == "forward_methods" and "fsdp2" in i.apis]
     return [i.id for i in CATALOG.values() if api in i.api.split("|")]
 
 

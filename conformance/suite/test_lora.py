@@ -7,9 +7,9 @@ import pytest
 
 from conformance.areas.autowrap.adapter import post_order_names
 from conformance.case.build import build
-from conformance.engine.fake import FakeEngine
 from conformance.case.examples import lora_model
 from conformance.case.graph import ModelGraph
+from conformance.engine.fake import FakeEngine
 from conformance.run.runner import evaluate, observations
 
 pytestmark = pytest.mark.fake

@@ -10,8 +10,8 @@ import os
 import time
 from unittest import mock
 
-from conformance.engine.scenarios import scenario
 from conformance.case.spec import CaseSpec
+from conformance.engine.scenarios import scenario
 
 FAULTS = {}
 

@@ -8,8 +8,8 @@ import contextlib
 import functools
 from unittest import mock
 
-from conformance.engine.scenarios import scenario
 from conformance.case.spec import CaseSpec
+from conformance.engine.scenarios import scenario
 
 
 def _fsdp():
@@ -256,9 +256,9 @@ def sum_reduction_not_divided():
 
 def _faulty(name: str, kind: str):
     def run(spec: CaseSpec) -> dict:
-        from conformance.areas.summon import adapter as fsdp1_methods
         from conformance.areas.fully_shard import adapter as fsdp2
         from conformance.areas.parity import adapter as training
+        from conformance.areas.summon import adapter as fsdp1_methods
 
         adapter = {"fsdp2": fsdp2, "fsdp1-methods": fsdp1_methods, "train": training}[kind]
         with FAULTS[name]():

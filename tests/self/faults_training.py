@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 from unittest import mock
 
-from conformance.engine.scenarios import scenario
 from conformance.case.spec import CaseSpec
+from conformance.engine.scenarios import scenario
 
 FAULTS = {}
 

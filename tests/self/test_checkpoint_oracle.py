@@ -319,11 +319,11 @@ def test_a_crash_of_a_tied_reversed_list_group_save_is_known(order, reversed_):
     oracle's included); listed in registration order it is not this finding."""
     import torch
 
-    from conformance.run import known
     from conformance.areas.checkpoint.invariants import failure_tags
     from conformance.areas.checkpoint.oracle import predict_ckpt
     from conformance.case.spec import ShardGroup
     from conformance.case.violation import Violation
+    from conformance.run import known
 
     tree = ModuleSpec("", "ModelSeq", children=tuple(ModuleSpec(str(i), "Linear", (ParamSpec("weight", (7, 7), False),)) for i in range(4)))
     spec = CaseSpec(tree=tree, classes=(ClassSpec("ModelSeq", "Sequential"),), ties=(TiedParam("2", "weight", "3.weight"),),

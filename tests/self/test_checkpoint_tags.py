@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance.run import known
 from conformance.areas.checkpoint.invariants import case_tags
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
+from conformance.run import known
 
 pytestmark = pytest.mark.selfcheck
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance.case.model_case import ModelCase
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
-from conformance.run.runner import PASS, evaluate, observations
+from conformance.case.model_case import ModelCase
 from conformance.case.spec import ModuleWrap, TransformerWrap, WrapPlan
 from conformance.case.target import TargetError, base_graph, check_case
+from conformance.run.runner import PASS, UNCHECKED, evaluate, observations
 
 pytestmark = pytest.mark.selfcheck
 
@@ -118,15 +118,16 @@ def test_a_unit_whose_forward_never_runs_is_outside_the_parity_promise(fake_engi
     there is not promised (PARITY passes without comparing), as for a
     container unit; the structure invariants still run."""
     from conformance.areas.autowrap.observation import WrapObservation
-    from conformance.areas.parity.observation import TrainObservation
     from conformance.areas.common.training_oracle import predict_training
+    from conformance.areas.parity.observation import TrainObservation
     from conformance.case.spec import TrainPlan
 
     g = base_graph("tests.self.mha_target:target")
     assert g.not_called == {"blocks", "blocks.0.attn.out_proj", "blocks.1.attn.out_proj"}  # the ModuleList too
     case = ModelCase("tests.self.mha_target:target", plan=WrapPlan("fsdp1", ModuleWrap((TORCH,)), True), train=TrainPlan("SGD", 1))
     assert "forward never runs" in predict_training(case).applicable
-    assert evaluate("PARITY", case, observations(fake_engine, case, "train", TrainObservation.from_dict)).verdict == PASS
+    res = evaluate("PARITY", case, observations(fake_engine, case, "train", TrainObservation.from_dict))
+    assert res.verdict == UNCHECKED and "forward never runs" in res.unchecked
     assert evaluate("WRAP-UNITS", case, observations(fake_engine, case, "fsdp1", WrapObservation.from_dict)).verdict == PASS
     from conformance.areas.common.fsdp2_oracle import predict_fsdp2
     from conformance.case.spec import ShardGroup

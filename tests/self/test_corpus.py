@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from conformance.run import corpus, known
 from conformance.report import data
+from conformance.run import corpus, known
 from conformance.run.runner import KNOWN, PASS, check_case
 from conformance.run.session import Session
 from tests.self import cases

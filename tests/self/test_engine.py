@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from conformance.case.examples import lora_model
+from conformance.case.spec import CaseSpec, ModuleSpec, ParamSpec
 from conformance.engine import (
     CRASH,
     HANG,
@@ -26,8 +28,6 @@ from conformance.engine import (
     resolve_backend,
     scenario_names,
 )
-from conformance.case.examples import lora_model
-from conformance.case.spec import CaseSpec, ModuleSpec, ParamSpec
 
 pytestmark = pytest.mark.selfcheck
 

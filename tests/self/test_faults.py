@@ -14,7 +14,7 @@ from torch.distributed.fsdp import _init_utils, _state_dict_utils, _wrap_utils
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from conformance.case.examples import lora_model
-from conformance.run.runner import FAIL, PASS, KNOWN, observations, evaluate
+from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from tests.self import cases
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]

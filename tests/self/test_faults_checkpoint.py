@@ -14,12 +14,11 @@ import os
 
 import pytest
 
-from conformance.areas.checkpoint.observation import CkptObservation
-from conformance.run.runner import FAIL, PASS, clear_cache, evaluate, observations
-from conformance.case.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan
-
 # the driver checks scenario names too: register the fault scenarios here as well
 import tests.self.faults_checkpoint  # noqa: E402,F401
+from conformance.areas.checkpoint.observation import CkptObservation
+from conformance.case.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan
+from conformance.run.runner import FAIL, PASS, evaluate, observations
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.gloo]
 
@@ -58,7 +57,6 @@ def pool():
 def worlds(pool, phases=None, deadline=20.0):
     from conformance.engine.worlds import Worlds
 
-    clear_cache()
     return Worlds(pool, phases=phases, deadline=deadline)
 
 

@@ -16,8 +16,21 @@ import pytest
 
 from conformance.areas.fully_shard.observation import FSDP2Observation
 from conformance.areas.parity.observation import TrainObservation
+from conformance.case.spec import (
+    CaseSpec,
+    ClassSpec,
+    CustomWrap,
+    ForwardMethod,
+    MethodCall,
+    MethodStep,
+    ModuleSpec,
+    ParamSpec,
+    ShardGroup,
+    TiedParam,
+    TrainPlan,
+    WrapPlan,
+)
 from conformance.run.runner import FAIL, PASS, evaluate, observations
-from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ForwardMethod, MethodCall, MethodStep, ModuleSpec, ParamSpec, ShardGroup, TiedParam, TrainPlan, WrapPlan
 from tests.self import faults_fsdp2 as faults
 
 pytestmark = pytest.mark.selfcheck

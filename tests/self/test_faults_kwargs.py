@@ -9,8 +9,8 @@ import copy
 import pytest
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from conformance.run.runner import FAIL, PASS, evaluate, observations
 from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ParamSpec, SharedModule, WrapPlan
+from conformance.run.runner import FAIL, PASS, evaluate, observations
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from torch.distributed.fsdp import _wrap_utils
 
-from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from conformance.case.spec import CaseSpec, ClassSpec, CustomWrap, ModuleSpec, ModuleWrap, ParamSpec, SharedModule, WrapPlan
+from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

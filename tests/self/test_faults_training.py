@@ -12,9 +12,21 @@ from __future__ import annotations
 import pytest
 
 from conformance.areas.schedule.observation import ScheduleObservation
+from conformance.case.spec import (
+    BufferSpec,
+    CaseSpec,
+    ClassSpec,
+    CustomWrap,
+    Microbatch,
+    ModuleSpec,
+    ParamSpec,
+    Precision,
+    Schedule,
+    ScheduleStep,
+    ShardGroup,
+    WrapPlan,
+)
 from conformance.run.runner import FAIL, PASS, evaluate, observations
-from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, CustomWrap, Microbatch, ModuleSpec, ParamSpec, Precision, Schedule, ScheduleStep, ShardGroup, WrapPlan
-
 from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenarios in the driver)
 
 pytestmark = pytest.mark.selfcheck

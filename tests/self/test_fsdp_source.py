@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from conformance.selfcheck import fsdp_source
 from conformance.case.examples import lora_model
+from conformance.report.markdown import fsdp_source_label
+from conformance.selfcheck import fsdp_source
 
 pytestmark = pytest.mark.selfcheck
 
@@ -35,9 +36,8 @@ def _python(code: str, env_root=None) -> subprocess.CompletedProcess:
 
 
 def test_overlay_in_every_rank_of_the_pool(overlay, monkeypatch):
-    from conformance.engine.pool import RankPool
-
     import tests.self.fsdp_source_scenarios  # noqa: F401  (registers the scenario)
+    from conformance.engine.pool import RankPool
 
     # the fork server (and so every rank) inherits the driver's environment
     monkeypatch.setenv(fsdp_source.ENV_VAR, str(overlay))
@@ -74,7 +74,7 @@ def test_report_header_records_the_overlay(overlay, monkeypatch):
     assert set(info["packages"]) == set(fsdp_source.PACKAGES)
     assert info["differs_from_installed"] == ["torch/distributed/fsdp/__init__.py"]
     assert len(info["files_sha256"]) == 64 and info["git_commit"] is None
-    assert "differs from installed in 1 file (__init__.py)" in fsdp_source.label(info)
+    assert "differs from installed in 1 file (__init__.py)" in fsdp_source_label(info)
 
 
 def test_git_checkout_commit_and_dirty_hash(overlay, tmp_path):

@@ -10,11 +10,11 @@ import dataclasses
 
 import pytest
 
-from conformance.run import corpus
 from conformance.areas.common.fsdp2_oracle import forward_calls
 from conformance.areas.schedule.invariants import case_tags
 from conformance.areas.schedule.oracle import predict_schedule
 from conformance.case.spec import Microbatch, ModuleSpec, ParamSpec
+from conformance.run import corpus
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

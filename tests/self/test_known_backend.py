@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from conformance.run import known
 from conformance.case.violation import Violation
+from conformance.run import known
 
 pytestmark = pytest.mark.selfcheck
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from conformance.run import known as known_mod
 from conformance.report import matrix
+from conformance.run import known as known_mod
 
 pytestmark = pytest.mark.selfcheck
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,9 +233,9 @@ def test_session_skips_an_unavailable_api_with_its_reason(monkeypatch):
 def test_the_bare_already_wrapped_assertion_of_older_torch_gets_its_words(tmp_path):
     # torch 2.4-2.6: `assert not isinstance(child, cast(type, wrapper_cls))` in
     # _recursive_wrap, no message; 2.13 says "Child module ... is already wrapped"
-    from conformance.areas.common.fsdp1_adapter import error_text
     from conformance.areas.autowrap.invariants import error_tags
     from conformance.areas.autowrap.observation import FrozenMessage, WrapObservation
+    from conformance.areas.common.fsdp1_adapter import error_text
 
     # a module of its own: pytest would give a test module's assert a message
     (tmp_path / "old_wrap.py").write_text("def _recursive_wrap(child):\n    assert not isinstance(child, int)\n")

@@ -80,13 +80,13 @@ class _Baseline:
 
 def test_a_kill_counts_only_where_the_unmodified_torch_passes():
     m = next(x for x in mutants.load() if x.id == SAMPLE[0])
-    kill = mutants.Outcome(m, "killed", ["WRAP-FQNS (fsdp1, fake)"], tests=["test_wrap.py::test_wrap_fqns[fake-WRAP-FQNS]"])
+    kill = mutants.Outcome(m, "killed", ["WRAP-FQNS (fsdp1, fake)"], tests=["test_autowrap.py::test_wrapping[fake]"])
     assert mutants.confirm_kill(kill, _Baseline({})) is kill
-    base = _Baseline({"test_wrap.py::test_wrap_fqns[fake-WRAP-FQNS]": "1 failed"})
+    base = _Baseline({"test_autowrap.py::test_wrapping[fake]": "1 failed"})
     got = mutants.confirm_kill(kill, base)
     assert got.status == "invalid" and got.killed_by == kill.killed_by
     assert "fails on the unmodified torch" in got.detail and "1 failed" in got.detail
-    assert base.asked == [("fsdp1", "test_wrap.py::test_wrap_fqns[fake-WRAP-FQNS]")]
+    assert base.asked == [("fsdp1", "test_autowrap.py::test_wrapping[fake]")]
     # a kill that names no test: the whole run is checked
     base = _Baseline({"": "crashed"})
     assert mutants.confirm_kill(mutants.Outcome(m, "killed", ["crash (SIGSEGV) in ?"]), base).status == "invalid"
@@ -101,8 +101,8 @@ def test_baseline_runs_the_test_on_an_unmodified_copy(tmp_path):
     """The unmodified copy passes a real conformance test; a test it cannot
     run (here: one that does not exist) is a failure, not a pass."""
     base = mutants.Baseline(tmp_path, profile="ci", examples=5, tiers="fake", timeout=600, python=sys.executable, skip=())
-    assert base.failure("fsdp1", "test_wrap.py") is None
+    assert base.failure("fsdp1", "test_autowrap.py") is None
     assert fsdp_source.differs_from_installed(tmp_path / "_unmodified" / "src") == []
     report = json.loads((tmp_path / "_unmodified" / "run0" / "report" / "report.json").read_text())
     assert report["fsdp_source"]["path"].startswith(str(tmp_path)) and report["summary"]["examples"] > 0
-    assert base.failure("fsdp1", "test_wrap.py::test_no_such_test") is not None
+    assert base.failure("fsdp1", "test_autowrap.py::test_no_such_test") is not None

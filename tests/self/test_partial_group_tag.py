@@ -11,10 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from conformance.run import corpus
-from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags
-from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags, predict_fsdp2
 from conformance.case.spec import MethodCall
+from conformance.run import corpus
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

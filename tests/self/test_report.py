@@ -13,11 +13,11 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from conformance.areas.common.catalog import Invariant
-from conformance.run.known import KnownFailure, Match
+from conformance.case.violation import Violation
 from conformance.report import compare, data, junit, markdown, write
+from conformance.run.known import KnownFailure, Match
 from conformance.run.runner import CaseResult
 from conformance.run.session import Session
-from conformance.case.violation import Violation
 from tests.self import cases
 
 pytestmark = pytest.mark.selfcheck
@@ -193,12 +193,12 @@ class TestRenderedReport(expecttest.TestCase):
 
 torch `2.13.0+cpu` (git `fedcba987654`, CUDA -, NCCL -) | suite 0.1.0 `0123456789ab` | tiers fake (fake, W=4) | profile `ci`
 
-| invariant | API | tier | verdict | examples | time | findings |
+| invariant | API | tier | verdict | checked / examples | time | findings |
 | --- | --- | --- | --- | ---: | ---: | --- |
-| WRAP-UNITS | fsdp1 | fake | **FAIL** | 3 | 1.5s | FAIL:kind:extra-unit |
-| TIES | fsdp1 | fake | KNOWN | 3 | 0.8s | known:tie-below-lca |
-| FROZEN-CLEAN | fsdp1 | fake | PASS | 3 | 0.4s |  |
-| FSDP2-GROUPS | fsdp2 | fake | SKIP | 0 | 0.0s | no test ran it on this tier |
+| WRAP-UNITS | fsdp1 | fake | **FAIL** | 3 / 3 | 1.5s | FAIL:kind:extra-unit |
+| TIES | fsdp1 | fake | KNOWN | 3 / 3 | 0.8s | known:tie-below-lca |
+| FROZEN-CLEAN | fsdp1 | fake | PASS | 3 / 3 | 0.4s |  |
+| FSDP2-GROUPS | fsdp2 | fake | SKIP | 0 / 0 | 0.0s | no test ran it on this tier |
 
 ### Warnings
 
@@ -222,18 +222,18 @@ torch `2.13.0+cpu` (git `fedcba987654`, CUDA -, NCCL -) | suite 0.1.0 `012345678
       <failure message="[WRAP-UNITS] module b is a unit but the policy does not target it" type="FAIL">FAIL: [WRAP-UNITS] module b is a unit but the policy does not target it
 finding: WRAP-UNITS/fsdp1/fake/FAIL:kind:extra-unit (its smallest case is in the JSON report)
 repro: repros/WRAP-UNITS.py</failure>
-      <system-out>verdict FAIL, 3 examples</system-out>
+      <system-out>verdict FAIL, 3 of 3 examples checked</system-out>
     </testcase>
     <testcase classname="fsdp-conformance.fsdp1.fake" name="TIES" time="0.750">
-      <system-out>verdict KNOWN, 3 examples
+      <system-out>verdict KNOWN, 3 of 3 examples checked
 KNOWN tie-below-lca: [TIES] tied a.l.weight lives below the LCA</system-out>
     </testcase>
     <testcase classname="fsdp-conformance.fsdp1.fake" name="FROZEN-CLEAN" time="0.375">
-      <system-out>verdict PASS, 3 examples</system-out>
+      <system-out>verdict PASS, 3 of 3 examples checked</system-out>
     </testcase>
     <testcase classname="fsdp-conformance.fsdp2.fake" name="FSDP2-GROUPS" time="0.000">
       <skipped message="no test ran it on this tier" />
-      <system-out>verdict SKIP, 0 examples
+      <system-out>verdict SKIP, 0 of 0 examples checked
 no test ran it on this tier</system-out>
     </testcase>
   </testsuite>

@@ -9,11 +9,11 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from conformance.case.model_case import ModelCase
+from conformance.case.spec import ModuleWrap, WrapPlan
+from conformance.case.violation import Violation
 from conformance.report import compare, data, html, junit, markdown
 from conformance.run.runner import CaseResult
 from conformance.run.session import Session
-from conformance.case.spec import ModuleWrap, WrapPlan
-from conformance.case.violation import Violation
 from tests.self import cases
 from tests.self.test_report import CATALOG, ENV, KNOWN, RUN
 

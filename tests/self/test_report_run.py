@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.engine.pool import pid_alive
 from conformance.areas import CATALOG
+from conformance.engine.pool import pid_alive
 from conformance.report import data
 
 pytestmark = pytest.mark.selfcheck

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.run import corpus
-from conformance.case.build import build
 from conformance.areas.schedule.repro import schedule_script
+from conformance.case.build import build
+from conformance.run import corpus
 
 pytestmark = pytest.mark.selfcheck
 

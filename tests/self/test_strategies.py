@@ -7,15 +7,40 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, Phase, find, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from conformance.case.build import build
-from conformance.case.spec import CONTAINER_BASES, CUSTOM_KWARGS, LEAF_TYPES, CaseSpec, CustomWrap, LambdaWrap, ModuleSpec, ModuleWrap, SizeBasedWrap, TransformerWrap, module_at, validate
+from conformance.case.spec import (
+    CONTAINER_BASES,
+    CUSTOM_KWARGS,
+    LEAF_TYPES,
+    CaseSpec,
+    CustomWrap,
+    LambdaWrap,
+    ModuleSpec,
+    ModuleWrap,
+    SizeBasedWrap,
+    TransformerWrap,
+    module_at,
+    validate,
+)
 from conformance.case.tree import join, walk
 from strategies import (
-    FREEZE_KINDS, POLICY_KINDS, SHARED_KINDS, TIE_KINDS, apply_freeze_mask, case_specs, freeze_masks,
-    module_trees, policies, shared_modules, subtree_numels, ties, wrap_plans,
+    FREEZE_KINDS,
+    POLICY_KINDS,
+    SHARED_KINDS,
+    TIE_KINDS,
+    apply_freeze_mask,
+    case_specs,
+    freeze_masks,
+    module_trees,
+    policies,
+    shared_modules,
+    subtree_numels,
+    ties,
+    wrap_plans,
 )
 
 pytestmark = pytest.mark.selfcheck

@@ -13,15 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from conformance.case.build import build
+from conformance.areas.autowrap.observation import FROZEN_MARK, FrozenMessage, UnitObservation, WrapObservation
+from conformance.areas.common.fsdp1_adapter import Aliases, clean, error_text, make_policy, wrap
 from conformance.areas.common.support import placed
-from conformance.areas.autowrap.observation import FROZEN_MARK, FrozenMessage, WrapObservation, UnitObservation
+from conformance.case.build import build
 from conformance.case.spec import CaseSpec
-from conformance.areas.common.fsdp1_adapter import Aliases
-from conformance.areas.common.fsdp1_adapter import clean
-from conformance.areas.common.fsdp1_adapter import error_text
-from conformance.areas.common.fsdp1_adapter import make_policy, wrap
-
 
 _LIST = r"(\[.*?\])"
 _FROZEN_RE = re.compile(

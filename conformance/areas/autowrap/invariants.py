@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 
-from conformance.areas.common.catalog import DOC_FSDP, S000, Catalog
 from conformance.areas.autowrap.observation import FROZEN_MARK, FrozenMessage, WrapObservation
-from conformance.areas.common.fsdp1_oracle import FSDP1Prediction, UnitPrediction
+from conformance.areas.common.catalog import DOC_FSDP, S000, Catalog, NotChecked
+from conformance.areas.common.fsdp1_oracle import FSDP1Prediction, UnitPrediction, fsdp1_case_tags
+from conformance.areas.common.ranks import ranks_agree
+from conformance.areas.common.violations import violation
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
 from conformance.case.violation import set_diff as _diff
-from conformance.areas.common.fsdp1_oracle import fsdp1_case_tags
-from conformance.areas.common.violations import violation
-from conformance.areas.common.ranks import ranks_agree
 
 catalog = Catalog()
 
@@ -29,6 +28,17 @@ def error_tags(obs: WrapObservation) -> set[str]:
     if FROZEN_MARK in obs.error.text:
         return {"error:frozen-check"}  # _validate_frozen_params
     return {"error:other"}
+
+
+def _not_wrapped(pred: FSDP1Prediction, obs: WrapObservation) -> NotChecked | None:
+    """Why the structural checks have nothing to compare: FSDP1 must reject
+    the case (FROZEN-ERROR checks that), or wrapping raised (WRAP-UNITS
+    reports it)."""
+    if pred.error is not None:
+        return NotChecked("FSDP1 must reject the case: a mixed unit under use_orig_params=False (FROZEN-ERROR)")
+    if obs.error is not None:
+        return NotChecked("wrapping raised (WRAP-UNITS reports it)")
+    return None
 
 
 def _wrapped(pred: FSDP1Prediction, obs: WrapObservation) -> bool:
@@ -51,12 +61,12 @@ def _managed_by_path(obs: WrapObservation) -> dict[str, set[str]]:
     statement="The FSDP units after auto-wrapping are exactly the policy's targets plus the root, each once.",
     source=f"{S000}; {DOC_FSDP}",
 )
-def check_wrap_units(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
+def check_wrap_units(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
     tags = fsdp1_case_tags(spec, pred)
     if pred.error is None and obs.error is not None and not _tie_rejection(pred, obs):
         return [violation("WRAP-UNITS", f"wrapping raised {obs.error.category}: {obs.error.text.splitlines()[0]}", tags | error_tags(obs), "kind:raised")]
     if not _wrapped(pred, obs):
-        return []
+        return _not_wrapped(pred, obs)
     want = Counter(u.path for u in pred.units)
     got = Counter(u.path for u in obs.units)
     out = []
@@ -83,11 +93,13 @@ ROOT_KWARGS = {"sharding_strategy": "FULL_SHARD", "forward_prefetch": False}  # 
     statement="A unit whose CustomPolicy lambda returned a kwargs dict is built with those kwargs; every other unit with the root's.",
     source=DOC_CUSTOM_POLICY,
 )
-def check_wrap_kwargs(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
+def check_wrap_kwargs(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
     from conformance.case.spec import CustomWrap
 
-    if not isinstance(spec.plan.policy, CustomWrap) or not _wrapped(pred, obs):
-        return []
+    if not isinstance(spec.plan.policy, CustomWrap):
+        return NotChecked("no CustomPolicy")
+    if not _wrapped(pred, obs):
+        return _not_wrapped(pred, obs)
     from conformance.case.target import graph_of
 
     tags = fsdp1_case_tags(spec, pred)
@@ -128,9 +140,9 @@ def check_wrap_kwargs(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservatio
     statement="Per unit, torch's pre-wrap simulation, the post-wrap managed FQNs and the oracle agree.",
     source=f"{S000} (ezyang: _get_param_to_fqn(post) == _get_managed_param_to_fqn(pre))",
 )
-def check_wrap_fqns(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
+def check_wrap_fqns(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
     if not _wrapped(pred, obs):
-        return []
+        return _not_wrapped(pred, obs)
     tags = fsdp1_case_tags(spec, pred)
     post = _managed_by_path(obs)
     sim: dict[str, set[str]] = {}
@@ -160,9 +172,9 @@ def check_wrap_fqns(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation)
     statement="Every non-ignored original parameter is managed by exactly one unit; ignored ones by none.",
     source=f"{DOC_FSDP}; {S000}",
 )
-def check_exactly_once(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
+def check_exactly_once(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
     if not _wrapped(pred, obs):
-        return []
+        return _not_wrapped(pred, obs)
     tags = fsdp1_case_tags(spec, pred)
     counts = Counter(f for u in obs.units for f in u.managed)
     tied = {t.fqn for t in pred.ties}
@@ -187,12 +199,12 @@ def check_exactly_once(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservati
     statement="Clean state-dict FQNs (and named_parameters with use_orig_params=True) equal the unwrapped model's.",
     source=DOC_FSDP,
 )
-def check_state_dict(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
+def check_state_dict(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
     if not _wrapped(pred, obs):
-        return []
+        return _not_wrapped(pred, obs)
     tags = fsdp1_case_tags(spec, pred)
     if obs.state_dict_error and obs.state_dict_error.startswith("skipped:"):
-        return []  # RANKS-AGREE reports the divergence
+        return NotChecked("no state_dict taken: the ranks built different units (RANKS-AGREE)")
     if obs.state_dict_error:
         return [violation("WRAP-STATE-DICT", f"state_dict() raised {obs.state_dict_error.splitlines()[0]}", tags, "kind:state-dict-raised")]
     out = []
@@ -282,7 +294,7 @@ def _named(spec: CaseSpec, msg: FrozenMessage) -> set[str]:
 def _frozen_mismatch(
     inv: str, msg: FrozenMessage, want: UnitPrediction, tags: set[str], numbers: bool, spec: CaseSpec | None = None,
     units: tuple[UnitPrediction, ...] = (),
-) -> list[Violation]:
+) -> list[Violation] | NotChecked:
     where = want.path or "<root>"
     unit_tag = "unit:root" if want.path == "" else "unit:nonroot"
     if msg.module is None or msg.trainable is None:
@@ -320,9 +332,9 @@ def _frozen_mismatch(
     statement="use_orig_params=False and a unit with mixed requires_grad: ValueError at wrap time naming the first violating unit in registration post-order, with its trainable and frozen FQNs.",
     source=S000,
 )
-def check_frozen_error(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
+def check_frozen_error(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
     if pred.error is None:
-        return []
+        return NotChecked("no unit mixes requires_grad under use_orig_params=False")
     tags = fsdp1_case_tags(spec, pred)
     unit_tag = "unit:root" if pred.error.path == "" else "unit:nonroot"
     where = pred.error.path or "<root>"
@@ -341,9 +353,9 @@ def check_frozen_error(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservati
     statement="use_orig_params=True: one UserWarning per unit with mixed requires_grad, in post-order, with total and trainable numel and the FQNs.",
     source=S000,
 )
-def check_frozen_warn(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
+def check_frozen_warn(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
     if not spec.plan.use_orig_params or not pred.warnings:
-        return []
+        return NotChecked("no unit mixes requires_grad under use_orig_params=True")
     tags = fsdp1_case_tags(spec, pred)
     if obs.error is not None:
         return [violation("FROZEN-WARN", f"wrapping raised {obs.error.category} instead of warning: {obs.error.text.splitlines()[0]!r}", tags | error_tags(obs), "kind:raised")]
@@ -380,9 +392,9 @@ def check_frozen_warn(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservatio
     statement="No frozen-parameter error and no warning when every unit's requires_grad is uniform.",
     source=S000,
 )
-def check_frozen_clean(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
+def check_frozen_clean(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
     if pred.error is not None or pred.warnings:
-        return []
+        return NotChecked("a unit mixes requires_grad (FROZEN-ERROR / FROZEN-WARN)")
     tags = fsdp1_case_tags(spec, pred)
     out = []
     if obs.error is not None and obs.error.module is not None:
@@ -408,9 +420,11 @@ def _tie_rejection(pred: FSDP1Prediction, obs: WrapObservation) -> bool:
     statement="A parameter tied across modules is managed once, its aliases stay one tensor, and a unit below the users' lowest common ancestor is rejected with a clear error; silent duplication is a finding.",
     source=f"{S000} (awgu: shared parameters must be assigned to the lowest common ancestor or higher)",
 )
-def check_ties(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation]:
-    if not pred.ties or pred.error is not None:
-        return []
+def check_ties(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
+    if not pred.ties:
+        return NotChecked("no tied parameter")
+    if pred.error is not None:
+        return NotChecked("FSDP1 must reject the case for a mixed unit (FROZEN-ERROR)")
     tags = fsdp1_case_tags(spec, pred)
     if obs.error is not None:
         if _tie_rejection(pred, obs) and any(t.below_lca for t in pred.ties):
@@ -440,7 +454,7 @@ def check_ties(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> l
     source=f"{DOC_FSDP} (SPMD: every rank must construct the same FSDP instances, or collectives mismatch)",
     all_ranks=True,
 )
-def check_ranks_agree(spec: CaseSpec, pred: FSDP1Prediction, obs: list[WrapObservation]) -> list[Violation]:
+def check_ranks_agree(spec: CaseSpec, pred: FSDP1Prediction, obs: list[WrapObservation]) -> list[Violation] | NotChecked:
     return ranks_agree(obs, fsdp1_case_tags(spec, pred)) if len(obs) > 1 else []
 
 

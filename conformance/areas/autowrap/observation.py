@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from conformance.case.data import Record
 from typing import Any
 
+from conformance.case.data import Record
 
 # The phrase torch's frozen-parameter error and warning start with.
 FROZEN_MARK = "has both parameters with requires_grad=True and False"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import textwrap
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
-from conformance.areas.common.repro import DEVICE_CODE, class_code, class_ref, model_lines
-from conformance.case.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
+from conformance.areas.common.repro import DEVICE_CODE, class_code, model_lines, policy_code
+from conformance.case.spec import CaseSpec
 
 _OBSERVE = '''
 def show_pre_wrap_simulation():
@@ -69,35 +69,10 @@ if __name__ == "__main__":
 '''
 
 
-def _policy_code(spec: CaseSpec, var: dict[str, str]) -> str:
-    pol = spec.plan.policy
-    if pol is None:
-        return "policy = None"
-    if isinstance(pol, ModuleWrap):
-        return f"policy = ModuleWrapPolicy({{{', '.join(class_ref(c) for c in pol.classes)}}})"
-    if isinstance(pol, TransformerWrap):
-        return f"policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{', '.join(class_ref(c) for c in pol.classes)}}})"
-    if isinstance(pol, SizeBasedWrap):
-        return f"policy = functools.partial(size_based_auto_wrap_policy, min_num_params={pol.min_num_params})"
-    targets = "[" + ", ".join(var[t] for t in pol.targets) + "]"
-    if isinstance(pol, LambdaWrap):
-        return f"targets = {targets}\npolicy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: any(m is t for t in targets))"
-    assert isinstance(pol, CustomWrap)
-    kw = {var[t]: dict(k) for t, k in pol.kwargs}
-    kw_code = "{" + ", ".join(
-        f"id({v}): {{" + ", ".join(f"{k!r}: " + (f"ShardingStrategy.{x}" if k == "sharding_strategy" else repr(x)) for k, x in d.items()) + "}"
-        for v, d in kw.items()
-    ) + "}"
-    return (
-        f"targets = {targets}\nkwargs = {kw_code}\n"
-        "policy = CustomPolicy(lambda m: kwargs.get(id(m), True) if any(m is t for t in targets) else False)"
-    )
-
-
 def build_code(spec: CaseSpec) -> str:
     """Source of `build()` returning (model, policy, kwargs), torch-only."""
     lines, var = model_lines(spec)
-    lines.append(_policy_code(spec, var))
+    lines.append(policy_code(spec, var))
     kw = [f"use_orig_params={spec.plan.use_orig_params}"]
     if spec.plan.ignored_modules:
         kw.append("ignored_modules=[" + ", ".join(var[p] for p in spec.plan.ignored_modules) + "]")

@@ -9,8 +9,15 @@ from conformance.areas.checkpoint.oracle import predict_ckpt
 from conformance.areas.common.area import Area, AreaScenario
 
 
+def _fsdp_seconds(obs: CkptObservation) -> float:
+    """Inside FSDP and torch.distributed.checkpoint, the save phase's included."""
+    phases = [dict(obs.seconds), dict((obs.save or {}).get("seconds") or ())]
+    return sum(p.get("fsdp", 0.0) + p.get("dcp", 0.0) for p in phases)
+
+
 def _scenario(name, run=None, phases=()):
-    return AreaScenario(name, run, CkptObservation, predict_ckpt, failure_tags=invariants.failure_tags, phases=phases)
+    return AreaScenario(name, run, CkptObservation, predict_ckpt, failure_tags=invariants.failure_tags, phases=phases,
+                        fsdp_seconds=_fsdp_seconds)
 
 
 AREA = Area(
@@ -28,6 +35,7 @@ AREA = Area(
     ),
     applies=lambda case: getattr(case, "ckpt", None) is not None,
     unavailable=missing_api,
+    needs_ranks=True,
     repro=repro.ckpt_script,
     model_cases="model cases draw no checkpoint plan yet",
 )

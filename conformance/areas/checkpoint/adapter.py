@@ -14,17 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conformance.areas.checkpoint.observation import CkptObservation
+from conformance.areas.checkpoint.oracle import with_frozen
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err1
-from conformance.case.build import build, read_attr
 from conformance.areas.common.support import placed, rank_device
-from conformance.areas.checkpoint.observation import CkptObservation
-from conformance.areas.checkpoint.oracle import with_frozen
+from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, reference_loss
+from conformance.case.build import build, is_sharded, read_attr
 from conformance.case.spec import CaseSpec
 from conformance.case.tree import join
-from conformance.case.build import is_sharded
-from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, reference_loss
 
 LR = 0.05
 
@@ -230,7 +229,8 @@ def _close(a, b) -> bool:
 def full_state_dict(spec: CaseSpec, model: nn.Module) -> dict:
     ck = spec.ckpt
     if ck.full_sd == "fsdp1-full":
-        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         cfg = FullStateDictConfig(offload_to_cpu=ck.offload, rank0_only=ck.rank0_only)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
@@ -350,7 +350,8 @@ def _agreed_error(err: str | None) -> str | None:
 
 def _load_state_dict(spec: CaseSpec, model: nn.Module, source: dict, *, assign: bool) -> None:
     if spec.plan.api == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
 
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
             model.load_state_dict(source)

@@ -5,13 +5,13 @@ sizes (CKPT-RESHARD) and optimizer state through a save and load
 
 from __future__ import annotations
 
-from conformance.areas.common.catalog import Catalog
 from conformance.areas.checkpoint.observation import CkptObservation
 from conformance.areas.checkpoint.oracle import CkptPrediction
+from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
+from conformance.areas.common.violations import violation
 from conformance.case.spec import CaseSpec
 from conformance.case.tree import walk
 from conformance.case.violation import Violation, set_diff
-from conformance.areas.common.violations import violation
 
 catalog = Catalog()
 
@@ -43,7 +43,7 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
         tags.add("shared-module")
     if _tie_in_unresharded_list_group(spec):
         tags.add("group:multi-no-reshard-tie-reversed")
-    if _container_given_to_fully_shard(spec, load):
+    if container_given_to_fully_shard(spec, load):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if pred is not None:
         if any(len(group) > 2 for group in pred.tied):
@@ -71,12 +71,12 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     return tags
 
 
-def _container_given_to_fully_shard(spec: CaseSpec, load) -> bool:
+def container_given_to_fully_shard(spec: CaseSpec, load) -> bool:
     """The save side or the load side is FSDP2 and gives fully_shard a
     container subclass with a forward."""
     import dataclasses
 
-    from conformance.areas.schedule.invariants import _container_given_to_fully_shard as given
+    from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
 
     return any(p.api == "fsdp2" and given(dataclasses.replace(spec, plan=p)) for p in (spec.plan, load))
 
@@ -103,7 +103,13 @@ def _tie_in_unresharded_list_group(spec: CaseSpec) -> bool:
     return False
 
 
-def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str], pred: CkptPrediction | None = None) -> list[Violation]:
+def _outside(pred: CkptPrediction, obs: CkptObservation) -> NotChecked:
+    if pred.applicable:
+        return NotChecked(f"training is not promised for this case: {pred.applicable}")
+    return NotChecked(f"this torch cannot run it: {obs.skipped}")
+
+
+def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str], pred: CkptPrediction | None = None) -> list[Violation] | NotChecked:
     """One violation per distinct error (ranks may raise differently)."""
     aliases = {a for group in pred.tied for a in group[1:]} if pred is not None else set()
     out, seen = [], set()
@@ -197,9 +203,9 @@ def _optim_conversion_tags(error: str, aliases) -> tuple[str, ...]:
     statement="A full model state dict (FSDP1 FULL_STATE_DICT incl. rank0_only / offload_to_cpu; get_model_state_dict(full_state_dict=True) incl. cpu_offload) holds exactly the unwrapped model's keys and values as plain tensors (with ignore_frozen_params: no frozen parameter); ranks that rank0_only / cpu_offload leave out get an empty dict.",
     source=f"{DOC_FSDP1_SD}; {DOC_DCP_SD} (full_state_dict, cpu_offload: 'only the rank0 will get the state_dict', ignore_frozen_params)",
 )
-def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation]:
+def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation] | NotChecked:
     if pred.applicable or obs[0].skipped:
-        return []
+        return _outside(pred, obs[0])
     tags = case_tags(spec, pred)
     if any(o.error for o in obs):
         return _raised("SD-FULL", obs, tags, pred)
@@ -237,9 +243,9 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
     statement="Every load path (load_state_dict incl. assign=True, set_model_state_dict incl. broadcast_from_rank0, meta-device init + to_empty + load) loads the values and leaves tied names sharing one Parameter, with the parameter count unchanged.",
     source=f"{DOC_DCP_SD} (set_model_state_dict, broadcast_from_rank0); {DOC_FSDP2}; FullyShardedDataParallel param_init_fn",
 )
-def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation]:
+def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation] | NotChecked:
     if pred.applicable or obs[0].skipped:
-        return []
+        return _outside(pred, obs[0])
     tags = case_tags(spec, pred)
     if any(o.error for o in obs):
         return _raised("TIES-KEPT", obs, tags, pred)
@@ -265,16 +271,16 @@ def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
     statement="State saved with torch.distributed.checkpoint under one API, plan and world size loads under another (FSDP1 sharded <-> FSDP2, other wrap policy / grouping, world size 1, 2, 3) to the same model values, optimizer state and hyperparameters.",
     source=f"{DOC_DCP}; {DOC_DCP_SD} (get_state_dict / set_state_dict: 'can support different parallelisms, FSDP1, FSDP2'); {DOC_FSDP1_SD}",
 )
-def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation]:
+def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation] | NotChecked:
     if pred.applicable or obs.skipped:
-        return []
+        return _outside(pred, obs)
     # the backend: values after a training step depend on its collectives
     # (fsdp2-gloo-reduce-scatter-avg-sums)
     tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
     if obs.error:
         return _raised("CKPT-RESHARD", obs, tags, pred)
     if not obs.values_meaningful:
-        return []
+        return VALUES_UNCHECKED
     out = []
     if obs.model_diff:
         out.append(violation("CKPT-RESHARD", f"model values of {list(obs.model_diff)[:8]} differ from the saved ones", tags, "kind:model"))
@@ -295,16 +301,16 @@ def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) ->
     statement="After a save and load every parameter that had optimizer state has exactly that state (keys and values), whatever its requires_grad at save and at load, a tied parameter one entry; training continued after the resume matches uninterrupted and single-process training.",
     source=f"{DOC_DCP_SD} (get_optimizer_state_dict / set_optimizer_state_dict); torch.optim.Optimizer.state_dict / load_state_dict; DESIGN.md OPTIM-STATE",
 )
-def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation]:
+def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation] | NotChecked:
     if pred.applicable or obs.skipped:
-        return []
+        return _outside(pred, obs)
     # the backend: values after a training step depend on its collectives
     # (fsdp2-gloo-reduce-scatter-avg-sums)
     tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
     if obs.error:
         return _raised("OPTIM-STATE", obs, tags, pred)
     if not obs.values_meaningful:
-        return []
+        return VALUES_UNCHECKED
     out = []
     alias = {a: group[0] for group in pred.tied for a in group}
     frozen_save, frozen_load = set(pred.frozen_at_save), set(pred.frozen_at_load)

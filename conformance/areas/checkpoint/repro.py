@@ -10,10 +10,8 @@ from __future__ import annotations
 import textwrap
 
 from conformance.areas.common.fsdp2_oracle import shard_order
+from conformance.areas.common.repro import FSDP2_RUNTIME, class_code, model_lines, policy_code
 from conformance.case.graph import ModelGraph
-from conformance.areas.common.repro import class_code, model_lines
-from conformance.areas.autowrap.repro import _policy_code
-from conformance.areas.fully_shard.repro import _RUNTIME
 from conformance.case.spec import CaseSpec, WrapPlan
 from conformance.case.tree import walk
 
@@ -250,7 +248,7 @@ def _wrap_code(spec: CaseSpec, var: dict[str, str]) -> str:
         out.append(f"    if i == {i}:")
         if plan.api == "fsdp1":
             case = _with_plan(spec, plan)
-            pol = _policy_code(case, {p: f"mods[{p!r}]" for p in var})
+            pol = policy_code(case, {p: f"mods[{p!r}]" for p in var})
             out.append(textwrap.indent(pol, "        "))
             out.append(f"        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device('cpu'), use_orig_params={plan.use_orig_params}, param_init_fn=param_init_fn)")
         else:
@@ -313,5 +311,5 @@ def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "")
         f"SAVE_WORLD, LOAD_WORLD = {ck.save_world}, {ck.load_world}  # the case's world sizes",
     ]) + "\n"
     classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
-    parts = ["\n".join(head), _IMPORTS, _RUNTIME, classes, build, _wrap_code(spec, var), consts, _MAIN]
+    parts = ["\n".join(head), _IMPORTS, FSDP2_RUNTIME, classes, build, _wrap_code(spec, var), consts, _MAIN]
     return "\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n"

@@ -33,6 +33,11 @@ class AreaScenario:
     # how the ranks' agreement is checked; None: every rank's comparable()
     # equal (conformance.areas.common.ranks.ranks_agree, with ranks_tags)
     agree: Callable[[Any, Any, list], list] | None = None
+    # the scenarios whose observations this one's include (it serves their
+    # invariants on the same run)
+    covers: tuple[str, ...] = ()
+    # an observation's time inside FSDP (the bench's measure), or None
+    fsdp_seconds: Callable[[Any], float] | None = None
 
     def comparable(self, value: dict) -> Any:
         """What every rank must agree on, from one rank's value."""
@@ -55,9 +60,8 @@ class Area:
     ``applies(case)``: whether a case is one of this area's (a checkpoint
     case has a checkpoint plan, ...); ``unavailable(case)``: why the
     installed torch cannot run it here (a SKIP), or None; ``repro(case,
-    violation_lines, title)``: its standalone script; ``bench``: its
-    figures, or None; ``model_cases``: "" when real models (ModelCase) are
-    checked too, else why not. The suite module is
+    violation_lines, title)``: its standalone script; ``model_cases``: ""
+    when real models (ModelCase) are checked too, else why not. The suite module is
     conformance/suite/test_<name>.py."""
 
     name: str
@@ -67,8 +71,10 @@ class Area:
     applies: Callable[[Any], bool]
     repro: Callable[..., str]
     unavailable: Callable[[Any], str | None] | None = None
-    bench: Callable[..., dict] | None = None
     model_cases: str = ""
+    # every invariant compares values or world sizes: not run on the fake
+    # tier (its collectives carry no data)
+    needs_ranks: bool = False
 
     def __post_init__(self) -> None:
         names = {s.name for s in self.scenarios} | {p for s in self.scenarios for p in s.phases}

@@ -19,7 +19,7 @@ class Invariant:
     api: str  # fsdp1 | fsdp2 | fsdp1|fsdp2
     statement: str
     source: str
-    check: Callable  # (spec, prediction, observation) -> list[Violation]
+    check: Callable  # (spec, prediction, observation) -> list[Violation] | NotChecked
     all_ranks: bool = False  # check gets every rank's observation, not rank 0's
     scenario: str = ""  # the area's scenario that observes what it checks
     area: str = ""  # the area package that declares it (set by its Area record)
@@ -27,6 +27,20 @@ class Invariant:
     @property
     def apis(self) -> tuple[str, ...]:
         return tuple(self.api.split("|"))
+
+
+@dataclass(frozen=True)
+class NotChecked:
+    """What a check returns when the example gave it nothing to compare
+    (the case is outside the promise, the tier carries no values, ...): the
+    example is recorded as not checked, with the reason, never as a PASS."""
+
+    reason: str
+
+
+# A value comparison on a tier whose collectives carry no data (the fake
+# process group): the example compared no values.
+VALUES_UNCHECKED = NotChecked("values are not compared on the fake tier (its collectives carry no data)")
 
 
 class UnknownInvariant(KeyError):
@@ -66,9 +80,17 @@ def _own_violations(invariant_id: str, check: Callable) -> Callable:
     @functools.wraps(check)
     def checked(*args, **kwargs):
         out = check(*args, **kwargs)
+        if isinstance(out, NotChecked):
+            return out
         wrong = [v for v in out if v.invariant != invariant_id]
         if wrong:
             raise ValueError(f"{invariant_id}'s check returned a violation of {wrong[0].invariant}: {wrong[0]}")
         return out
 
     return checked
+
+
+DOC_FULLY_SHARD = "fully_shard docstring (parameter groups: module.parameters() less those assigned by earlier calls; reshard_after_forward; the list form)"
+
+
+DOC_REGISTER = "register_fsdp_forward_method docstring"

@@ -3,25 +3,24 @@ FullyShardedDataParallel over a built case, and the canonical names of the
 unwrapped model (FSDP1 internals read here are the wrapper prefix only)."""
 
 from __future__ import annotations
-from conformance.case.build import Built
-from conformance.case.spec import CaseSpec
-from torch.distributed.fsdp.wrap import CustomPolicy
-from conformance.case.spec import CustomWrap
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from conformance.case.spec import LambdaWrap
-from conformance.case.spec import ModuleWrap
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.fsdp import ShardingStrategy
-from conformance.case.spec import SizeBasedWrap
-from conformance.case.spec import TransformerWrap
-import functools
-from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-import torch.nn as nn
-from conformance.areas.common.support import rank_device
-from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
-import traceback
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+import functools
+import traceback
+
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+
+from conformance.areas.common.support import rank_device
+from conformance.case.build import Built
+from conformance.case.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
 

@@ -8,8 +8,7 @@ import functools
 from dataclasses import dataclass
 
 from conformance.case.graph import ModelGraph
-from conformance.case.spec import CustomWrap, WrapPlan, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
-from conformance.case.spec import CaseSpec
+from conformance.case.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap, WrapPlan
 
 # size_based_auto_wrap_policy's documented defaults (torch.nn classes)
 SIZE_EXCLUDE_WRAP = ("ModuleList", "ModuleDict")

@@ -3,13 +3,14 @@
 groups sharded bottom-up, and what several areas read of FSDP2 modules."""
 
 from __future__ import annotations
-from conformance.case.build import Built
-from conformance.case.spec import CaseSpec
-from conformance.areas.common.support import fsdp2_mesh
-from conformance.case.target import graph_of
-from conformance.case.build import is_sharded
-from conformance.areas.common.fsdp2_oracle import shard_order
+
 import torch
+
+from conformance.areas.common.fsdp2_oracle import shard_order
+from conformance.areas.common.support import fsdp2_mesh
+from conformance.case.build import Built, is_sharded
+from conformance.case.spec import CaseSpec
+from conformance.case.target import graph_of
 
 
 def fsdp2_api():

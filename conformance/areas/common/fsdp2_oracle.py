@@ -5,13 +5,13 @@ to a parameter shared between groups (by torch release)."""
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
+import torch
+
 from conformance.case.graph import ModelGraph
-from conformance.case.spec import ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls
+from conformance.case.spec import CaseSpec, ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls
 from conformance.case.tree import join
-from conformance.case.spec import CaseSpec
 
 # The torch release from which fully_shard rejects a parameter that two
 # groups see (ValueError at the first forward that names it and prescribes
@@ -631,3 +631,8 @@ def container_base(spec: CaseSpec, path: str) -> bool:
     except SpecError:
         return False
     return any(c.name == cls and c.base in ("ModuleList", "ModuleDict") for c in spec.classes)
+
+
+def container_given_to_fully_shard(spec: CaseSpec) -> bool:
+    """Some module the case gives fully_shard is a ModuleList/ModuleDict subclass with a forward."""
+    return any(container_base(spec, p) for p in predict_fsdp2(spec, torch.__version__).fsdp_modules)

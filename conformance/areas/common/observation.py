@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class CallObservation:
     index: int

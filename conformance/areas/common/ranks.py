@@ -4,10 +4,11 @@ collective (a rank that raised has left the example); and RANKS-AGREE,
 every rank's observation the same."""
 
 from __future__ import annotations
-from conformance.case.violation import Violation
-import torch.distributed as dist
-import torch
 
+import torch
+import torch.distributed as dist
+
+from conformance.case.violation import Violation
 
 _SIDE: dict[int, object] = {}
 

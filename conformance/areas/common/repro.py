@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from conformance.case.spec import CaseSpec
+from conformance.case.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 from conformance.case.tree import walk
 
 # The backend and device a repro script runs on, chosen by an environment
@@ -122,3 +122,72 @@ if __name__ == "__main__":
     sys.exit(main(args + (["--invariant", INVARIANT] if INVARIANT else [])))
 '''
     return "\n".join(head) + "\n" + body
+
+
+def policy_code(spec: CaseSpec, var: dict[str, str]) -> str:
+    pol = spec.plan.policy
+    if pol is None:
+        return "policy = None"
+    if isinstance(pol, ModuleWrap):
+        return f"policy = ModuleWrapPolicy({{{', '.join(class_ref(c) for c in pol.classes)}}})"
+    if isinstance(pol, TransformerWrap):
+        return f"policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{', '.join(class_ref(c) for c in pol.classes)}}})"
+    if isinstance(pol, SizeBasedWrap):
+        return f"policy = functools.partial(size_based_auto_wrap_policy, min_num_params={pol.min_num_params})"
+    targets = "[" + ", ".join(var[t] for t in pol.targets) + "]"
+    if isinstance(pol, LambdaWrap):
+        return f"targets = {targets}\npolicy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: any(m is t for t in targets))"
+    assert isinstance(pol, CustomWrap)
+    kw = {var[t]: dict(k) for t, k in pol.kwargs}
+    kw_code = "{" + ", ".join(
+        f"id({v}): {{" + ", ".join(f"{k!r}: " + (f"ShardingStrategy.{x}" if k == "sharding_strategy" else repr(x)) for k, x in d.items()) + "}"
+        for v, d in kw.items()
+    ) + "}"
+    return (
+        f"targets = {targets}\nkwargs = {kw_code}\n"
+        "policy = CustomPolicy(lambda m: kwargs.get(id(m), True) if any(m is t for t in targets) else False)"
+    )
+
+
+# The case's forward and helpers, as conformance/build.py defines them.
+FSDP2_RUNTIME = '''
+def read_attr(obj, path):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def is_sharded(t):
+    return hasattr(t, "device_mesh")  # a DTensor: FSDP2's sharded parameter
+
+
+def use_param(x, t):
+    if t.dim() == 2:  # a head reusing a weight through F.linear (HF generate()'s tied head)
+        return F.linear(x[:, None].expand(x.shape[0], t.shape[1]), t).mean(-1) + x
+    return x + 0.5 * torch.tanh(t).mean()
+
+
+def call_child(child, x):
+    if isinstance(child, nn.Linear):
+        return child(x[:, None].expand(x.shape[0], child.in_features)).mean(-1) + x
+    if isinstance(child, nn.Embedding):
+        return child(torch.arange(x.shape[0], device=x.device) % child.num_embeddings).mean(-1) + x
+    if isinstance(child, nn.LayerNorm):
+        n = child.normalized_shape[0]
+        return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
+    if type(child) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
+        for c in child._modules.values():
+            x = call_child(c, x)
+        return x
+    return child(x)
+
+
+def generic_forward(self, x):
+    for name in self.case_params:
+        x = x + 0.5 * torch.tanh(getattr(self, name)).mean()
+    for name in self.case_buffers:
+        x = x + getattr(self, name).mean()
+    for child in self._modules.values():
+        x = call_child(child, x)
+    return x
+'''

@@ -2,15 +2,15 @@
 whether training is promised at all, and which parameters train."""
 
 from __future__ import annotations
-from conformance.areas.common.fsdp1_oracle import FSDP1Prediction
-from conformance.areas.common.fsdp2_oracle import FSDP2Prediction
-from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS
-from dataclasses import dataclass
+
 import functools
-from conformance.case.target import graph_of
-from conformance.areas.common.fsdp1_oracle import predict_fsdp1
-from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+from dataclasses import dataclass
+
 import torch
+
+from conformance.areas.common.fsdp1_oracle import FSDP1Prediction, predict_fsdp1
+from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, FSDP2Prediction, predict_fsdp2
+from conformance.case.target import graph_of
 
 
 @dataclass(frozen=True)

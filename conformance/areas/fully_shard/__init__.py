@@ -21,7 +21,8 @@ AREA = Area(
     invariants=invariants.INVARIANTS,
     scenarios=(
         AreaScenario("fsdp2", scenario.fsdp2, FSDP2Observation, _predict,
-                     ranks_tags=lambda case, pred, obs: fsdp2_case_tags(case, pred)),
+                     ranks_tags=lambda case, pred, obs: fsdp2_case_tags(case, pred),
+                     fsdp_seconds=lambda obs: obs.seconds),  # fully_shard, registration and the calls
     ),
     applies=lambda case: case.plan.api == "fsdp2",
     unavailable=lambda case: fsdp2_unavailable(),

@@ -7,28 +7,23 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.areas.common.fsdp1_adapter import Aliases
-from conformance.case.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
-from conformance.areas.common.support import placed
+from conformance.areas.common.fsdp2_adapter import count_collectives, error_line, fsdp2_api, full_tensor, shard
 from conformance.areas.common.observation import CallObservation, GradObservation
-from conformance.areas.fully_shard.observation import FSDP2Observation, GroupObservation, ProbeObservation, RegistrationObservation
-from conformance.case.spec import CaseSpec, effective_calls
-from conformance.case.tree import join
-from typing import Any
-from conformance.case.model_case import ModelCase
-from conformance.case.target import target_loss
+from conformance.areas.common.support import on_rank_device, placed
 from conformance.areas.common.training import FORWARD_ATOL, FORWARD_RTOL
-from conformance.areas.common.fsdp2_adapter import count_collectives, error_line
-from conformance.areas.common.fsdp2_adapter import fsdp2_api
-from conformance.areas.common.fsdp2_adapter import full_tensor
-from conformance.case.target import method_kwargs
-from conformance.areas.common.support import on_rank_device
-from conformance.areas.common.fsdp2_adapter import shard
+from conformance.areas.fully_shard.observation import FSDP2Observation, GroupObservation, ProbeObservation, RegistrationObservation
+from conformance.case.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import CaseSpec, effective_calls
+from conformance.case.target import method_kwargs, target_loss
+from conformance.case.tree import join
 
 MISSING_NAME = "no_such_forward_method"
 

@@ -5,29 +5,44 @@ from __future__ import annotations
 
 from collections import Counter
 
-from conformance.areas.common.catalog import Catalog
+from conformance.areas.common.catalog import DOC_FULLY_SHARD, DOC_REGISTER, S004, VALUES_UNCHECKED, Catalog, NotChecked
+from conformance.areas.common.fsdp2_oracle import TIE_CHECK_SINCE, CallPrediction, FSDP2Prediction, fsdp2_case_tags
+from conformance.areas.common.observation import CallObservation
+from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.fully_shard.observation import FSDP2Observation
-from conformance.areas.common.fsdp2_oracle import TIE_CHECK_SINCE, FSDP2Prediction
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
 from conformance.case.violation import set_diff as _diff
-from conformance.areas.common.observation import CallObservation
-from conformance.areas.common.fsdp2_oracle import CallPrediction
-from conformance.areas.common.catalog import S004
-from conformance.areas.common.violations import backend_tag
-from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags
-from conformance.areas.common.violations import violation
 
 catalog = Catalog()
 
-DOC_FULLY_SHARD = "fully_shard docstring (parameter groups: module.parameters() less those assigned by earlier calls; reshard_after_forward; the list form)"
-DOC_REGISTER = "register_fsdp_forward_method docstring"
 TIE_MARKS = ("shared", "tied", "fully_shard([")
 
 
 def applies(pred: FSDP2Prediction) -> bool:
     """The case is within what FSDP2 promises and not rejected for a split tie."""
     return not pred.supported and not (pred.split_ties and pred.tie_check)
+
+
+def outside(pred: FSDP2Prediction, obs: FSDP2Observation) -> NotChecked | None:
+    """Why nothing of a group or method promise can be checked on this
+    example: outside what FSDP2 promises, a split tie this torch rejects
+    (FSDP2-TIES checks that), or fully_shard raised (FSDP2-GROUPS reports it)."""
+    if pred.supported:
+        return NotChecked(f"outside FSDP2's promise: {pred.supported}")
+    if pred.split_ties and pred.tie_check:
+        return NotChecked("a parameter two groups see, which this torch rejects (FSDP2-TIES)")
+    if obs.wrap_error:
+        return NotChecked("fully_shard raised (FSDP2-GROUPS reports it)")
+    return None
+
+
+def _method_calls(pred: FSDP2Prediction, obs: FSDP2Observation) -> list[tuple[CallPrediction, CallObservation]]:
+    """The calls of a registered method (the root's forward aside)."""
+    return [(c, o) for c, o in _paired(pred, obs) if c.method >= 0 and c.patched]
+
+
+NO_METHOD = NotChecked("no registered forward method is called")
 
 
 @catalog.invariant(
@@ -38,9 +53,9 @@ def applies(pred: FSDP2Prediction) -> bool:
     statement="fully_shard applied bottom-up makes one parameter group per call, holding the parameters of module.parameters() not assigned by an earlier call on a submodule nor passed as ignored_params.",
     source=DOC_FULLY_SHARD,
 )
-def check_groups(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
+def check_groups(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
     if not applies(pred):
-        return []
+        return outside(pred, obs)
     tags = fsdp2_case_tags(spec, pred)
     if obs.wrap_error:
         return [violation("FSDP2-GROUPS", f"fully_shard raised {obs.wrap_error}", tags, "kind:raised")]
@@ -70,9 +85,11 @@ def check_groups(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     statement="Mixed requires_grad in one group is accepted silently; frozen parameters end with grad None and unchanged values; trainable gradients equal the unsharded reference's.",
     source=f"{DOC_FULLY_SHARD}; DESIGN.md FSDP2-FROZEN (FSDP2 shards per parameter: no flat-parameter restriction)",
 )
-def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if not applies(pred) or not pred.frozen:
-        return []
+def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    if not applies(pred):
+        return outside(pred, obs)
+    if not pred.frozen:
+        return NotChecked("no frozen parameter")
     tags = fsdp2_case_tags(spec, pred) | {backend_tag(obs)}
     if obs.wrap_error:
         return [violation("FSDP2-FROZEN", f"fully_shard raised {obs.wrap_error}", tags, "kind:raised")]
@@ -105,9 +122,11 @@ def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     ),
     source=f"{DOC_FULLY_SHARD}; torch {TIE_CHECK_SINCE[0]}.{TIE_CHECK_SINCE[1]} lazy-init check (pytorch#176225, huggingface/accelerate#4171)",
 )
-def check_ties(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if not pred.tied or pred.supported:
-        return []
+def check_ties(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    if pred.supported:
+        return NotChecked(f"outside FSDP2's promise: {pred.supported}")
+    if not pred.tied:
+        return NotChecked("no tied parameter")
     tags = fsdp2_case_tags(spec, pred)
     counts = Counter(f for g in obs.groups for f in g.managed)
     intact = dict(obs.ties_intact)
@@ -216,15 +235,17 @@ def _check_allgathers(inv: str, c: CallPrediction, o: CallObservation, obs: FSDP
     statement="Inside a registered method the module's parameters are unsharded (full shape, the reference's values) and the all-gathers that unsharded them ran.",
     source=f"{S004}; {DOC_REGISTER}",
 )
-def check_allgather(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if not applies(pred) or obs.wrap_error:
-        return []
+def check_allgather(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    why = outside(pred, obs)
+    if why:
+        return why
+    calls = [(c, o) for c, o in _method_calls(pred, obs) if not c.nested and not o.error]
+    if not calls:
+        return NotChecked("no call of a registered method that returned and calls no nested FSDP module (FWD-NESTED)")
     base = fsdp2_case_tags(spec, pred)
     probes = _probes(obs)
     out = []
-    for c, o in _paired(pred, obs):
-        if c.method == -1 or not c.patched or c.nested or o.error:
-            continue
+    for c, o in calls:
         tags = base | call_tags(spec, pred, c)
         out += _check_reads("FWD-ALLGATHER", c, probes, obs, tags, entry=True, own_group=pred.group_index(c.module))
         out += _check_allgathers("FWD-ALLGATHER", c, o, obs, tags)
@@ -242,9 +263,12 @@ def check_allgather(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation
     ),
     source=f"{S004}; {DOC_REGISTER}",
 )
-def check_parity(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if not applies(pred) or obs.wrap_error:
-        return []
+def check_parity(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    why = outside(pred, obs)
+    if why:
+        return why
+    if not _method_calls(pred, obs):
+        return NO_METHOD
     base = fsdp2_case_tags(spec, pred) | {backend_tag(obs)}
     out = []
     for c, o in _paired(pred, obs):
@@ -265,6 +289,8 @@ def check_parity(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
                 out.append(violation("FWD-PARITY", f"{g.fqn}: grad None is {g.grad_none}, the reference's {g.ref_grad_none}", base, "kind:grad-none"))
             elif g.close is False:
                 out.append(violation("FWD-PARITY", f"gradient of {g.fqn} differs from the reference's by {g.max_diff:.3g}", base, "kind:grad"))
+    if not out and not obs.values_meaningful:
+        return VALUES_UNCHECKED  # nothing raised; outputs and gradients carry no values here
     return out
 
 
@@ -276,15 +302,17 @@ def check_parity(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     statement="After a registered method (and after forward), each group is resharded as its reshard_after_forward says (None: True, False for the root).",
     source=f"{DOC_REGISTER} (optionally frees parameters post-forward depending on reshard_after_forward); {DOC_FULLY_SHARD}",
 )
-def check_reshard(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if not applies(pred) or obs.wrap_error:
-        return []
+def check_reshard(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    why = outside(pred, obs)
+    if why:
+        return why
+    calls = [(c, o) for c, o in _paired(pred, obs) if c.patched and not o.error]
+    if not any(c.method >= 0 for c, _ in calls):
+        return NO_METHOD
     base = fsdp2_case_tags(spec, pred)
     index = {frozenset(g.modules): i for i, g in enumerate(obs.groups)}
     out = []
-    for c, o in _paired(pred, obs):
-        if o.error or not c.patched:
-            continue
+    for c, o in calls:
         tags = base | call_tags(spec, pred, c)
         for gi, want in enumerate(c.sharded_after):
             oi = index.get(frozenset(pred.groups[gi].modules))
@@ -310,11 +338,15 @@ def check_reshard(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) 
     statement="register_fsdp_forward_method on a module that is not an FSDP module changes nothing (and never raises).",
     source=f"{S004} (no-op so that it can be called even if the FSDP wrapping changes); {DOC_REGISTER}",
 )
-def check_noop(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if pred.supported or obs.wrap_error:
-        return []
-    base = fsdp2_case_tags(spec, pred)
+def check_noop(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    if pred.supported:
+        return NotChecked(f"outside FSDP2's promise: {pred.supported}")
+    if obs.wrap_error:
+        return NotChecked("fully_shard raised (FSDP2-GROUPS reports it)")
     fsdp = set(pred.fsdp_paths)  # every name: a method's module may be a shared module's other path
+    if not any(m.register and m.module not in fsdp for m in spec.methods) and all(p in fsdp for p, _, _ in obs.missing):
+        return NotChecked("no method is registered on a module that is not an FSDP module")
+    base = fsdp2_case_tags(spec, pred)
     out = []
     for r in obs.registrations:
         m = spec.methods[r.method]
@@ -338,9 +370,11 @@ def check_noop(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> 
     statement="Registering a method name an FSDP module lacks raises ValueError.",
     source=DOC_REGISTER,
 )
-def check_missing(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if pred.supported or obs.wrap_error:
-        return []
+def check_missing(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    if pred.supported:
+        return NotChecked(f"outside FSDP2's promise: {pred.supported}")
+    if obs.wrap_error:
+        return NotChecked("fully_shard raised (FSDP2-GROUPS reports it)")
     base = fsdp2_case_tags(spec, pred)
     fsdp = set(pred.fsdp_paths)  # every name: a method's module may be a shared module's other path
     out = []
@@ -359,15 +393,17 @@ def check_missing(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) 
     statement="A registered method that calls FSDP submodules, self.forward or self(...) sees unsharded parameters throughout, runs the all-gathers it needs and matches the reference.",
     source=f"{S004} (awgu: nested FSDP submodules run forward normally; weifengpy: fsdp_hook(forward_features(fsdp_hook)))",
 )
-def check_nested(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if not applies(pred) or obs.wrap_error:
-        return []
+def check_nested(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    why = outside(pred, obs)
+    if why:
+        return why
+    calls = [(c, o) for c, o in _method_calls(pred, obs) if c.nested]
+    if not calls:
+        return NotChecked("no registered method calls a nested FSDP module, self.forward or self(...)")
     base = fsdp2_case_tags(spec, pred)
     probes = _probes(obs)
     out = []
-    for c, o in _paired(pred, obs):
-        if c.method == -1 or not c.patched or not c.nested:
-            continue
+    for c, o in calls:
         tags = base | call_tags(spec, pred, c)
         if o.error:
             out.append(violation("FWD-NESTED", f"call {c.index} raised {o.error}", tags, "kind:raised"))
@@ -390,9 +426,13 @@ def check_nested(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     ),
     source=f"{DOC_REGISTER} (patches the method on ``module``); {S004}",
 )
-def check_isolation(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation]:
-    if pred.supported or obs.wrap_error:
-        return []
+def check_isolation(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> list[Violation] | NotChecked:
+    if pred.supported:
+        return NotChecked(f"outside FSDP2's promise: {pred.supported}")
+    if obs.wrap_error:
+        return NotChecked("fully_shard raised (FSDP2-GROUPS reports it)")
+    if not any(m.register for m in spec.methods):
+        return NotChecked("no method is registered")
     # the backend: the sibling check below compares outputs with the reference
     base = fsdp2_case_tags(spec, pred) | {backend_tag(obs)}
     out = [

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conformance.areas.common.observation import CallObservation, GradObservation
 from conformance.case.data import Record
-from conformance.areas.common.observation import CallObservation
-from conformance.areas.common.observation import GradObservation
 
 
 @dataclass(frozen=True)

@@ -5,55 +5,12 @@ from __future__ import annotations
 
 import textwrap
 
-from conformance.case.build import SCALE, SHIFT
 from conformance.areas.common.fsdp2_oracle import shard_order
+from conformance.areas.common.repro import DEVICE_CODE, FSDP2_RUNTIME, class_code, model_lines
+from conformance.case.build import SCALE, SHIFT
 from conformance.case.graph import ModelGraph
-from conformance.areas.common.repro import DEVICE_CODE, class_code, model_lines
 from conformance.case.spec import CaseSpec, effective_calls
 from conformance.case.tree import walk
-
-# The case's forward and helpers, as conformance/build.py defines them.
-_RUNTIME = '''
-def read_attr(obj, path):
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def is_sharded(t):
-    return hasattr(t, "device_mesh")  # a DTensor: FSDP2's sharded parameter
-
-
-def use_param(x, t):
-    if t.dim() == 2:  # a head reusing a weight through F.linear (HF generate()'s tied head)
-        return F.linear(x[:, None].expand(x.shape[0], t.shape[1]), t).mean(-1) + x
-    return x + 0.5 * torch.tanh(t).mean()
-
-
-def call_child(child, x):
-    if isinstance(child, nn.Linear):
-        return child(x[:, None].expand(x.shape[0], child.in_features)).mean(-1) + x
-    if isinstance(child, nn.Embedding):
-        return child(torch.arange(x.shape[0], device=x.device) % child.num_embeddings).mean(-1) + x
-    if isinstance(child, nn.LayerNorm):
-        n = child.normalized_shape[0]
-        return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
-    if type(child) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
-        for c in child._modules.values():
-            x = call_child(c, x)
-        return x
-    return child(x)
-
-
-def generic_forward(self, x):
-    for name in self.case_params:
-        x = x + 0.5 * torch.tanh(getattr(self, name)).mean()
-    for name in self.case_buffers:
-        x = x + getattr(self, name).mean()
-    for child in self._modules.values():
-        x = call_child(child, x)
-    return x
-'''
 
 _MAIN = '''
 def full(t):
@@ -187,5 +144,5 @@ def fsdp2_script(spec: CaseSpec, violations: list | None = None, title: str = ""
     )
     classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
     methods = "\n\n".join(_method_code(i, fm.name, fm.steps) for i, fm in enumerate(spec.methods))
-    parts = ["\n".join(head), imports, DEVICE_CODE, _RUNTIME, classes, methods, build, shard, register, consts, _MAIN]
+    parts = ["\n".join(head), imports, DEVICE_CODE, FSDP2_RUNTIME, classes, methods, build, shard, register, consts, _MAIN]
     return "\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n"

@@ -12,8 +12,10 @@ AREA = Area(
     name="parity",
     title="Training parity: optimizer steps under either API against single-process training",
     invariants=invariants.INVARIANTS,
-    scenarios=(AreaScenario("train", scenario.train, TrainObservation, predict_training, ranks_tags=invariants.parity_ranks_tags),),
+    scenarios=(AreaScenario("train", scenario.train, TrainObservation, predict_training, ranks_tags=invariants.parity_ranks_tags,
+                            fsdp_seconds=lambda obs: obs.fsdp_seconds),),
     applies=lambda case: getattr(case, "train", None) is not None,
     unavailable=lambda case: fsdp2_unavailable() if case.plan.api == "fsdp2" else None,
+    needs_ranks=True,
     repro=suite_script,
 )

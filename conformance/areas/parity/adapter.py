@@ -95,6 +95,7 @@ def compare_training(case, steps, rtol: float, atol: float) -> TrainObservation:
         losses = steps(model, built, False)
     except Exception as e:
         return TrainObservation(**base, step_error=error_line(e), seconds=time.perf_counter() - t0)
+    fsdp_seconds = time.perf_counter() - t0
     ref_losses = steps(ref.model, ref, True)
     final, grads_none = _final(case, model, built.model, aliases, frozen)
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
@@ -107,7 +108,7 @@ def compare_training(case, steps, rtol: float, atol: float) -> TrainObservation:
     return TrainObservation(
         **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
         params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())),
-        ref_stable=stable(ref_losses, ref.model), seconds=time.perf_counter() - t0,
+        ref_stable=stable(ref_losses, ref.model), seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds,
     )
 
 

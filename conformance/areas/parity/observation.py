@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.case.data import Record
-
 from conformance.areas.common.observation import GradObservation
+from conformance.case.data import Record
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,7 @@ class TrainObservation(Record):
     frozen_grads_none: tuple[tuple[str, bool], ...] = ()
     ref_stable: bool = True  # False: the single-process reference diverged (values not comparable)
     seconds: float = 0.0
+    fsdp_seconds: float = 0.0  # wrapping and the FSDP model's steps (the reference's excluded)
 
     @property
     def values_meaningful(self) -> bool:
@@ -36,7 +36,7 @@ class TrainObservation(Record):
 
     def comparable(self) -> dict:
         d = self.to_dict()
-        for k in ("rank", "seconds", "losses", "ref_losses"):
+        for k in ("rank", "seconds", "fsdp_seconds", "losses", "ref_losses"):
             d.pop(k)
         for p in d["params"]:
             p.pop("max_diff")

@@ -12,9 +12,11 @@ AREA = Area(
     name="schedule",
     title="Training schedules: mixed precision and gradient accumulation",
     invariants=invariants.INVARIANTS,
-    scenarios=(AreaScenario("schedule", scenario.schedule, ScheduleObservation, predict_schedule, ranks_tags=invariants.ranks_tags),),
+    scenarios=(AreaScenario("schedule", scenario.schedule, ScheduleObservation, predict_schedule, ranks_tags=invariants.ranks_tags,
+                            fsdp_seconds=lambda obs: obs.fsdp_seconds),),
     applies=lambda case: getattr(case, "schedule", None) is not None,
     unavailable=lambda case: missing_api(),
+    needs_ranks=True,
     repro=repro.schedule_script,
     model_cases="model cases draw no training schedule yet",
 )

@@ -17,14 +17,14 @@ from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err2
 from conformance.areas.common.fsdp2_adapter import full_tensor
-from conformance.case.build import BATCH, Built, build, method_callable, read_attr
+from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed
+from conformance.areas.common.training import make_optimizer, reference_loss
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
 from conformance.areas.schedule.oracle import predict_schedule
+from conformance.case.build import BATCH, Built, build, method_callable, read_attr
 from conformance.case.spec import CaseSpec, Precision
 from conformance.case.tree import walk
-from conformance.areas.common.ranks import any_rank_failed
-from conformance.areas.common.training import make_optimizer, reference_loss
 
 REDUCE_OPS = ("reduce_scatter", "all_reduce", "allreduce")
 
@@ -189,6 +189,7 @@ class Runner:
         self.names = list(self.pred.trainable)  # every canonical FQN
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.fsdp_seconds = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps
 
     def wrap(self) -> None:
         s = self.spec.schedule
@@ -295,6 +296,7 @@ class Runner:
             where = f"step {si} microbatch {k}"
             rec = ReduceRecorder()
             failed = None
+            t_fsdp = time.perf_counter()
             try:
                 if self.api == "fsdp2":
                     self.model.set_requires_gradient_sync(sync)
@@ -314,6 +316,7 @@ class Runner:
                                 m.reshard()
             except Exception as e:
                 failed = e
+            self.fsdp_seconds += time.perf_counter() - t_fsdp
             self.agree(obs, where, failed)
             ref_fn = self.ref.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.ref.model, self.spec, s.first)
             total, losses = reference_loss(ref_fn, [data(self.spec, si, k, r) for r in range(self.world)])
@@ -335,6 +338,7 @@ class Runner:
         except Exception as e:
             failed = e
         self.agree(obs, f"step {si} gradients", failed)
+        t_fsdp = time.perf_counter()
         try:
             if self.spec.schedule.precision is not None and self.spec.schedule.precision.keep_low_precision_grads:
                 for p in self.model.parameters():  # a full-precision optimizer needs full-precision gradients
@@ -343,6 +347,7 @@ class Runner:
             self.opt.step()
         except Exception as e:
             failed = e
+        self.fsdp_seconds += time.perf_counter() - t_fsdp
         self.agree(obs, f"step {si} optimizer", failed)
         if self.low is not None:
             noise += [_err_rel(read_attr(self.low.model, f).grad, read_attr(self.ref.model, f).grad, read_attr(self.ref.model, f))
@@ -426,10 +431,12 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     t0 = time.perf_counter()
     run = Runner(spec)
     failed = None
+    t_wrap = time.perf_counter()
     try:
         run.wrap()
     except Exception as e:
         failed = e
+    run.fsdp_seconds += time.perf_counter() - t_wrap
     # (every rank creates the side group here, before FSDP can disagree)
     if any_rank_failed(failed is not None):
         return ScheduleObservation(**base, wrap_error=_err(failed) if failed else None, peer_failed=None if failed else "wrap",
@@ -446,5 +453,5 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     return ScheduleObservation(
         **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], rounding_noise=tuple(obs["noise"]), forwards=tuple(run.recorder.seen.values()),
         microbatches=tuple(obs["microbatches"]), grads=tuple(obs["grads"]) + tuple(obs["flat"]), params=tuple(obs["params"]),
-        buffers_after=buffers, seconds=time.perf_counter() - t0,
+        buffers_after=buffers, seconds=time.perf_counter() - t0, fsdp_seconds=run.fsdp_seconds,
     )

@@ -3,13 +3,13 @@ training schedule (steps, freeze changes, microbatches), both APIs."""
 
 from __future__ import annotations
 
-from conformance.areas.common.catalog import Catalog
-from conformance.areas.common.violations import backend_tag
+from conformance.areas.common.catalog import Catalog, NotChecked
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
+from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.schedule.observation import ScheduleObservation
 from conformance.areas.schedule.oracle import SchedulePrediction, step_tolerance
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
-from conformance.areas.common.violations import violation
 
 catalog = Catalog()
 
@@ -45,7 +45,7 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("keep-low-precision-grads")
     if pr is not None and pr.buffer_dtype:
         tags.add("buffer-dtype")
-    if pred.api == "fsdp2" and _container_given_to_fully_shard(spec):
+    if pred.api == "fsdp2" and container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if len({st.frozen for st in s.steps}) > 1:
         tags.add("freeze-changes")
@@ -72,23 +72,13 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
     return tags
 
 
-def _container_given_to_fully_shard(spec: CaseSpec) -> bool:
-    import torch
-
-    from conformance.areas.common.fsdp2_oracle import container_base
-    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
-
-    return any(container_base(spec, p) for p in predict_fsdp2(spec, torch.__version__).fsdp_modules)
-
-
 def _group_rerun_after_frozen_embedding(spec: CaseSpec) -> bool:
     """In some microbatch, a list group's module runs again after a frozen
     Embedding completed the group's forward (see
     conformance.areas.common.fsdp2_oracle.group_rerun_after_frozen_embedding)."""
     import torch
 
-    from conformance.areas.common.fsdp2_oracle import group_rerun_after_frozen_embedding
-    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+    from conformance.areas.common.fsdp2_oracle import group_rerun_after_frozen_embedding, predict_fsdp2
 
     groups = predict_fsdp2(spec, torch.__version__).groups
     return any(
@@ -134,7 +124,7 @@ def error_tags(obs: ScheduleObservation) -> set[str]:
     return {f"error:{error}", where, *(t for frag, t in ERRORS.items() if frag in obs.step_error)}
 
 
-def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
+def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violation] | NotChecked:
     if obs.wrap_error:
         return [violation(inv, f"wrapping raised {obs.wrap_error}", tags, "kind:raised", *error_tags(obs))]
     if obs.step_error:
@@ -160,9 +150,9 @@ def ranks_tags(spec: CaseSpec, pred: SchedulePrediction, obs: list[ScheduleObser
     statement="Under MixedPrecision / MixedPrecisionPolicy, forward computes in param_dtype (parameters and inputs), gradients are reduced in reduce_dtype and end in the parameters' dtype (FSDP1 keep_low_precision_grads: the reduction dtype), buffers keep theirs (FSDP1: buffer_dtype), the output is output_dtype; results match fp32 training within a dtype-aware tolerance; whatever the freeze schedule and whichever forward runs first.",
     source=f"{DOC_MP2}; {DOC_MP1}",
 )
-def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
+def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation] | NotChecked:
     if pred.applicable:
-        return []
+        return NotChecked(f"the schedule is not promised for this case: {pred.applicable}")
     tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
     out = _raised("MP-DTYPES", obs, tags)
     if obs.wrap_error:
@@ -197,7 +187,7 @@ def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObser
     return _dedupe(out)
 
 
-def _values(inv: str, pred: SchedulePrediction, obs: ScheduleObservation, tags: set[str]) -> list[Violation]:
+def _values(inv: str, pred: SchedulePrediction, obs: ScheduleObservation, tags: set[str]) -> list[Violation] | NotChecked:
     out = []
 
     def tol(step: int) -> float:
@@ -230,7 +220,7 @@ def _param_violation(inv: str, pred: SchedulePrediction, p, tol: float, tags: se
     return violation(inv, msg, tags, "kind:param")
 
 
-def _dedupe(vs: list[Violation]) -> list[Violation]:
+def _dedupe(vs: list[Violation]) -> list[Violation] | NotChecked:
     """One violation per kind: a wrong dtype shows in every step and module."""
     seen, out = set(), []
     for v in vs:
@@ -249,9 +239,9 @@ def _dedupe(vs: list[Violation]) -> list[Violation]:
     statement="K microbatches with gradient sync disabled on all but the last (FSDP1 no_sync, FSDP2 set_requires_gradient_sync(False)) give the gradients of one large batch over every rank's data, whichever parameters each microbatch uses: no reduction inside the disabled microbatches, gradients and updates as single-process training, frozen parameters without gradient and unchanged.",
     source=DOC_SYNC,
 )
-def check_accum(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation]:
+def check_accum(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation] | NotChecked:
     if pred.applicable:
-        return []
+        return NotChecked(f"the schedule is not promised for this case: {pred.applicable}")
     tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
     out = _raised("ACCUM", obs, tags)
     if obs.wrap_error:

@@ -71,6 +71,7 @@ class ScheduleObservation(Record):
     params: tuple[ValueSeen, ...] = ()
     buffers_after: tuple[tuple[str, str], ...] = ()
     seconds: float = 0.0
+    fsdp_seconds: float = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps (the references excluded)
 
     @property
     def values_meaningful(self) -> bool:
@@ -80,7 +81,7 @@ class ScheduleObservation(Record):
     def comparable(self) -> dict:
         """What every rank must agree on (errors differ by rank's data)."""
         d = self.to_dict()
-        for k in ("rank", "seconds", "peer_failed", "rounding_noise"):
+        for k in ("rank", "seconds", "fsdp_seconds", "peer_failed", "rounding_noise"):
             d.pop(k)
         for mb in d["microbatches"]:
             mb.pop("loss_err")

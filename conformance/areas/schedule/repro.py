@@ -8,10 +8,9 @@ from __future__ import annotations
 import textwrap
 
 from conformance.areas.common.fsdp2_oracle import shard_order
-from conformance.case.graph import ModelGraph
+from conformance.areas.common.repro import DEVICE_CODE, class_code, model_lines, policy_code
 from conformance.areas.schedule.oracle import predict_schedule
-from conformance.areas.common.repro import DEVICE_CODE, class_code, model_lines
-from conformance.areas.autowrap.repro import _policy_code
+from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
 from conformance.case.tree import walk
 
@@ -254,7 +253,7 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
             if pr.cast_forward_inputs is not None:
                 kw.append(f"cast_forward_inputs={pr.cast_forward_inputs}")
             mp = f"MixedPrecision({', '.join(kw)})"
-        body = _policy_code(spec, {p: f"mods[{p!r}]" for p in var}) + (
+        body = policy_code(spec, {p: f"mods[{p!r}]" for p in var}) + (
             f"\nreturn FSDP(m0, auto_wrap_policy=policy, use_orig_params={spec.plan.use_orig_params}, "
             f"mixed_precision={mp}, device_id=DEVICE)"
         )

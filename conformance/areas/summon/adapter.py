@@ -10,12 +10,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from conformance.areas.common.fsdp1_adapter import wrap
-from conformance.areas.common.training import FORWARD_ATOL, FORWARD_RTOL
 from conformance.areas.common.fsdp2_adapter import error_line
-from conformance.case.build import build, call_args, method_callable
-from conformance.areas.common.support import placed
 from conformance.areas.common.observation import CallObservation
+from conformance.areas.common.support import placed
+from conformance.areas.common.training import FORWARD_ATOL, FORWARD_RTOL
 from conformance.areas.summon.observation import SummonObservation
+from conformance.case.build import build, call_args, method_callable
 from conformance.case.spec import CaseSpec, effective_calls
 
 

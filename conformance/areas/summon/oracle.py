@@ -5,14 +5,12 @@ parity under either API."""
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
-
 
 from conformance.areas.common.fsdp1_oracle import FSDP1Prediction, predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import _resolve_from
-from conformance.case.target import graph_of
 from conformance.case.spec import CaseSpec, effective_calls
+from conformance.case.target import graph_of
 
 
 @dataclass(frozen=True)

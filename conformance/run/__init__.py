@@ -1,0 +1,1 @@
+"""Running the suite: one case against its invariants (runner), a session of them (verdicts, findings, repros), known failures, the regression corpus, profiles, real models (check_model), the bench."""

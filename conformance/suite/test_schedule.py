@@ -1,0 +1,28 @@
+"""MP-DTYPES and ACCUM: training schedules (optimizer steps, freeze changes,
+microbatches with and without gradient sync, mixed precision) under FSDP1
+and FSDP2 against fp32 single-process training on every rank's data. Each
+example runs its schedule once; both invariants are checked on it. Values
+need real collectives: real ranks only.
+
+Spec: the MixedPrecisionPolicy / MixedPrecision, no_sync and
+set_requires_gradient_sync docstrings (conformance/areas/schedule/invariants.py).
+"""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conformance.areas.schedule import AREA
+from conformance.run import corpus
+from conformance.suite.budget import examples
+from strategies.schedule import schedule_specs
+
+SCHEDULE = [inv.id for inv in AREA.invariants]
+
+
+@pytest.mark.needs_ranks
+@settings(max_examples=examples(200))
+@corpus.examples(*SCHEDULE)
+@given(spec=st.one_of(schedule_specs(api="fsdp2"), schedule_specs(api="fsdp1")))
+def test_schedule(spec, engine, conformance):
+    conformance.check_example(SCHEDULE, spec, engine, engine.tier)

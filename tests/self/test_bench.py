@@ -1,0 +1,51 @@
+"""`fsdp-conformance bench`: each area's conformance tests as `run` runs them,
+per tier, with where their time went (what it measures and prints, not how
+fast: speed is measured by the bench, never by a test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.areas import AREAS
+from conformance.run import bench
+
+pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
+
+
+def _consistent(row: dict) -> None:
+    assert row["examples"] > 0 and row["tests"] > 0 and row["pytest_exit_status"] == 0
+    assert 0 < row["tests_seconds"] <= row["wall_seconds"] and row["startup_seconds"] >= 0
+    assert 0 < row["fsdp_seconds"] <= row["tests_seconds"]
+    assert 0 < row["fsdp_share"] <= row["fsdp_share_without_startup"] <= 1
+    assert abs(row["suite_share_without_startup"] + row["fsdp_share_without_startup"] - 1) < 1e-9
+
+
+def test_bench_measures_an_area_on_the_fake_tier_through_the_suite(capsys):
+    res = bench.run(["autowrap"], tiers=("fake",), examples=3)
+    out = capsys.readouterr().out
+    (row,) = res["rows"]
+    assert (row["area"], row["tier"]) == ("autowrap", "fake")
+    _consistent(row)
+    # every autowrap test ran: its examples are each test's, the corpus cases of the area included
+    assert row["tests"] == 5
+    assert "autowrap" in out and "examples in" in out and "FSDP" in out
+
+
+def test_bench_measures_the_pool_overhead_on_gloo():
+    (row,) = bench.run(["summon"], tiers=("gloo",), examples=3)["rows"]
+    _consistent(row)
+    assert row["engine_seconds"] >= row["in_rank_seconds"] > 0
+    assert row["pool_overhead_seconds"] == row["engine_seconds"] - row["in_rank_seconds"]
+
+
+def test_bench_measures_a_real_model_and_names_the_areas_it_leaves_out(capsys):
+    res = bench.run(["autowrap", "checkpoint"], tiers=("fake",), examples=2, targets=["conformance.models.toy_target:target"])
+    out = capsys.readouterr().out
+    assert [r["area"] for r in res["rows"]] == ["autowrap"]
+    _consistent(res["rows"][0])
+    checkpoint = next(a for a in AREAS if a.name == "checkpoint")
+    assert f"checkpoint: not measured on a model ({checkpoint.model_cases})" in out
+
+
+def test_bench_skips_the_fake_tier_of_an_area_that_needs_ranks():
+    assert bench.run(["parity"], tiers=("fake",), examples=1)["rows"] == []
