@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared NCCL check (issue 10): on a machine with GPUs and no network,
+# The prepared NCCL check: on a machine with GPUs and no network,
 # run the suite's nccl tier (world size = the number of GPUs) for a few
 # minutes, then one FSDP1 and one FSDP2 repro script under torchrun with NCCL.
 # Run from the repository root:   bash ci/nccl_check.sh

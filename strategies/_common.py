@@ -157,3 +157,7 @@ class TreeIndex:
     def is_adapter(self, path: str) -> bool:
         return any(part.startswith(ADAPTER_PREFIXES) for part in path.split(".")) if path else False
 
+
+# A torch release for drawing only: whether a tie split between groups is
+# avoided does not depend on the installed torch.
+ANY_TORCH = "2.13.0"

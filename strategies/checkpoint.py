@@ -19,7 +19,8 @@ from conformance.case.graph import ModelGraph
 from conformance.case.spec import CKPT_OPTIMIZERS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan
 from strategies._common import check_int, ints, maybe, pick, pick_subset
 from strategies.cases import case_specs
-from strategies.methods import _fsdp1_trainable, draw_groups, fsdp2_case_specs
+from strategies.groups import draw_groups, fsdp2_case_specs
+from strategies.training import fsdp1_trainable
 
 KINDS = ("full", "ties", "reshard", "optim")
 # The base pool's world size first (cheapest), then the driver (1), then 3:
@@ -35,14 +36,14 @@ def _bases(api: str, max_modules: int, ties: bool) -> SearchStrategy[CaseSpec]:
     if api == "fsdp2":
         base = fsdp2_case_specs(max_modules=max_modules, max_depth=3, methods=False)
     else:
-        base = case_specs(max_modules=max_modules, max_depth=3, allow_ignored=False, allow_shared=False).filter(_fsdp1_trainable)
+        base = case_specs(max_modules=max_modules, max_depth=3, allow_ignored=False, allow_shared=False).filter(fsdp1_trainable)
     base = base.filter(_trainable).filter(lambda s: any(True for _ in ModelGraph(s).named_parameters()))
     if ties:
         base = base.filter(lambda s: bool(s.ties or s.shared))
     return base
 
 
-def draw_plan(draw: Any, spec: CaseSpec, api: str) -> WrapPlan:
+def draw_load_plan(draw: Any, spec: CaseSpec, api: str) -> WrapPlan:
     """Another plan for the same tree: FSDP2 groups, or FSDP1 with a
     ModuleWrapPolicy over some drawn classes (either use_orig_params)."""
     if api == "fsdp2":
@@ -55,14 +56,14 @@ def draw_plan(draw: Any, spec: CaseSpec, api: str) -> WrapPlan:
 
 def _trains_after_load(spec: CaseSpec) -> bool:
     """Whether the load side may train on: FSDP2, or an FSDP1 plan that
-    FSDP1's own training cases would draw (_fsdp1_trainable)."""
+    FSDP1's own training cases would draw (fsdp1_trainable)."""
     load = spec.ckpt.load_plan or spec.plan
-    return load.api == "fsdp2" or _fsdp1_trainable(dataclasses.replace(spec, plan=load))
+    return load.api == "fsdp2" or fsdp1_trainable(dataclasses.replace(spec, plan=load))
 
 
 def _fits(spec: CaseSpec) -> bool:
     try:
-        return not predict_ckpt(spec).applicable and (spec.plan.api == "fsdp2" or _fsdp1_trainable(spec))
+        return not predict_ckpt(spec).applicable and (spec.plan.api == "fsdp2" or fsdp1_trainable(spec))
     except Exception:
         return False
 
@@ -96,7 +97,7 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
             spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, use_orig_params=True))
         return dataclasses.replace(spec, ckpt=CheckpointPlan(save_world=save_world, load_path=path))
     load_api = pick(draw, (api, "fsdp2" if api == "fsdp1" else "fsdp1"))
-    load_plan = draw_plan(draw, spec, load_api)
+    load_plan = draw_load_plan(draw, spec, load_api)
     load_world = pick(draw, WORLDS)
     ck = CheckpointPlan(
         save_world=save_world, load_world=load_world, load_plan=load_plan, optimizer=pick(draw, CKPT_OPTIMIZERS),

@@ -3,7 +3,7 @@ which the frozen-parameter check meets them is observable.
 
 A freeze mask drawn on its own rarely makes two non-root units mixed (about
 one case in twenty): the first-violator and warning-order promises of spec
-source 000 then go mostly unchecked (issue 10: a traversal-order mutant
+source 000 then go mostly unchecked (a traversal-order mutant
 survived). Here the mask follows the units the oracle predicts: a few of
 them get one parameter frozen each."""
 

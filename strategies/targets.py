@@ -1,5 +1,5 @@
 """Strategies over a real model (a Target): the parts users vary, drawn over
-the model's own graph: freeze masks, wrap policies from the model's classes
+the model's own graph: freeze masks, wrap model_policies from the model's classes
 and real numels, use_orig_params, FSDP2 groupings with
 reshard_after_forward, which of its methods to register, a training plan.
 
@@ -31,11 +31,10 @@ from conformance.case.spec import (
 )
 from conformance.case.target import TargetError, base_graph, cached_target
 from strategies._common import check_kinds, check_strategy
+from strategies.policies import APIS, POLICY_KINDS
 
 # "random" right after "none": a failure shrinks to one frozen parameter
-FREEZE_KINDS = ("none", "random", "patterns", "bitfit", "factory")
-POLICY_KINDS = (None, ModuleWrap, CustomWrap, SizeBasedWrap, LambdaWrap, TransformerWrap)
-APIS = ("fsdp1", "fsdp2")
+MODEL_FREEZE_KINDS = ("none", "random", "patterns", "bitfit", "factory")
 # Classes no wrap policy should name: nn.Module matches everything, and
 # torch's containers have no forward of their own.
 _NOT_UNITS = ("Module", *TORCH_CONTAINERS)
@@ -86,7 +85,7 @@ def _model(ref: str) -> _Model:
     return _MODELS[ref]
 
 
-def freeze_masks(target: str, kinds: Iterable[str] = FREEZE_KINDS) -> SearchStrategy[tuple[str, ...]]:
+def model_freeze_masks(target: str, kinds: Iterable[str] = MODEL_FREEZE_KINDS) -> SearchStrategy[tuple[str, ...]]:
     """FQNs to freeze (canonical): nothing; a random subset (shrinks to one
     parameter); or a preset, toggled at up to three parameters: "train only
     what matches" one of the target's trainable_patterns (LoRA-like), BitFit
@@ -94,7 +93,7 @@ def freeze_masks(target: str, kinds: Iterable[str] = FREEZE_KINDS) -> SearchStra
 
     A failure shrinks to the random branch (the fewest frozen parameters)
     whenever one frozen parameter is enough."""
-    kinds = check_kinds(kinds, "kinds", FREEZE_KINDS)
+    kinds = check_kinds(kinds, "kinds", MODEL_FREEZE_KINDS)
     m = _model(target)
     presets: list[tuple[str, ...]] = []
     if "patterns" in kinds:
@@ -144,7 +143,7 @@ def _custom(draw, m: _Model) -> CustomWrap:
     return CustomWrap(targets, tuple(kwargs))
 
 
-def policies(target: str, kinds: Iterable = POLICY_KINDS) -> SearchStrategy:
+def model_policies(target: str, kinds: Iterable = POLICY_KINDS) -> SearchStrategy:
     """A wrap policy over the model's own classes, module paths and numels."""
     kinds = check_kinds(kinds, "kinds", POLICY_KINDS)
     m = _model(target)
@@ -191,7 +190,7 @@ def model_cases(
     target: str,
     *,
     apis: SearchStrategy[str] = st.sampled_from(APIS),
-    freeze: Iterable[str] = FREEZE_KINDS,
+    freeze: Iterable[str] = MODEL_FREEZE_KINDS,
     policy_kinds: Iterable = POLICY_KINDS,
     seeds: SearchStrategy[int] = st.integers(0, 3),
 ) -> SearchStrategy[ModelCase]:
@@ -208,9 +207,9 @@ def model_cases(
 def _model_cases(draw, target, apis, freeze, policy_kinds, seeds) -> ModelCase:
     m = _model(target)
     api = draw(apis, label="api")
-    frozen = draw(freeze_masks(target, freeze), label="freeze mask")
+    frozen = draw(model_freeze_masks(target, freeze), label="freeze mask")
     if api == "fsdp1":
-        plan = WrapPlan("fsdp1", draw(policies(target, policy_kinds), label="policy"), draw(st.booleans(), label="use_orig_params"))
+        plan = WrapPlan("fsdp1", draw(model_policies(target, policy_kinds), label="policy"), draw(st.booleans(), label="use_orig_params"))
         methods: tuple[ForwardMethod, ...] = ()
     else:
         plan = WrapPlan("fsdp2", groups=draw(shard_groups(target), label="FSDP2 groups"))

@@ -76,7 +76,7 @@ class ModelCase:
 
     @functools.cached_property
     def _json(self) -> str:
-        return json.dumps({"version": MODEL_CASE_VERSION, "model_case": _spec._to_data(self)}, sort_keys=True)
+        return json.dumps({"version": MODEL_CASE_VERSION, "model_case": _spec.encode(self)}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "ModelCase":
@@ -87,7 +87,7 @@ class ModelCase:
         if not isinstance(data, dict) or data.get("version") != MODEL_CASE_VERSION or "model_case" not in data:
             raise SpecError(f"ModelCase JSON must be an object with version {MODEL_CASE_VERSION} and a 'model_case'")
         try:
-            return _spec._from_data(ModelCase, data["model_case"])
+            return _spec.decode(ModelCase, data["model_case"], types=(ModelCase,))
         except SpecError:
             raise
         except (TypeError, KeyError, ValueError, AttributeError) as e:
@@ -97,7 +97,6 @@ class ModelCase:
         return "from conformance.case.spec import *\nfrom conformance.case.model_case import ModelCase\n\nspec = " + repr(self) + "\n"
 
 
-_spec._TYPES["ModelCase"] = ModelCase
 
 
 def is_model_case(case) -> bool:

@@ -286,7 +286,7 @@ class CaseSpec:
     @functools.cached_property
     def _json(self) -> str:
         # the spec is immutable: its JSON (digests, repro names, sizes) is made once
-        return json.dumps({"version": SPEC_VERSION, "case": _to_data(self)}, sort_keys=True)
+        return json.dumps({"version": SPEC_VERSION, "case": encode(self)}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "CaseSpec":
@@ -297,7 +297,7 @@ class CaseSpec:
         if not isinstance(data, dict) or data.get("version") != SPEC_VERSION or "case" not in data:
             raise SpecError(f"CaseSpec JSON must be an object with version {SPEC_VERSION} and a 'case'")
         try:
-            return _from_data(CaseSpec, data["case"])
+            return decode(CaseSpec, data["case"])
         except SpecError:
             raise
         except (TypeError, KeyError, ValueError, AttributeError) as e:
@@ -726,32 +726,40 @@ _TYPES = {
 }
 
 
-def _to_data(obj: Any) -> Any:
+def encode(obj: Any) -> Any:
+    """A spec dataclass (nested ones too) as JSON-able data, each object with its "type"."""
     if dataclasses.is_dataclass(obj):
-        d = {f.name: _to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        d = {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         d["type"] = type(obj).__name__
         return d
     if isinstance(obj, tuple):
-        return [_to_data(x) for x in obj]
+        return [encode(x) for x in obj]
     return obj
 
 
-def _tuplify(x: Any) -> Any:
+def _tuplify(x: Any, types: dict) -> Any:
     if isinstance(x, list):
-        return tuple(_tuplify(v) for v in x)
+        return tuple(_tuplify(v, types) for v in x)
     if isinstance(x, dict):
-        return _from_data(None, x)
+        return _decode(None, x, types)
     return x
 
 
-def _from_data(expected: type | None, data: Any) -> Any:
+def decode(expected: type | None, data: Any, *, types: tuple[type, ...] = ()) -> Any:
+    """The inverse of encode: ``data`` as the dataclass its "type" names (a
+    SpecError unless it is ``expected``); ``types``: further dataclasses the
+    data may name (ModelCase)."""
+    return _decode(expected, data, {**_TYPES, **{t.__name__: t for t in types}})
+
+
+def _decode(expected: type | None, data: Any, types: dict) -> Any:
     if not isinstance(data, dict) or "type" not in data:
         raise SpecError(f"expected an object with a 'type', got {type(data).__name__}")
-    t = _TYPES.get(data["type"])
+    t = types.get(data["type"])
     if t is None or (expected is not None and t is not expected):
         raise SpecError(f"unexpected type {data['type']!r}")
     names = {f.name for f in dataclasses.fields(t)}
     extra = set(data) - names - {"type"}
     if extra:
         raise SpecError(f"{t.__name__} has unknown fields {sorted(extra)}")
-    return t(**{k: _tuplify(v) for k, v in data.items() if k != "type"})
+    return t(**{k: _tuplify(v, types) for k, v in data.items() if k != "type"})

@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conformance.case.model_case import ModelCase, case_from_json
+from conformance.case.spec import SpecError
 from conformance.cli.common import make_engine
 from conformance.cli.errors import UsageError
+from conformance.engine.errors import ExampleFailed
+from conformance.report import data
+from conformance.run.runner import FAIL, check_case
 
 
 def load_spec(path: str):
-    from conformance.case.model_case import case_from_json
-    from conformance.case.spec import SpecError
 
     try:
         text = Path(path).read_text()
@@ -27,7 +30,6 @@ def load_spec(path: str):
 def valid_case(case):
     """A ModelCase names its target: that target must import and have every
     name the case uses (TargetError: one line, exit 2)."""
-    from conformance.case.model_case import ModelCase
 
     if isinstance(case, ModelCase):
         from conformance.case.target import TargetError, check_case
@@ -43,9 +45,6 @@ def load_case(path: str, finding_id: str | None):
     """(spec, invariant or None, finding or None) from a CaseSpec JSON, a
     report JSON (with --finding, or its only failing finding), or one finding
     object copied out of a report."""
-    from conformance.case.model_case import case_from_json
-    from conformance.case.spec import SpecError
-    from conformance.report import data
 
     try:
         text = Path(path).read_text()
@@ -93,8 +92,6 @@ def applicable(inv, spec) -> bool:
 
 
 def check_case_file(spec, selected, backend: str, world_size: int) -> int:
-    from conformance.engine.errors import ExampleFailed
-    from conformance.run.runner import FAIL, check_case
 
     if getattr(spec, "ckpt", None) is not None or getattr(spec, "schedule", None) is not None:
         if backend == "fake":  # values and world sizes: the suite runs these on real ranks only

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from conformance.cli.errors import UsageError
 from conformance.cli.run import run_argv
+from conformance.report import compare, data
 from conformance.report.data import row_label
 from conformance.report.markdown import fsdp_source_label
+from conformance.selfcheck import fsdp_source
 
 INSTALLED = "installed"
 
@@ -63,7 +65,6 @@ def regression_repros(comparison, new: dict, new_dir: Path, new_source: str | No
 
 
 def render(comparison, repros: list[dict], messages: list[str], base_label: str, new_label: str) -> str:
-    from conformance.report import compare
 
     lines = [f"BASE FSDP: {base_label}", f"NEW FSDP:  {new_label}", ""]
     text = compare.render(comparison, "text")
@@ -80,8 +81,6 @@ def render(comparison, repros: list[dict], messages: list[str], base_label: str,
 
 def run_change(ns) -> int:
     """Run ``fsdp-conformance run`` on each side and compare the two reports."""
-    from conformance.report import compare, data
-    from conformance.selfcheck import fsdp_source
 
     sources = {}
     for side, path in (("base", ns.base), ("new", ns.new)):

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from conformance import areas as invariants
 from conformance.cli.cases import applicable, check_case_file, load_spec
 from conformance.cli.common import BACKENDS, need_distributed
 from conformance.cli.errors import UsageError
+from conformance.run.models import NOT_FOR_MODELS
 
 
 def cmd_check(ns) -> int:
     """Check one CaseSpec JSON against invariants on the fake tier or the pool."""
-    from conformance import areas as invariants
 
     spec = load_spec(ns.spec)
     try:
@@ -17,7 +18,6 @@ def cmd_check(ns) -> int:
     except invariants.UnknownInvariant as e:
         raise UsageError(str(e)) from None
     need_distributed()
-    from conformance.run.models import NOT_FOR_MODELS
 
     selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
     return check_case_file(spec, [i for i in selected if spec.plan.api in i.api.split("|") and applicable(i, spec)], ns.backend, ns.world_size)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from conformance.cli.errors import UsageError
+from conformance.engine.errors import EngineError
+from conformance.engine.pool import resolve_backend
 
 BACKENDS = ("fake", "gloo", "nccl", "auto")
 
@@ -25,8 +27,6 @@ def need_distributed() -> None:
 def resolve_tiers(ns) -> list[str]:
     """--backend picks one tier (auto: nccl with a GPU per rank, else gloo);
     --tiers lists them; neither: fake,gloo."""
-    from conformance.engine.errors import EngineError
-    from conformance.engine.pool import resolve_backend
 
     if ns.backend and ns.tiers:
         raise UsageError("give --backend or --tiers, not both")
@@ -46,7 +46,6 @@ def resolve_tiers(ns) -> list[str]:
 
 
 def make_engine(backend: str, world_size: int):
-    from conformance.engine.errors import EngineError
 
     try:
         if backend == "fake":

@@ -6,12 +6,12 @@ import json
 import sys
 from pathlib import Path
 
+from conformance import paths
 from conformance.cli.errors import UsageError
+from conformance.report import compare, data
 
 
 def cmd_compare(ns) -> int:
-    from conformance import paths
-    from conformance.report import compare, data
 
     *bases, new_path = ns.reports
     auto = False

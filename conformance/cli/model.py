@@ -7,9 +7,12 @@ import os
 import sys
 from pathlib import Path
 
+from conformance import areas as invariants
+from conformance.case.target import TargetError
 from conformance.cli.common import BACKENDS
 from conformance.cli.errors import UsageError
-from conformance.report import data
+from conformance.report import data, write
+from conformance.run import profiles
 from conformance.run.models import ModelRun, check_model, model_invariants
 from conformance.selfcheck import fsdp_source
 
@@ -33,7 +36,6 @@ def add_parser(sub) -> None:
 
 
 def _budget(profile: str | None, examples: int | None) -> int:
-    from conformance.run import profiles
 
     if examples is not None:
         if examples < 1:
@@ -48,8 +50,6 @@ def _budget(profile: str | None, examples: int | None) -> int:
 
 
 def cmd_model(ns) -> int:
-    from conformance import areas as invariants
-    from conformance.case.target import TargetError
 
     examples = _budget(ns.profile, ns.examples)
     if ns.backend and ns.tiers:
@@ -77,7 +77,6 @@ def cmd_model(ns) -> int:
         )
     except TargetError as e:
         raise UsageError(str(e)) from None
-    from conformance.report import write
 
     info = [{"tier": t, "backend": t, "world_size": ns.fake_world_size if t == "fake" else ns.world_size} for t in tiers]
     rep = model_report(run, info, ns.invariant)

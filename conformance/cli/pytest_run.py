@@ -9,8 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conformance import areas as invariants
+from conformance import paths
+from conformance.case.target import TargetError, check_target
 from conformance.cli.common import need_distributed, resolve_tiers
 from conformance.cli.errors import UsageError
+from conformance.report import data
+from conformance.run import profiles
+from conformance.selfcheck import fsdp_source
 
 
 def pytest_main(args: list[str], cwd=None) -> int:
@@ -33,10 +39,6 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[str], Path]:
     """Validate the options `run` and `hunt` share; the pytest arguments of
     the conformance tests and the report directory."""
-    from conformance import areas as invariants
-    from conformance import paths
-    from conformance.report import data
-    from conformance.run import profiles
 
     if ns.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
@@ -100,14 +102,12 @@ def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[s
     return args, report_dir
 
 
-# --- run --target (issue 8): real models beside the synthetic cases ---
 def target_args(targets: list[str] | None) -> list[str]:
     """pytest arguments for ``run --target``: each target checked up front
     (bad input: one line, exit 2, before pytest starts), importable from
     the current directory as `fsdp-conformance model` finds it."""
     if not targets:
         return []
-    from conformance.case.target import TargetError, check_target
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -124,7 +124,6 @@ def use_fsdp_source(path: str | None) -> dict | None:
     """Check an FSDP source tree (layout, parse, import against this torch)
     and put it in the environment the run's processes inherit; "installed"
     or None: the installed torch's FSDP (an inherited overlay stays)."""
-    from conformance.selfcheck import fsdp_source
 
     if path is None:
         return None
@@ -140,7 +139,6 @@ def use_fsdp_source(path: str | None) -> dict | None:
 
 
 def run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = False) -> int:
-    from conformance.report import data
 
     cmd = [sys.executable, "-m", "pytest", *args]
     log = None

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
+from conformance import paths
 from conformance.cli.errors import Parser, UsageError
 from conformance.cli.pytest_run import conformance_args, run_pytest, target_args, use_fsdp_source
+from conformance.run import profiles
 
 
 def cmd_run(ns) -> int:
-    from conformance import paths
-    from conformance.run import profiles
 
     # first: a source that cannot be used is bad input, whatever else is asked
     use_fsdp_source(getattr(ns, "fsdp_source", None))

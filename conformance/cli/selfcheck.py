@@ -3,14 +3,21 @@ mutation score."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from conformance import paths
+from conformance.areas import CATALOG
 from conformance.cli.errors import UsageError
 from conformance.cli.pytest_run import pytest_main
+from conformance.report import data
+from conformance.report.data import suite_info
+from conformance.run import profiles
 from conformance.selfcheck.mutants import (
     DEFAULT_EXAMPLES,
     DEFAULT_TIMEOUT,
@@ -29,11 +36,10 @@ from conformance.selfcheck.mutants import (
 
 
 def cmd_selfcheck(ns) -> int:
-    if getattr(ns, "mutants", False):  # issue 10: the suite's mutation score
+    if getattr(ns, "mutants", False):  # the suite's mutation score
         from conformance.selfcheck import mutants
 
         return mutants.run(ns)
-    from conformance import paths
 
     checkout = paths.PACKAGE.parent
     if not (checkout / "tests" / "self").is_dir():
@@ -41,12 +47,9 @@ def cmd_selfcheck(ns) -> int:
     return pytest_main(["tests/self", "-q"], cwd=checkout)
 
 
-
-
 def _render_saved(ns, mutants: list[Mutant]) -> int:
     """The table of outcomes saved by earlier runs (several runs: each
     mutant's latest outcome); mutants no run measured are listed as such."""
-    from conformance.report import data
 
     by_id = {m.id: m for m in mutants}
     got: dict[str, Outcome] = {}
@@ -101,9 +104,7 @@ def add_mutant_arguments(p) -> None:
 def cmd_mutants(ns) -> int:
     """Exit 0: every non-equivalent mutant killed and no equivalent one
     killed; 1 otherwise; 2: a mutant that does not apply, bad options."""
-    import datetime
 
-    from conformance.run import profiles
 
     try:
         profiles.selected(ns.profile)
@@ -111,7 +112,6 @@ def cmd_mutants(ns) -> int:
         raise UsageError(str(e)) from None
     if ns.examples is not None and ns.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {ns.examples}")
-    from conformance.areas import CATALOG
 
     bad = [i for i in ns.skip_invariant if i not in CATALOG]
     if bad:
@@ -137,9 +137,7 @@ def cmd_mutants(ns) -> int:
             "torch": torch.__version__, "profile": ns.profile, "examples": ns.examples, "tiers": ns.tiers,
             "suite": _suite_revision(), "skipped_invariants": list(ns.skip_invariant), "baseline_checked": True,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    from concurrent.futures import ThreadPoolExecutor
 
-    from conformance.report import data
 
     done = [0]
 
@@ -184,7 +182,6 @@ def add_parser(sub) -> None:
 
 
 def _suite_revision() -> str | None:
-    from conformance.report.data import suite_info
 
     info = suite_info()
     rev = info.get("git_revision")

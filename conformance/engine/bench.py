@@ -10,15 +10,16 @@ import tempfile
 import time
 from typing import Sequence
 
+from conformance.case.examples import lora_model
 from conformance.case.spec import CaseSpec
 from conformance.engine.errors import BenchError
 from conformance.engine.fake import FakeEngine
 from conformance.engine.pool import RankPool
+from conformance.engine.scenarios import run_scenario
 
 
 def default_specs(n: int) -> list[CaseSpec]:
     """``n`` hand-written cases: LoraModel variants (source 000)."""
-    from conformance.case.examples import lora_model
 
     return [
         lora_model(num_layers=1 + i % 3, use_orig_params=bool(i % 2), seed=i)
@@ -36,7 +37,6 @@ def _check(records: list[dict], engine: str) -> None:
 def _spawned_rank(rank: int, world_size: int, store: str, scenario: str, spec_json: str, conn) -> None:
     import torch.distributed as dist
 
-    from conformance.engine.scenarios import run_scenario
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
     record = run_scenario(scenario, spec_json, rank=rank)

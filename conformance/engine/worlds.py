@@ -12,7 +12,9 @@ import shutil
 import tempfile
 
 from conformance.case.spec import CaseSpec
+from conformance.engine import fake
 from conformance.engine.errors import EngineError
+from conformance.engine.fake import preserve_hypothesis_profile
 from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
 
 TMP_PREFIX = "fsdp-conformance-ckpt-"
@@ -31,8 +33,6 @@ class DriverRank:
     def run(self, scenario: str, spec: CaseSpec, *, args: dict | None = None) -> list[dict]:
         import torch.distributed as dist
 
-        from conformance.engine import fake
-        from conformance.engine.fake import preserve_hypothesis_profile
 
         sc = get_scenario(scenario)
         if sc.fault:

@@ -7,8 +7,10 @@ what FSDP did and what the spec says it must do."""
 
 from __future__ import annotations
 
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2, shard_order
 from conformance.case.model_case import ModelCase
 from conformance.case.spec import CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
+from conformance.case.target import graph_of
 
 _COMMON = '''
 import functools
@@ -316,8 +318,6 @@ def _expected(case: ModelCase) -> str:
 def model_script(case: ModelCase, violations: list | None = None, title: str = "") -> str:
     import torch
 
-    from conformance.areas.common.fsdp2_oracle import predict_fsdp2, shard_order
-    from conformance.case.target import graph_of
 
     head = [
         f'"""fsdp-conformance reproduction{": " + title if title else ""} on target {case.target} ({case.plan.api})',

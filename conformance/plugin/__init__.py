@@ -176,7 +176,5 @@ def pytest_sessionfinish(session):
     _ENGINES.clear()
 
 
-# ---- a project's own model (issue 8): the fsdp_model fixture and marker ----
 from conformance.plugin.models import MARKER_DOC as MODEL_MARKER_DOC  # noqa: E402
 from conformance.plugin.models import fsdp_model  # noqa: E402,F401  (a fixture of this plugin)
-# ---- end fsdp_model ----

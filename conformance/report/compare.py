@@ -4,7 +4,11 @@ a real model's rows, the model)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
 
 from conformance.report.data import row_label
 from conformance.report.markdown import fsdp_source_label
@@ -171,10 +175,7 @@ def default_baselines(report: dict, directory) -> list:
     """For each tier of ``report``: the committed baseline with its backend and
     world size and the newest torch release at or below the report's
     (reports/baselines/torch-<release>-<backend>-w<W>.json)."""
-    import re
-    from pathlib import Path
 
-    from packaging.version import InvalidVersion, Version
 
     def release(v: str):
         try:

@@ -11,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conformance.run import corpus as corpus_mod
+from conformance.run.known import in_range
+
 SCHEMA = "fsdp-conformance-report"
 SCHEMA_VERSION = 1
 UNCHECKED = "UNCHECKED"  # an example's outcome when its invariant compared nothing (conformance.run.runner)
@@ -323,7 +326,6 @@ def build(
                 results.append(row)
 
     # known failures: matched, unmatched (warned), fixed, not run, other torch
-    from conformance.run.known import _in_range
 
     base_known = {}
     for b in baselines or []:
@@ -331,7 +333,6 @@ def build(
             if k.get("status") == "matched":
                 base_known[k["id"]] = k
     corpus_runs = merge_corpus(partials)
-    from conformance.run import corpus as corpus_mod
 
     corpus_findings = {c.finding for c in corpus_mod.load() if c.finding}
     known_out, warnings = [], []
@@ -342,7 +343,7 @@ def build(
         # its corpus cases, run where they reproduce (a "ranks" case needs real ranks)
         checked = [c for c in corpus_runs if c["finding"] == k.id and c["invariant"] in k.invariants
                    and (c["case_tier"] == "fake" or tier_info.get(c["tier"], {}).get("backend", c["tier"]) != "fake")]
-        if not _in_range(torch_version, k.torch):
+        if not in_range(torch_version, k.torch):
             st = "other-torch"
         elif hits:
             st = "matched"

@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from conformance.report.data import row_label
+from conformance.run.features import FEATURES
 
 MARK = {"PASS": "PASS", "FAIL": "**FAIL**", "KNOWN": "KNOWN", "FIXED": "_FIXED_", "SKIP": "SKIP"}
 MAX_FINDINGS = 30
 MAX_CODE = 4000
 
 
-def _cell(text) -> str:
+def table_cell(text) -> str:
+    """``text`` as one Markdown table cell."""
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
@@ -47,12 +49,12 @@ def render(report: dict, *, details: bool = True) -> str:
         fnd = ", ".join(f.rsplit("/", 1)[-1] for f in r["findings"]) or (r.get("reason") or "")
         lines.append(
             f"| {row_label(r)} | {r['api']} | {r['tier']} | {MARK.get(r['verdict'], r['verdict'])} | {r.get('checked', r['examples'])} / {r['examples']} "
-            f"| {r['seconds']:.1f}s | {_cell(fnd)} |"
+            f"| {r['seconds']:.1f}s | {table_cell(fnd)} |"
         )
     failed_tests = report.get("tests", {}).get("failed", [])
     if failed_tests:
         lines += ["", "### Failed tests", ""]
-        lines += [f"- `{t['nodeid']}`: {_cell(t.get('message') or '')}" for t in failed_tests]
+        lines += [f"- `{t['nodeid']}`: {table_cell(t.get('message') or '')}" for t in failed_tests]
     hint = report.get("snapshots", {}).get("hint")
     if hint:
         lines += ["", f"> {hint}"]
@@ -76,7 +78,7 @@ def render(report: dict, *, details: bool = True) -> str:
                 "<details>",
                 f"<summary><b>{f['kind']}</b> {row_label(f)} ({f['api']}, {f['tier']}): {label}, {f['count']} example(s)</summary>",
                 "",
-                f"{_cell(f['message'])}",
+                f"{table_cell(f['message'])}",
                 "",
             ]
             if f.get("repro"):
@@ -93,7 +95,6 @@ def render(report: dict, *, details: bool = True) -> str:
 def features_table(report: dict) -> str:
     """How often each case feature was drawn, per test area and tier: the
     share of examples (conformance.run.features)."""
-    from conformance.run.features import FEATURES
 
     rows: dict[tuple[str, str], dict] = {}
     for r in report["results"]:

@@ -23,7 +23,7 @@ from packaging.version import InvalidVersion, Version
 
 from conformance.report.data import VERDICTS
 from conformance.report.html import _ENV
-from conformance.report.markdown import MARK, _cell
+from conformance.report.markdown import MARK, table_cell
 from conformance.run import known as known_mod
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "reports" / "matrix"
@@ -119,7 +119,7 @@ def _short(reason: str | None) -> str | None:
 
 
 def _verdict_in_range(k: known_mod.KnownFailure | None, release: str) -> str:
-    return "KNOWN" if k is not None and known_mod._in_range(release, k.torch) else "FAIL"
+    return "KNOWN" if k is not None and known_mod.in_range(release, k.torch) else "FAIL"
 
 
 def analyse(m: Matrix) -> dict:
@@ -161,7 +161,7 @@ def analyse(m: Matrix) -> dict:
         run = [r for r in m.releases if m.run(r)]
         lo, hi = run.index(ordered[0]), run.index(ordered[-1])
         gaps = [r for r in run[lo : hi + 1] if r not in s.releases]
-        covered = s.known is not None and all(known_mod._in_range(r, s.known.torch) for r in ordered)
+        covered = s.known is not None and all(known_mod.in_range(r, s.known.torch) for r in ordered)
         findings.append({
             "id": s.id, "known": s.known, "invariants": sorted(s.invariants), "tiers": sorted(s.tiers),
             "first": ordered[0], "last": ordered[-1], "releases": ordered, "gaps": gaps,
@@ -214,7 +214,7 @@ def render_markdown(m: Matrix, a: dict) -> str:
             secs = s.get("wall_seconds") or s.get("seconds") or 0
             lines.append(f"| {rel} | {tier} | {c['PASS']} | {c['KNOWN']} | {c['FAIL']} | {c['SKIP']} | {s.get('examples', 0)} | {secs:.0f}s | {run_label(rep)} |")
         for what, reason in sorted(m.notrun.get(rel, {}).items()):
-            lines.append(f"| {rel} | {what} | not run: {_cell(reason)} | | | | | | |")
+            lines.append(f"| {rel} | {what} | not run: {table_cell(reason)} | | | | | | |")
     lines += ["", "## Invariants by release", "", "| invariant | API | " + " | ".join(m.releases) + " |",
               "| --- | --- | " + " | ".join("---" for _ in m.releases) + " |"]
     for _, invs in a["areas"]:
@@ -234,7 +234,7 @@ def render_markdown(m: Matrix, a: dict) -> str:
               "| --- | --- | --- | --- | --- | --- |"]
     for f in a["findings"]:
         rng = f"`{f['range']}`" + ("" if f["covered"] else " (**does not cover every release seen**)") if f["known"] else "**not in known_failures.toml**"
-        lines.append(f"| {_cell(f['id'])} | {', '.join(f['invariants'])} | {f['first']} | {f['last']} | {', '.join(f['gaps']) or '-'} | {rng} |")
+        lines.append(f"| {table_cell(f['id'])} | {', '.join(f['invariants'])} | {f['first']} | {f['last']} | {', '.join(f['gaps']) or '-'} | {rng} |")
     if a["unseen"]:
         lines += ["", "Known failures seen in no release run: " + ", ".join(f"`{k.id}` (`{k.torch}`)" for k in a["unseen"])]
     skips = {}
@@ -247,7 +247,7 @@ def render_markdown(m: Matrix, a: dict) -> str:
     if skips:
         lines += ["", "## Skips", "", "| invariant | API | releases | reason |", "| --- | --- | --- | --- |"]
         for (inv, api, reason), rels in sorted(skips.items()):
-            lines.append(f"| {inv} | {api} | {', '.join(sorted(set(rels), key=_order))} | {_cell(reason)} |")
+            lines.append(f"| {inv} | {api} | {', '.join(sorted(set(rels), key=_order))} | {table_cell(reason)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from conformance.report.data import merge_tallies, row_label
+from conformance.report.markdown import headline
 from conformance.report.write import PARTIAL
 
 STYLE = {"PASS": "green", "FAIL": "bold red", "KNOWN": "yellow", "FIXED": "cyan", "SKIP": "dim", "running": "blue"}
@@ -81,7 +82,6 @@ def follow(report_dir: Path, proc, console: Console | None = None, interval: flo
 
 def final_table(report: dict, console: Console) -> None:
     """The finished report on a terminal: the matrix, findings, warnings."""
-    from conformance.report.markdown import headline
 
     table = Table(title=None, header_style="bold")
     for col in ("invariant", "API", "tier", "verdict", "examples", "time", "findings / reason"):

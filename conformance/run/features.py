@@ -6,8 +6,10 @@ counts them per invariant, so that a profile's reach is measured, not guessed.""
 
 from __future__ import annotations
 
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
+from conformance.case.target import graph_of
 
 FEATURES = (
     "tie",
@@ -23,7 +25,6 @@ FEATURES = (
 def case_features(spec: CaseSpec, world_size: int) -> list[str]:
     """For a CaseSpec or a ModelCase (a real model's ties and shared modules
     are read off its graph)."""
-    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     params = [pid for _, pid in g.named_parameters()]
@@ -62,7 +63,6 @@ def _units(spec: CaseSpec, g: ModelGraph) -> list[list[str]]:
 
         pred = predict_fsdp2(spec, torch.__version__)
         return [[g.resolve_param(f) for f in grp.managed] for grp in pred.groups]
-    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 
     pred = predict_fsdp1(spec)
     if pred.error is not None and not pred.units:

@@ -12,6 +12,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from conformance import paths
+from conformance.areas import CATALOG
 from conformance.case.violation import Violation
 
 DEFAULT_PATH = paths.KNOWN_FAILURES
@@ -49,7 +50,7 @@ class KnownFailure:
         return {m.invariant for m in self.matches_}
 
     def matches(self, v: Violation, torch_version: str) -> bool:
-        return (os.environ.get(ANY_RELEASE_ENV) == "1" or _in_range(torch_version, self.torch)) and self.matches_tags(v)
+        return (os.environ.get(ANY_RELEASE_ENV) == "1" or in_range(torch_version, self.torch)) and self.matches_tags(v)
 
     def matches_tags(self, v: Violation) -> bool:
         return any(
@@ -57,7 +58,7 @@ class KnownFailure:
         )
 
 
-def _in_range(torch_version: str, spec: SpecifierSet) -> bool:
+def in_range(torch_version: str, spec: SpecifierSet) -> bool:
     # "2.13.0+cpu" -> 2.13.0; nightlies ("2.15.0.dev20261101") count as their release
     base = Version(torch_version.split("+")[0])
     return spec.contains(Version(base.base_version), prereleases=True)
@@ -84,7 +85,6 @@ def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
             )
         except (KeyError, InvalidSpecifier) as e:
             raise KnownFailuresError(f"{path}: finding #{i + 1} is malformed ({type(e).__name__}: {e})") from None
-    from conformance.areas import CATALOG
 
     for k in out:
         unknown = k.invariants - set(CATALOG)

@@ -10,6 +10,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hseed
+from hypothesis import strategies as st
+
+from conformance.areas import UnknownInvariant, select
+from conformance.case.target import check_target
+from conformance.run.session import Session
+from strategies.targets import model_cases
+
 # Invariants a model case can be checked on. FWD-SUMMON reads a drawn
 # method's steps (which parameters it reads), which a real model's method
 # does not declare.
@@ -46,7 +55,6 @@ class ModelRun:
 
 def model_invariants(ids_or_areas: list[str] | None = None) -> list:
     """The catalog's invariants that apply to model cases (by ID or area)."""
-    from conformance.areas import UnknownInvariant, select
 
     # the lifecycle invariants need a checkpoint plan or a training schedule,
     # which model cases do not draw (yet)
@@ -97,13 +105,7 @@ def check_model(
     name. ``engines`` (tier -> engine) lets a caller reuse its own; the ones
     made here are closed before returning, so no rank process outlives the
     call. ``progress(line)`` hears one line per invariant and tier done."""
-    from hypothesis import HealthCheck, settings
-    from hypothesis import seed as hseed
-    from hypothesis import strategies as st
 
-    from conformance.case.target import check_target
-    from conformance.run.session import Session
-    from strategies.targets import model_cases
 
     check_target(target)
     invs = model_invariants(invariants)
@@ -154,7 +156,6 @@ def check_model(
 
 def _hypothesis_test(session, invariant: str, engine, tier: str, cases, config):
     """One Hypothesis test: ``invariant`` on every drawn case, on ``engine``."""
-    from hypothesis import given
 
     @config
     @given(case=cases)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase, ReadOnlyDatabase
 
 ENV_VAR = "FSDP_CONFORMANCE_PROFILE"
 DATABASE_VAR = "FSDP_CONFORMANCE_DATABASE"  # where found examples are kept (see database_from)
@@ -28,7 +29,6 @@ def database_from(url: str):
     $FSDP_CONFORMANCE_DATABASE_CACHE or .fsdp-conformance-db that new finds go
     to); ``redis://HOST:PORT[/N]`` (a fleet sharing one Redis; needs the redis
     package); ``none``."""
-    from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase, ReadOnlyDatabase
 
     if url == "none":
         return None
@@ -102,7 +102,7 @@ def activate(name: str) -> None:
 
         settings.register_profile(f"{name}-replay", parent=settings.get_profile(name), phases=[Phase.explicit, Phase.reuse])
         name = f"{name}-replay"
-    if os.environ.get(SHRINK_VAR) == "0":  # issue 10: a mutant is killed by one failing example, not the smallest
+    if os.environ.get(SHRINK_VAR) == "0":  # a mutant is killed by one failing example, not the smallest
         from hypothesis import Phase
 
         settings.register_profile(f"{name}-noshrink", parent=settings.get_profile(name),

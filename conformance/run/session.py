@@ -367,7 +367,7 @@ class Session:
         hit = {f.known_failure for t in self.tallies.values() for f in t.findings.values() if f.known_failure}
         return [
             k for k in self.known
-            if k.invariants & ran and k.id not in hit and known_mod._in_range(torch.__version__, k.torch)
+            if k.invariants & ran and k.id not in hit and known_mod.in_range(torch.__version__, k.torch)
         ]
 
     def to_dict(self) -> dict:

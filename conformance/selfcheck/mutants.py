@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conformance import paths
+from conformance.areas import CATALOG
+from conformance.report import data
+from conformance.report.markdown import table_cell
 from conformance.selfcheck import fsdp_source
 
 CATALOG_PATH = Path(__file__).with_name("mutants.toml")
@@ -161,7 +165,6 @@ def make_source(m: Mutant | None, dest: Path) -> Path:
 def invariants_for(api: str) -> list[str]:
     """The invariants whose API the mutant changes: every invariant of FSDP1
     or FSDP2; for register_fsdp_forward_method, the forward-method area."""
-    from conformance.areas import CATALOG
 
     if api == "forward_method":
         return [i.id for i in CATALOG.values() if i.group == "forward_methods" and "fsdp2" in i.apis]
@@ -291,7 +294,6 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _outcome(m: Mutant, rc: int, report_dir: Path, log_path: Path, seconds: float) -> Outcome:
-    from conformance.report import data
 
     if rc < 0:
         # The mutant crashed the run (e.g. FSDP1 reading a freed flat
@@ -325,7 +327,6 @@ def _outcome(m: Mutant, rc: int, report_dir: Path, log_path: Path, seconds: floa
 
 def _crashed_test(log_path: Path) -> str:
     """The conformance test a faulthandler stack in the log was in."""
-    import re
 
     try:
         text = log_path.read_text(errors="replace")
@@ -410,7 +411,7 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
     for o in outcomes:
         by = "<br>".join(o.killed_by) or ("equivalent" if o.mutant.equivalent else o.detail)
         out.append(f"| `{o.mutant.id}` | {o.mutant.api} | `{o.mutant.file}` | {o.status.upper() if o.status != 'killed' else 'killed'} "
-                   f"| {_cell(by)} | {o.seconds:.0f}s | " + (f"{o.run} | " if runs else "") + f"{_cell(o.mutant.description)} |")
+                   f"| {table_cell(by)} | {o.seconds:.0f}s | " + (f"{o.run} | " if runs else "") + f"{table_cell(o.mutant.description)} |")
     surv = [o for o in outcomes if o.status not in ("killed", *UNMEASURED)]
     not_run = [o.mutant.id for o in outcomes if o.status == "not run"]
     invalid = [o for o in outcomes if o.status == "invalid"]
@@ -420,13 +421,13 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
         out += ["", "## Survivors", ""]
         for o in surv:
             why = f"equivalent: {o.mutant.equivalent}" if o.mutant.equivalent else (SURVIVOR_NOTES.get(o.mutant.id) or o.detail or "not caught: no invariant observes this change yet")
-            out.append(f"- `{o.mutant.id}` ({o.status}): {_cell(why)}")
+            out.append(f"- `{o.mutant.id}` ({o.status}): {table_cell(why)}")
     if not_run or invalid:
         out += ["", "## Not measured", ""]
     if not_run:
         out += ["No run of this table reached them: " + ", ".join(f"`{i}`" for i in not_run)]
     if invalid:
-        out += [""] + [f"- `{o.mutant.id}` (run {o.run}): {_cell(o.detail)}" for o in invalid]
+        out += [""] + [f"- `{o.mutant.id}` (run {o.run}): {table_cell(o.detail)}" for o in invalid]
     return "\n".join(out) + "\n"
 
 
@@ -436,10 +437,6 @@ SURVIVOR_NOTES: dict[str, str] = {
     "fsdp1-custom-policy-wraps-ignored": "survived 60 examples per test; killed by WRAP-UNITS (fake) with 100 examples per test (run0-part.json): it needs a CustomWrap target inside an ignored module, which the strategies draw rarely",
     "fsdp1-post-order-apply-revisits-shared": "survived 60 examples per test; killed by WRAP-UNITS (gloo) with 100 examples per test (run0-part.json): it needs a shared module under two wrapped parents with an object policy, which the strategies draw rarely",
 }
-
-
-def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 # ---- the command ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ from conformance.areas.common.fsdp2_adapter import takes_ignored_params
 from conformance.areas.fully_shard import AREA
 from conformance.run import corpus
 from conformance.suite.budget import examples
-from strategies.methods import fsdp2_case_specs
+from strategies.groups import fsdp2_case_specs
 
 FULLY_SHARD = [inv.id for inv in AREA.invariants]
 

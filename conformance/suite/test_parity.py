@@ -16,7 +16,7 @@ from conformance.areas.common.fsdp2_adapter import has_reduction_setters
 from conformance.areas.parity import AREA
 from conformance.run import corpus
 from conformance.suite.budget import examples
-from strategies.methods import training_specs
+from strategies.training import training_specs
 
 PARITY = [inv.id for inv in AREA.invariants]
 

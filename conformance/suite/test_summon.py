@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from conformance.areas.summon import AREA
 from conformance.run import corpus
 from conformance.suite.budget import examples
-from strategies.methods import summon_specs
+from strategies.summon import summon_specs
 
 SUMMON = [inv.id for inv in AREA.invariants]
 

@@ -159,7 +159,7 @@ def rank1_optimizer_raises():
     import torch
 
     return mock.patch.object(torch.optim.SGD, "step", _on_rank_1(torch.optim.SGD.step))
-# --- end: one rank fails ---
+
 
 
 def _faulty(name: str):

@@ -332,7 +332,7 @@ def test_a_crash_of_a_tied_reversed_list_group_save_is_known(order, reversed_):
     assert ("group:multi-no-reshard-tie-reversed" in tags) is reversed_ and "no-backward-before-save" in tags
     v = Violation("CKPT-RESHARD", "CRASH: rank 1 killed by signal 11", frozenset(tags | {"kind:crash"}))
     entry = next(e for e in known.load() if e.id == "fsdp2-tied-list-group-unsharded-save-segfault")
-    if not known._in_range(torch.__version__, entry.torch):
+    if not known.in_range(torch.__version__, entry.torch):
         pytest.skip(f"recorded for torch {entry.torch}")
     k = known.match(v, known.load(), torch.__version__)
     assert (k is not None and k.id == entry.id) is reversed_

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from conformance.case.spec import CaseSpec
 from strategies.checkpoint import _trains_after_load, checkpoint_specs
-from strategies.methods import _fsdp1_trainable
+from strategies.training import fsdp1_trainable
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 
@@ -30,7 +30,7 @@ def test_the_seed_22_case_does_not_train_its_fsdp1_load_side():
     lost, so the resume differed from single-process training."""
     spec = CaseSpec.from_json(json.dumps(json.loads((DATA / "ckpt-fsdp1-resume-shared-unit.json").read_text())))
     assert spec.ckpt.steps_after == 2 and spec.ckpt.load_plan.api == "fsdp1"
-    assert not _fsdp1_trainable(dataclasses.replace(spec, plan=spec.ckpt.load_plan))
+    assert not fsdp1_trainable(dataclasses.replace(spec, plan=spec.ckpt.load_plan))
     assert not _trains_after_load(spec)
 
 

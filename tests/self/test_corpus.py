@@ -53,7 +53,7 @@ def test_the_conformance_tests_check_every_corpus_case():
 
 def _skip_outside_its_range(case) -> None:
     k = next(k for k in known.load() if k.id == case.finding)
-    if not known._in_range(torch.__version__, k.torch):
+    if not known.in_range(torch.__version__, k.torch):
         pytest.skip(f"{k.id} is recorded for torch {k.torch}, not {torch.__version__}")
 
 

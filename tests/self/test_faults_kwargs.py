@@ -1,5 +1,5 @@
 """WRAP-KWARGS catches a CustomPolicy that drops the kwargs its lambda
-returns (issue 10's mutant fsdp1-custom-policy-kwargs-dropped, monkeypatched
+returns (the mutant fsdp1-custom-policy-kwargs-dropped, monkeypatched
 here)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """FROZEN-ERROR / FROZEN-WARN catch a frozen-parameter check that meets the
-units in the wrong order (issue 10's traversal-order mutant, monkeypatched
+units in the wrong order (the traversal-order mutant, monkeypatched
 here): reversed named_modules() instead of the named_children DFS. Without
 shared modules this is a FAIL, never the known shared-module-order finding."""
 

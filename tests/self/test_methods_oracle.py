@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.areas.summon.oracle import predict_summon
 from conformance.case.spec import CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup
-from strategies.methods import fsdp2_case_specs, summon_specs, training_specs
+from strategies.groups import fsdp2_case_specs
+from strategies.summon import summon_specs
+from strategies.training import training_specs
 from tests.self.test_faults_fsdp2 import lm
 
 pytestmark = pytest.mark.selfcheck

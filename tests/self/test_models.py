@@ -1,4 +1,4 @@
-"""Real models (issue 8): the module graph, ModelCase, strategies over a
+"""Real models: the module graph, ModelCase, strategies over a
 target, invariants on a target (with injected faults), the CLI, the Python
 API and the pytest plugin on a target written outside the suite, bad input."""
 
@@ -108,7 +108,7 @@ def test_presets_come_from_the_target():
     """"Train only what matches" the target's trainable_patterns, and BitFit,
     are among the freeze masks drawn."""
     from conformance.case.target import base_graph
-    from strategies.targets import freeze_masks
+    from strategies.targets import model_freeze_masks as freeze_masks
 
     params = [f for f, _ in base_graph(TOY).named_parameters()]
     only_block1 = tuple(f for f in params if not f.startswith("blocks.1."))

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from conformance.run.repro import repro_script
-from strategies.methods import fsdp2_case_specs
+from strategies.groups import fsdp2_case_specs
 
 pytestmark = pytest.mark.selfcheck
 

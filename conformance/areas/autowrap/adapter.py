@@ -13,6 +13,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+# read through the module at call time: a fault test (or a mutant) replaces these helpers
+from torch.distributed.fsdp import _wrap_utils
+from torch.distributed.fsdp.wrap import _Policy
+
 from conformance.areas.autowrap.observation import FROZEN_MARK, FrozenMessage, UnitObservation, WrapObservation
 from conformance.areas.common.fsdp1_adapter import Aliases, clean, error_text, make_policy, wrap
 from conformance.areas.common.support import placed
@@ -68,8 +72,6 @@ def simulate(spec: CaseSpec, model: nn.Module, policy, aliases: Aliases) -> dict
     (same helpers, the policy's _run_policy targets), plus the root, which is
     always a unit. Call before wrapping. None for callable policies: torch
     does not simulate them."""
-    from torch.distributed.fsdp._wrap_utils import _get_managed_param_to_fqn, _get_post_order_named_modules
-    from torch.distributed.fsdp.wrap import _Policy
 
     if policy is not None and not isinstance(policy, _Policy):
         return None
@@ -78,18 +80,17 @@ def simulate(spec: CaseSpec, model: nn.Module, policy, aliases: Aliases) -> dict
     ignored = _ignored_params(spec, model)
     visited: set[nn.Module] = set()
     out: dict[str, tuple[str, ...]] = {}
-    for name, module in _get_post_order_named_modules(model):
+    for name, module in _wrap_utils._get_post_order_named_modules(model):
         if module in targets:
-            managed = _get_managed_param_to_fqn(module, ignored, visited, name)
+            managed = _wrap_utils._get_managed_param_to_fqn(module, ignored, visited, name)
             out[aliases.canon_of_module[id(module)]] = tuple(aliases.canon_of_param.get(id(p), fqn) for p, fqn in managed.items())
     return out
 
 
 def post_order_names(model: nn.Module) -> list[str]:
     """The module order torch's frozen-parameter check walks (spec source 000)."""
-    from torch.distributed.fsdp._wrap_utils import _get_post_order_named_modules
 
-    return [name for name, _ in _get_post_order_named_modules(model)]
+    return [name for name, _ in _wrap_utils._get_post_order_named_modules(model)]
 
 
 def _ignored_params(spec: CaseSpec, model: nn.Module) -> set[nn.Parameter]:

@@ -9,7 +9,8 @@ from conformance.areas.common.catalog import DOC_FSDP, S000, Catalog, NotChecked
 from conformance.areas.common.fsdp1_oracle import FSDP1Prediction, UnitPrediction, fsdp1_case_tags
 from conformance.areas.common.ranks import ranks_agree
 from conformance.areas.common.violations import violation
-from conformance.case.spec import CaseSpec
+from conformance.case.spec import CaseSpec, CustomWrap
+from conformance.case.target import graph_of
 from conformance.case.violation import Violation
 from conformance.case.violation import set_diff as _diff
 
@@ -80,7 +81,6 @@ def check_wrap_units(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation
     return out
 
 
-# ---- issue 10 (mutation score: a CustomPolicy that dropped its kwargs survived) ----
 DOC_CUSTOM_POLICY = "CustomPolicy docstring (a non-empty dict overrides the root's kwargs for that module)"
 ROOT_KWARGS = {"sharding_strategy": "FULL_SHARD", "forward_prefetch": False}  # what adapters.fsdp1.wrap gives the root
 
@@ -94,13 +94,11 @@ ROOT_KWARGS = {"sharding_strategy": "FULL_SHARD", "forward_prefetch": False}  # 
     source=DOC_CUSTOM_POLICY,
 )
 def check_wrap_kwargs(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation) -> list[Violation] | NotChecked:
-    from conformance.case.spec import CustomWrap
 
     if not isinstance(spec.plan.policy, CustomWrap):
         return NotChecked("no CustomPolicy")
     if not _wrapped(pred, obs):
         return _not_wrapped(pred, obs)
-    from conformance.case.target import graph_of
 
     tags = fsdp1_case_tags(spec, pred)
     # Keyed by module, not by path: the policy's lambda sees a module, and a
@@ -129,7 +127,6 @@ def check_wrap_kwargs(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservatio
             detail = ", ".join(f"{k}={got[k]!r} (expected {want[k]!r})" for k in wrong)
             out.append(violation("WRAP-KWARGS", f"unit {u.path or '<root>'} was built with {detail}", tags, "kind:wrong-kwargs"))
     return out
-# ---- end issue 10 ----
 
 
 @catalog.invariant(
@@ -222,7 +219,7 @@ def check_state_dict(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservation
     return out
 
 
-# ---- issue 10 (mutation score): which order differences a shared module explains ----
+# Which order differences a shared module explains.
 # torch's known traversal bug (known failure fsdp1-frozen-check-shared-module-order)
 # moves a shared module's subtree to its last registration; only modules in
 # such a subtree can change places because of it. Any other order difference
@@ -254,7 +251,6 @@ def _claims_shared_unit(spec: CaseSpec, units: tuple[UnitPrediction, ...], path:
     simulation comes last) can look mixed although it is not."""
     if not path:
         return False
-    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     for u in units:
@@ -262,7 +258,6 @@ def _claims_shared_unit(spec: CaseSpec, units: tuple[UnitPrediction, ...], path:
         if len(aliases) > 1 and any(a.startswith(path + ".") for a in aliases[:-1]) and not aliases[-1].startswith(path + "."):
             return True
     return False
-# ---- end issue 10 ----
 
 
 def _names_tags(spec: CaseSpec | None, fqns) -> set[str]:
@@ -273,7 +268,6 @@ def _names_tags(spec: CaseSpec | None, fqns) -> set[str]:
     message naming something the model lacks stays a FAIL."""
     if spec is None:
         return set()
-    from conformance.case.target import graph_of
 
     g, out = graph_of(spec), set()
     for fqn in fqns:
@@ -374,7 +368,7 @@ def check_frozen_warn(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservatio
         out.append(violation("FROZEN-WARN", f"warning for unit {path or '<root>'}, which does not mix requires_grad", tags | _named(spec, got[path]), "kind:spurious-warning"))
     # The order of the warnings that are there, whatever else is wrong (a
     # missing root warning, a known failure, must not hide siblings warned in
-    # the wrong order: issue 10's traversal-order mutant).
+    # the wrong order: a traversal-order mutant).
     want_paths, got_paths = {w.path for w in pred.warnings}, {w.module for w in obs.warnings}
     got_order = [w.module for w in obs.warnings if w.module in want_paths]
     want_order = [w.path for w in pred.warnings if w.path in got_paths]

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import distribute_tensor
 
 from conformance.areas.checkpoint.observation import CkptObservation
 from conformance.areas.checkpoint.oracle import with_frozen
@@ -22,8 +23,9 @@ from conformance.areas.common.fsdp2_adapter import error_line as _err1
 from conformance.areas.common.support import placed, rank_device
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, reference_loss
 from conformance.case.build import build, is_sharded, read_attr
+from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
-from conformance.case.tree import join
+from conformance.case.tree import join, walk
 
 LR = 0.05
 
@@ -160,7 +162,6 @@ def single_process(spec: CaseSpec, *, until_save: bool) -> tuple[nn.Module, torc
 
 def _by_id(spec: CaseSpec) -> dict[str, str]:
     """Parameter id (the spec FQN where it was made) -> canonical FQN."""
-    from conformance.case.graph import ModelGraph
 
     return {pid: fqn for fqn, pid in ModelGraph(spec).named_parameters()}
 
@@ -357,7 +358,6 @@ def _load_state_dict(spec: CaseSpec, model: nn.Module, source: dict, *, assign: 
             model.load_state_dict(source)
         return
     # FSDP2's own recipe: a state dict of DTensors laid out as the model's
-    from torch.distributed.tensor import distribute_tensor
 
     sharded = {}
     for k, cur in model.state_dict().items():
@@ -439,7 +439,6 @@ def save(spec: CaseSpec, dir: str) -> dict:
 
 def _mask(spec: CaseSpec) -> frozenset[str]:
     """The parameters frozen at the save (the tree's mask, refreeze applied)."""
-    from conformance.case.tree import walk
 
     frozen = {join(path, p.name) for path, m in walk(spec.tree) for p in m.params if not p.requires_grad}
     frozen ^= set(spec.ckpt.refreeze)

@@ -5,9 +5,12 @@ sizes (CKPT-RESHARD) and optimizer state through a save and load
 
 from __future__ import annotations
 
+import dataclasses
+
 from conformance.areas.checkpoint.observation import CkptObservation
 from conformance.areas.checkpoint.oracle import CkptPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
 from conformance.areas.common.violations import violation
 from conformance.case.spec import CaseSpec
 from conformance.case.tree import walk
@@ -74,9 +77,7 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
 def container_given_to_fully_shard(spec: CaseSpec, load) -> bool:
     """The save side or the load side is FSDP2 and gives fully_shard a
     container subclass with a forward."""
-    import dataclasses
 
-    from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
 
     return any(p.api == "fsdp2" and given(dataclasses.replace(spec, plan=p)) for p in (spec.plan, load))
 

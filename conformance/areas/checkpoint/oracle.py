@@ -8,6 +8,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.areas.common.training_oracle import predict_training
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, ModuleSpec, ParamSpec
 from conformance.case.tree import join
@@ -51,7 +53,6 @@ class CkptPrediction:
 
 @functools.lru_cache(maxsize=512)
 def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
-    from conformance.areas.common.training_oracle import predict_training
 
     ck = spec.ckpt
     g = ModelGraph(spec)
@@ -89,7 +90,6 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
 
 
 def _fsdp1_paramless_root(spec: CaseSpec) -> bool:
-    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 
     if spec.plan.api != "fsdp1":
         return False
@@ -101,7 +101,6 @@ def _uneven_steps_in_load_unit(spec: CaseSpec, g: ModelGraph, initial: set[str],
     """Step 0 trains what the tree leaves trainable, steps 1.. what is
     trainable at the save: does an FSDP1 flat-parameter unit of the load plan
     hold parameters with different (non-zero) step counts?"""
-    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 
     ck = spec.ckpt
     load = ck.load_plan or spec.plan
@@ -129,7 +128,6 @@ def _chunks(n: int, world: int) -> tuple[bool, bool]:
 
 
 def _shards(spec: CaseSpec, g: ModelGraph, at_load: set[str]) -> tuple[str, ...]:
-    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 
     ck = spec.ckpt
     out = []

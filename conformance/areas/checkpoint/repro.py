@@ -7,6 +7,7 @@ commands when the world size changes:
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 from conformance.areas.common.fsdp2_oracle import shard_order
@@ -261,7 +262,6 @@ def _wrap_code(spec: CaseSpec, var: dict[str, str]) -> str:
 
 
 def _with_plan(spec: CaseSpec, plan: WrapPlan) -> CaseSpec:
-    import dataclasses
 
     return dataclasses.replace(spec, plan=plan, ckpt=None)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap, WrapPlan
+from conformance.case.target import graph_of
 
 # size_based_auto_wrap_policy's documented defaults (torch.nn classes)
 SIZE_EXCLUDE_WRAP = ("ModuleList", "ModuleDict")
@@ -117,7 +118,6 @@ def _lca(g: ModelGraph, nids: list[str]) -> str:
 def predict_fsdp1(spec) -> FSDP1Prediction:
     """For a CaseSpec or a ModelCase: its graph and its plan. Cached: every
     invariant of an example asks for the same prediction."""
-    from conformance.case.target import graph_of
 
     return fsdp1_prediction(graph_of(spec), spec.plan)
 

@@ -4,7 +4,11 @@ groups sharded bottom-up, and what several areas read of FSDP2 modules."""
 
 from __future__ import annotations
 
+import inspect
+from collections import Counter
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.support import fsdp2_mesh
@@ -25,7 +29,6 @@ def fsdp2_api():
 
 def takes_ignored_params() -> bool:
     """Whether this torch's fully_shard takes ``ignored_params`` (2.7 on)."""
-    import inspect
 
     try:
         return "ignored_params" in inspect.signature(fsdp2_api()[0]).parameters
@@ -58,9 +61,7 @@ def count_collectives():
     """A dispatch mode that counts the collectives issued under it, by op
     name. (torch's CommDebugMode also tracks modules, and its module tracker
     breaks on a method that calls self(...) outside any module forward.)"""
-    from collections import Counter
 
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountCollectives(TorchDispatchMode):
         def __init__(self):

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from conformance.case.graph import ModelGraph
-from conformance.case.spec import CaseSpec, ForwardMethod, MethodCall, ShardGroup, WrapPlan, effective_calls
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import CaseSpec, ForwardMethod, MethodCall, ShardGroup, SpecError, WrapPlan, effective_calls, module_at
+from conformance.case.target import graph_of
 from conformance.case.tree import join
 
 # The torch release from which fully_shard rejects a parameter that two
@@ -143,8 +145,6 @@ def _unsupported(methods, calls, g: ModelGraph, order: list[ShardGroup]) -> str:
 def predict_fsdp2(spec, torch_version: str) -> FSDP2Prediction:
     """For a CaseSpec or a ModelCase: its graph, plan, methods and calls.
     A ModelCase's methods are the model's own code (opaque to the oracle)."""
-    from conformance.case.model_case import ModelCase
-    from conformance.case.target import graph_of
 
     return fsdp2_prediction(
         graph_of(spec), spec.plan, spec.methods, effective_calls(spec), torch_version, opaque=isinstance(spec, ModelCase)
@@ -525,7 +525,6 @@ def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
 
 def _frozen_fqns(spec: CaseSpec) -> set[str]:
     """Canonical FQNs of the parameters the case builds frozen."""
-    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     return {g.param_fqn[pid] for pid in g.param_fqn if not g.requires_grad(pid)}
@@ -534,7 +533,6 @@ def _frozen_fqns(spec: CaseSpec) -> set[str]:
 def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
     """The module at ``path`` is an Embedding whose parameters are all frozen:
     its output needs no gradient (the indices never do)."""
-    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     try:
@@ -551,7 +549,6 @@ def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = ()) -> list[str]:
     registered under two parents runs once per parent; torch's own containers
     are walked, not called (conformance.case.build.call_child). ``skip``: spec paths
     a microbatch passes over (as conformance.areas.schedule.oracle.used_params)."""
-    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     containers = ("ModuleList", "ModuleDict", "Sequential")
@@ -581,7 +578,6 @@ def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str],
     the FSDP2 prediction's groups (canonical module paths)."""
     if getattr(spec, "tree", None) is None:  # a ModelCase: its own forward, order unknown
         return False
-    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     calls = forward_calls(spec, skip)
@@ -612,7 +608,6 @@ def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str],
 def _runs_twice(spec: CaseSpec, paths) -> bool:
     """Some module at ``paths`` has two names: the case's forward calls it
     under each."""
-    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     try:
@@ -622,7 +617,6 @@ def _runs_twice(spec: CaseSpec, paths) -> bool:
 
 
 def container_base(spec: CaseSpec, path: str) -> bool:
-    from conformance.case.spec import SpecError, module_at
 
     if getattr(spec, "tree", None) is None:  # a ModelCase: the target's own classes
         return False

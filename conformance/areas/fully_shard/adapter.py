@@ -21,7 +21,7 @@ from conformance.areas.common.training import FORWARD_ATOL, FORWARD_RTOL
 from conformance.areas.fully_shard.observation import FSDP2Observation, GroupObservation, ProbeObservation, RegistrationObservation
 from conformance.case.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
 from conformance.case.model_case import ModelCase
-from conformance.case.spec import CaseSpec, effective_calls
+from conformance.case.spec import CaseSpec, effective_calls, module_at
 from conformance.case.target import method_kwargs, target_loss
 from conformance.case.tree import join
 
@@ -105,7 +105,6 @@ def register(spec: CaseSpec, built: Built, ref: Built) -> list[RegistrationObser
 
 
 def _spec_cls(spec: CaseSpec, path: str) -> str:
-    from conformance.case.spec import module_at
 
     return module_at(spec.tree, path).cls
 

@@ -11,6 +11,7 @@ from conformance.areas.common.observation import CallObservation
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.fully_shard.observation import FSDP2Observation
 from conformance.case.spec import CaseSpec
+from conformance.case.target import graph_of
 from conformance.case.violation import Violation
 from conformance.case.violation import set_diff as _diff
 
@@ -467,7 +468,6 @@ def _registered_sibling(spec: CaseSpec, index: int) -> str | None:
     no such sibling."""
     if index == -1:
         return None
-    from conformance.case.target import graph_of
 
     m = spec.methods[index]
     if m.register:

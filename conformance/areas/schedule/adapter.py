@@ -7,11 +7,16 @@ what FSDP did. Reads FSDP internals only for FSDP1's flat gradients."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import re
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
@@ -31,7 +36,6 @@ REDUCE_OPS = ("reduce_scatter", "all_reduce", "allreduce")
 
 def _err(e: BaseException) -> str:
     """Type and first line, object addresses removed (ranks must agree on it)."""
-    import re
 
     return re.sub(r" at 0x[0-9a-f]+", "", _err2(e))
 
@@ -47,7 +51,6 @@ def _name(dt: torch.dtype) -> str:
 def precision_api() -> tuple[type, type]:
     """(MixedPrecision, MixedPrecisionPolicy): public in torch.distributed.fsdp
     from 2.6, MixedPrecisionPolicy in torch.distributed._composable.fsdp before."""
-    from torch.distributed.fsdp import MixedPrecision
 
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -60,7 +63,6 @@ def missing_api() -> str | None:
     """Why the installed torch cannot run training schedules, or None: the
     mixed-precision classes with every field a Precision names, FSDP2's
     set_requires_gradient_sync and FSDP1's no_sync."""
-    import dataclasses
 
     try:
         MixedPrecision, MixedPrecisionPolicy = precision_api()
@@ -75,7 +77,6 @@ def missing_api() -> str | None:
             return f"torch {torch.__version__}: {cls.__name__} lacks {sorted(lacking)}"
     if not hasattr(FSDPModule, "set_requires_gradient_sync"):
         return f"torch {torch.__version__}: FSDPModule lacks set_requires_gradient_sync"
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if not hasattr(FSDP, "no_sync"):
         return f"torch {torch.__version__}: FullyShardedDataParallel lacks no_sync"
@@ -118,7 +119,6 @@ class ReduceRecorder:
     """A dispatch mode recording the gradient-reduction collectives (op, dtype)."""
 
     def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
 
         rec = self
 
@@ -221,7 +221,6 @@ class Runner:
     def full_values(self) -> dict[str, torch.Tensor]:
         if self.api == "fsdp2":
             return {f: full_tensor(read_attr(self.built.model, f).detach()).clone() for f in self.names}
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(self.model, writeback=False):
             return {f: read_attr(self.model, f).detach().clone() for f in self.names}
@@ -241,14 +240,12 @@ class Runner:
         pr = self.spec.schedule.precision
         if not self.uop or (pr is not None and pr.keep_low_precision_grads):
             return None
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(self.model, writeback=False, with_grads=True):
             return {f: (None if read_attr(self.model, f).grad is None else read_attr(self.model, f).grad.clone()) for f in self.names}
 
     def flat_grads(self) -> list[tuple[str, torch.Tensor | None]]:
         """FSDP1: (unit path, its flat parameter's gradient) per unit (internals)."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         out = []
         for unit in FSDP.fsdp_modules(self.model):

@@ -4,10 +4,12 @@ training schedule (steps, freeze changes, microbatches), both APIs."""
 from __future__ import annotations
 
 from conformance.areas.common.catalog import Catalog, NotChecked
-from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, group_rerun_after_frozen_embedding, predict_fsdp2
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.schedule.observation import ScheduleObservation
-from conformance.areas.schedule.oracle import SchedulePrediction, step_tolerance
+from conformance.areas.schedule.oracle import SchedulePrediction, step_tolerance, used_params
+from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
 
@@ -20,8 +22,6 @@ DOC_SYNC = "FullyShardedDataParallel.no_sync docstring (gradients accumulate in 
 
 def _smallest_unit_numel(spec: CaseSpec) -> int | None:
     """FSDP1: the fewest elements one unit's flat parameter holds."""
-    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
-    from conformance.case.graph import ModelGraph
 
     g = ModelGraph(spec)
     sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in predict_fsdp1(spec).units if u.managed]
@@ -65,7 +65,6 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("tied")
     if pred.compute_dtype != "float32":
         tags.add("param-dtype-low")
-    from conformance.areas.schedule.oracle import used_params
 
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
         tags.add("forward-only")  # a microbatch whose loss needs no gradient: no backward
@@ -78,7 +77,6 @@ def _group_rerun_after_frozen_embedding(spec: CaseSpec) -> bool:
     conformance.areas.common.fsdp2_oracle.group_rerun_after_frozen_embedding)."""
     import torch
 
-    from conformance.areas.common.fsdp2_oracle import group_rerun_after_frozen_embedding, predict_fsdp2
 
     groups = predict_fsdp2(spec, torch.__version__).groups
     return any(
@@ -92,7 +90,6 @@ def _group_trainable_later(spec: CaseSpec) -> bool:
     its first forward, from the parameters trainable then)."""
     import torch
 
-    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 
     steps = spec.schedule.steps
     for grp in predict_fsdp2(spec, torch.__version__).groups:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, Precision
 
@@ -96,7 +97,6 @@ def used_params(spec: CaseSpec, skip: tuple[str, ...]) -> set[str]:
 
 def unused_in_used_unit(spec: CaseSpec) -> tuple[tuple[str, ...], ...]:
     """FSDP1, per step of the schedule: see SchedulePrediction."""
-    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 
     units = [set(u.managed) for u in predict_fsdp1(spec).units]
     out = []

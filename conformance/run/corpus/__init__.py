@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+from hypothesis import example
 
 from conformance.case.spec import CaseSpec, SpecError
 
@@ -53,7 +56,6 @@ def spec_digest(spec: CaseSpec) -> str:
 
 
 def directory() -> Path:
-    import os
 
     return Path(os.environ.get(ENV_VAR) or DEFAULT_DIR)
 
@@ -88,7 +90,6 @@ def cases_for(*invariants: str) -> list[CorpusCase]:
 def examples(*invariants: str, argname: str = "spec"):
     """A decorator adding the corpus cases of ``invariants`` to a @given test
     as explicit examples (apply it above @given)."""
-    from hypothesis import example
 
     def deco(test):
         for case in reversed(cases_for(*invariants)):
