@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-from conformance.areas import AREAS
-from conformance.case.target import TargetError, check_target
 from conformance.cli.common import need_distributed
 from conformance.cli.errors import UsageError
 from conformance.engine.errors import BenchError, EngineError
@@ -14,6 +12,11 @@ from conformance.run import bench
 
 
 def cmd_bench(ns) -> int:
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.areas import AREAS
+    from conformance.case.target import TargetError, check_target
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+
     names = [a.name for a in AREAS]
     areas = [a for a in ns.area.split(",") if a] if ns.area != "all" else names
     bad = [a for a in areas if a not in names]

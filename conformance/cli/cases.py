@@ -12,7 +12,6 @@ from conformance.cli.common import make_engine
 from conformance.cli.errors import UsageError
 from conformance.engine.errors import ExampleFailed
 from conformance.report import data
-from conformance.run.runner import FAIL, check_case
 
 
 def load_spec(path: str):
@@ -30,6 +29,8 @@ def load_spec(path: str):
 def valid_case(case):
     """A ModelCase names its target: that target must import and have every
     name the case uses (TargetError: one line, exit 2)."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.run.runner import check_case
 
     if isinstance(case, ModelCase):
         from conformance.case.target import TargetError, check_case
@@ -93,6 +94,8 @@ def applicable(inv, spec) -> bool:
 
 def check_case_file(spec, selected, backend: str, world_size: int) -> int:
 
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.run.runner import FAIL, check_case
     if getattr(spec, "ckpt", None) is not None or getattr(spec, "schedule", None) is not None:
         if backend == "fake":  # values and world sizes: the suite runs these on real ranks only
             raise UsageError("a checkpoint or training-schedule case needs real ranks: use --backend gloo (or nccl)")

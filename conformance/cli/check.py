@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from conformance import areas as invariants
 from conformance.cli.cases import applicable, check_case_file, load_spec
 from conformance.cli.common import BACKENDS, need_distributed
 from conformance.cli.errors import UsageError
-from conformance.run.models import NOT_FOR_MODELS
 
 
 def cmd_check(ns) -> int:
     """Check one CaseSpec JSON against invariants on the fake tier or the pool."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance import areas as invariants
+
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.run.models import NOT_FOR_MODELS
 
     spec = load_spec(ns.spec)
     try:

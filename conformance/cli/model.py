@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from conformance import areas as invariants
-from conformance.case.target import TargetError
 from conformance.cli.common import BACKENDS
 from conformance.cli.errors import UsageError
 from conformance.report import data, write
 from conformance.run import profiles
-from conformance.run.models import ModelRun, check_model, model_invariants
 from conformance.selfcheck import fsdp_source
+
+if TYPE_CHECKING:
+    from conformance.run.models import ModelRun
 
 DEFAULT_REPORT_DIR = "reports/latest-model"
 
@@ -51,6 +52,11 @@ def _budget(profile: str | None, examples: int | None) -> int:
 
 def cmd_model(ns) -> int:
 
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance import areas as invariants
+    from conformance.case.target import TargetError
+    from conformance.run.models import check_model, model_invariants
     examples = _budget(ns.profile, ns.examples)
     if ns.backend and ns.tiers:
         raise UsageError("give --backend or --tiers, not both")
@@ -88,6 +94,7 @@ def cmd_model(ns) -> int:
 
 def model_report(run: ModelRun, tiers_info: list[dict], selection: list[str] | None = None) -> dict:
     """The report dict (same schema and rows as `fsdp-conformance run`'s)."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
 
     selected = sorted({inv for inv, _ in run.checked})
     return data.build(

@@ -9,9 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conformance import areas as invariants
 from conformance import paths
-from conformance.case.target import TargetError, check_target
 from conformance.cli.common import need_distributed, resolve_tiers
 from conformance.cli.errors import UsageError
 from conformance.report import data
@@ -39,6 +37,8 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[str], Path]:
     """Validate the options `run` and `hunt` share; the pytest arguments of
     the conformance tests and the report directory."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance import areas as invariants
 
     if ns.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
@@ -106,6 +106,8 @@ def target_args(targets: list[str] | None) -> list[str]:
     """pytest arguments for ``run --target``: each target checked up front
     (bad input: one line, exit 2, before pytest starts), importable from
     the current directory as `fsdp-conformance model` finds it."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.case.target import TargetError, check_target
     if not targets:
         return []
 

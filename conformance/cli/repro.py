@@ -5,16 +5,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from conformance import areas as invariants
 from conformance.cli.cases import applicable, check_case_file, load_case
 from conformance.cli.common import BACKENDS, need_distributed
 from conformance.cli.errors import UsageError
-from conformance.run.repro import repro_script
 
 
 def cmd_repro(ns) -> int:
     """Re-run one finding (or every invariant of a case) on the pool and
     write its standalone torch-only repro script."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance import areas as invariants
+
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.run.repro import repro_script
 
     spec, inv_id, finding = load_case(ns.spec, ns.finding)
     if ns.invariant:

@@ -10,29 +10,17 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from conformance import paths
-from conformance.areas import CATALOG
 from conformance.cli.errors import UsageError
 from conformance.cli.pytest_run import pytest_main
 from conformance.report import data
 from conformance.report.data import suite_info
 from conformance.run import profiles
-from conformance.selfcheck.mutants import (
-    DEFAULT_EXAMPLES,
-    DEFAULT_TIMEOUT,
-    Baseline,
-    Mutant,
-    MutantError,
-    Outcome,
-    check_all,
-    confirm_kill,
-    load,
-    render_md,
-    render_text,
-    run_one,
-    select,
-)
+
+if TYPE_CHECKING:
+    from conformance.selfcheck.mutants import Mutant
 
 
 def cmd_selfcheck(ns) -> int:
@@ -50,6 +38,8 @@ def cmd_selfcheck(ns) -> int:
 def _render_saved(ns, mutants: list[Mutant]) -> int:
     """The table of outcomes saved by earlier runs (several runs: each
     mutant's latest outcome); mutants no run measured are listed as such."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.selfcheck.mutants import Outcome, render_md, render_text
 
     by_id = {m.id: m for m in mutants}
     got: dict[str, Outcome] = {}
@@ -84,6 +74,8 @@ def _render_saved(ns, mutants: list[Mutant]) -> int:
 
 
 def add_mutant_arguments(p) -> None:
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.selfcheck.mutants import DEFAULT_EXAMPLES, DEFAULT_TIMEOUT
     p.add_argument("--mutants", action="store_true", help="measure the suite's mutation score (conformance/mutants.toml) instead of running tests/self")
     p.add_argument("--profile", default="ci", help="Hypothesis profile of the mutant runs (default ci)")
     p.add_argument("--mutant", action="append", metavar="ID", help="only these mutants (repeatable)")
@@ -104,6 +96,21 @@ def add_mutant_arguments(p) -> None:
 def cmd_mutants(ns) -> int:
     """Exit 0: every non-equivalent mutant killed and no equivalent one
     killed; 1 otherwise; 2: a mutant that does not apply, bad options."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.areas import CATALOG
+    from conformance.selfcheck.mutants import (
+        DEFAULT_EXAMPLES,
+        Baseline,
+        MutantError,
+        Outcome,
+        check_all,
+        confirm_kill,
+        load,
+        render_md,
+        render_text,
+        run_one,
+        select,
+    )
 
 
     try:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conformance.case.model_case import case_from_json
 from conformance.report import data, html, junit, markdown
-from conformance.run.session import write_repro_file
 
 # where each process of a run keeps its part while the run goes (merged into the report)
 PARTIAL = ".partial"
@@ -20,7 +18,9 @@ def write_repros(report: dict, report_dir: Path) -> None:
     """Give every finding a repro script (its smallest case), path relative
     to the report directory. A script that cannot be generated is noted, not
     fatal: the report must still be written."""
-
+    # the repro generators import torch and the areas; a report without findings to script needs neither
+    from conformance.case.model_case import case_from_json
+    from conformance.run.session import write_repro_file
 
     for f in report.get("findings", []):
         if f.get("repro") and (Path(report_dir) / f["repro"]).exists():

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from conformance import paths
-from conformance.areas import AREAS
 from conformance.engine import bench as engine_bench
 from conformance.engine.errors import BenchError
 
@@ -85,6 +84,9 @@ def run(areas: list[str] | None = None, *, tiers: tuple[str, ...] = TIERS, engin
     """The figures of each area (default all) on each tier, printed as the
     run goes and returned (and written as JSON to ``json_path``); ``targets``:
     the same on real models (test_models.py) instead of drawn trees."""
+    # torch and the areas: the CLI reads this module's defaults without them
+    from conformance.areas import AREAS
+
     chosen = [a for a in AREAS if not areas or a.name in areas]
     results: dict = {"examples_per_test": examples or DEFAULT_EXAMPLES, "seed": seed, "rows": []}
     for area in chosen:

@@ -6,10 +6,8 @@ counts them per invariant, so that a profile's reach is measured, not guessed.""
 
 from __future__ import annotations
 
-from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
-from conformance.case.target import graph_of
 
 FEATURES = (
     "tie",
@@ -25,6 +23,8 @@ FEATURES = (
 def case_features(spec: CaseSpec, world_size: int) -> list[str]:
     """For a CaseSpec or a ModelCase (a real model's ties and shared modules
     are read off its graph)."""
+    # torch and the oracles: the report renders FEATURES without them
+    from conformance.case.target import graph_of
 
     g = graph_of(spec)
     params = [pid for _, pid in g.named_parameters()]
@@ -56,11 +56,13 @@ def case_features(spec: CaseSpec, world_size: int) -> list[str]:
 
 def _units(spec: CaseSpec, g: ModelGraph) -> list[list[str]]:
     """The parameter ids each unit (FSDP1) or group (FSDP2) manages, per the oracle."""
+    # (imported here for the reason case_features gives)
+    import torch
+
+    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+
     if spec.plan.api == "fsdp2":
-        import torch
-
-        from conformance.areas.common.fsdp2_oracle import predict_fsdp2
-
         pred = predict_fsdp2(spec, torch.__version__)
         return [[g.resolve_param(f) for f in grp.managed] for grp in pred.groups]
 

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conformance import paths
-from conformance.areas import CATALOG
 from conformance.report import data
 from conformance.report.markdown import table_cell
 from conformance.selfcheck import fsdp_source
@@ -165,6 +164,8 @@ def make_source(m: Mutant | None, dest: Path) -> Path:
 def invariants_for(api: str) -> list[str]:
     """The invariants whose API the mutant changes: every invariant of FSDP1
     or FSDP2; for register_fsdp_forward_method, the forward-method area."""
+    # torch and the areas: only where a mutant run needs them (the CLI reads this module's defaults without them)
+    from conformance.areas import CATALOG
 
     if api == "forward_method":
         return [i.id for i in CATALOG.values() if i.group == "forward_methods" and "fsdp2" in i.apis]

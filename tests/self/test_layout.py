@@ -1,0 +1,48 @@
+"""The layout's rules that import-linter does not express (its contracts run
+in ci/test.sh): FSDP's private modules are imported by adapters only, and the
+modules every pytest run or CLI call loads stay free of torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.selfcheck
+
+ROOT = Path(__file__).resolve().parents[2]
+# modules that may touch FSDP's private state: the areas' adapters, the
+# shared adapters, the support probe, and the source overlay (which loads
+# FSDP's packages from a tree)
+ADAPTERS = ("adapter.py", "fsdp1_adapter.py", "fsdp2_adapter.py", "support.py", "fsdp_source.py")
+PRIVATE = ("torch.distributed.fsdp._", "torch.distributed._composable")
+
+
+def _private_imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        out += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.startswith(PRIVATE)]
+    return out
+
+
+def test_fsdp_internals_are_imported_by_adapters_only():
+    offenders = [hit for p in sorted((ROOT / "conformance").rglob("*.py")) if p.name not in ADAPTERS for hit in _private_imports(p)]
+    offenders += [hit for p in sorted((ROOT / "strategies").rglob("*.py")) for hit in _private_imports(p)]
+    assert not offenders, "FSDP internals outside an adapter:\n" + "\n".join(offenders)
+
+
+def test_the_plugin_the_cli_and_the_report_load_without_torch():
+    code = ("import sys\nimport conformance.plugin, conformance.cli, conformance.report.data, conformance.report.write, "
+            "conformance.report.compare, conformance.report.html\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('conformance.areas')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
