@@ -80,18 +80,7 @@ class ModelCase:
 
     @classmethod
     def from_json(cls, text: str) -> "ModelCase":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"ModelCase JSON is not valid JSON: {e}") from None
-        if not isinstance(data, dict) or data.get("version") != MODEL_CASE_VERSION or "model_case" not in data:
-            raise SpecError(f"ModelCase JSON must be an object with version {MODEL_CASE_VERSION} and a 'model_case'")
-        try:
-            return _spec.decode(ModelCase, data["model_case"], types=(ModelCase,))
-        except SpecError:
-            raise
-        except (TypeError, KeyError, ValueError, AttributeError) as e:
-            raise SpecError(f"ModelCase JSON does not describe a case: {type(e).__name__}: {e}") from None
+        return _spec.load_json(text, ModelCase, MODEL_CASE_VERSION, "model_case", types=(ModelCase,))
 
     def to_python(self) -> str:
         return "from conformance.case.spec import *\nfrom conformance.case.model_case import ModelCase\n\nspec = " + repr(self) + "\n"

@@ -290,22 +290,29 @@ class CaseSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "CaseSpec":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"CaseSpec JSON is not valid JSON: {e}") from None
-        if not isinstance(data, dict) or data.get("version") != SPEC_VERSION or "case" not in data:
-            raise SpecError(f"CaseSpec JSON must be an object with version {SPEC_VERSION} and a 'case'")
-        try:
-            return decode(CaseSpec, data["case"])
-        except SpecError:
-            raise
-        except (TypeError, KeyError, ValueError, AttributeError) as e:
-            raise SpecError(f"CaseSpec JSON does not describe a case: {type(e).__name__}: {e}") from None
+        return load_json(text, CaseSpec, SPEC_VERSION, "case")
 
     def to_python(self) -> str:
         """Python source that rebuilds this spec (the repr, with its import)."""
         return "from conformance.case.spec import *\n\nspec = " + repr(self) + "\n"
+
+
+def load_json(text: str, cls: type, version: int, key: str, types: tuple = ()):
+    """A ``cls`` from the JSON object {"version": version, key: ...}; any
+    other text is one SpecError naming what is wrong."""
+    what = cls.__name__
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{what} JSON is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("version") != version or key not in data:
+        raise SpecError(f"{what} JSON must be an object with version {version} and a '{key}'")
+    try:
+        return decode(cls, data[key], types=types)
+    except SpecError:
+        raise
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        raise SpecError(f"{what} JSON does not describe a case: {type(e).__name__}: {e}") from None
 
 
 # ---- training schedules (MP-DTYPES, ACCUM) ----------------------------------

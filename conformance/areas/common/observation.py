@@ -1,10 +1,12 @@
 """Observation parts several areas share (pure data): a call compared with
 the unsharded reference, a parameter's gradient or final value compared
-with the reference's."""
+with the reference's; the fields every rank's observation starts with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from conformance.case.data import Record
 
 
 @dataclass(frozen=True)
@@ -26,3 +28,22 @@ class GradObservation:
     close: bool | None  # gradient equals the reference's (None: either is None)
     max_diff: float | None
     unchanged: bool  # value equals its initial value (frozen: must stay)
+
+
+@dataclass(frozen=True)
+class RankRecord(Record):
+    """What every area's observation of one rank starts with: which API, on
+    which rank of how many, over which backend and torch, and whether
+    wrapping raised."""
+
+    api: str
+    rank: int
+    world_size: int
+    backend: str
+    torch_version: str
+    wrap_error: str | None = None
+
+    @property
+    def values_meaningful(self) -> bool:
+        """The fake process group's collectives move no data: values are noise."""
+        return self.backend != "fake"

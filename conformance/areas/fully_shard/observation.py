@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.areas.common.observation import CallObservation, GradObservation
-from conformance.case.data import Record
+from conformance.areas.common.observation import CallObservation, GradObservation, RankRecord
 
 
 @dataclass(frozen=True)
@@ -34,13 +33,7 @@ class ProbeObservation:
 
 
 @dataclass(frozen=True)
-class FSDP2Observation(Record):
-    api: str
-    rank: int
-    world_size: int
-    backend: str
-    torch_version: str
-    wrap_error: str | None = None
+class FSDP2Observation(RankRecord):
     groups: tuple[GroupObservation, ...] = ()
     registrations: tuple[RegistrationObservation, ...] = ()
     missing: tuple[tuple[str, bool, str | None], ...] = ()  # (module, fsdp_module, error type of a missing name)
@@ -52,11 +45,6 @@ class FSDP2Observation(Record):
     ties_intact: tuple[tuple[str, bool], ...] = ()  # canonical FQN -> aliases one tensor (after the calls)
     warnings: tuple[str, ...] = ()  # UserWarnings while sharding and registering
     seconds: float = 0.0  # inside fully_shard, registration and the calls
-
-    @property
-    def values_meaningful(self) -> bool:
-        """The fake process group's collectives move no data: values are noise."""
-        return self.backend != "fake"
 
 
     def comparable(self) -> dict:

@@ -5,20 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.areas.common.observation import GradObservation
-from conformance.case.data import Record
+from conformance.areas.common.observation import GradObservation, RankRecord
 
 
 @dataclass(frozen=True)
-class TrainObservation(Record):
+class TrainObservation(RankRecord):
     """PARITY: a few optimizer steps against single-process training."""
 
-    api: str
-    rank: int
-    world_size: int
-    backend: str
-    torch_version: str
-    wrap_error: str | None = None
     step_error: str | None = None
     losses: tuple[float, ...] = ()
     ref_losses: tuple[float, ...] = ()

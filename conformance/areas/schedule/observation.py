@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.case.data import Record
+from conformance.areas.common.observation import RankRecord
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,7 @@ class ValueSeen:
 
 
 @dataclass(frozen=True)
-class ScheduleObservation(Record):
-    api: str
-    rank: int
-    world_size: int
-    backend: str
-    torch_version: str
-    wrap_error: str | None = None
+class ScheduleObservation(RankRecord):
     step_error: str | None = None  # "step S microbatch M: Type: message"
     # where this rank stopped because another rank failed there (it raised
     # nothing itself): the ranks then disagree on step_error or wrap_error
@@ -72,11 +66,6 @@ class ScheduleObservation(Record):
     buffers_after: tuple[tuple[str, str], ...] = ()
     seconds: float = 0.0
     fsdp_seconds: float = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps (the references excluded)
-
-    @property
-    def values_meaningful(self) -> bool:
-        return self.backend != "fake"
-
 
     def comparable(self) -> dict:
         """What every rank must agree on (errors differ by rank's data)."""
