@@ -391,7 +391,7 @@ class ReportPlugin:
                 f"  {r['seconds']:6.1f}s  ({counts or r.get('reason') or ''})"
             )
         for f in report["findings"]:
-            label = f"KNOWN {f['known_failure']}" if f.get("known_failure") else f["kind"]
+            label = f"KNOWN {f['known_failure']} ({f.get('known_class')})" if f.get("known_failure") else f["kind"]
             tr.write_line(f"    {row_label(f)}/{f['tier']} {label}: {f['message'][:200]}")
             if f["kind"] != "KNOWN" and f.get("repro"):
                 tr.write_line(f"        repro: {self.report_dir / f['repro']}")
@@ -400,6 +400,7 @@ class ReportPlugin:
         if report["snapshots"]["hint"]:
             tr.write_line(report["snapshots"]["hint"], yellow=True)
         tr.write_line(markdown.headline(report), bold=True, red=report["summary"]["failed"])
+        tr.write_line(markdown.known_line(report))
         tr.write_line(f"report: {self.report_dir / write.FILES['json']} (+ summary.md, junit.xml, report.html)")
 
 

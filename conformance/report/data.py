@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from conformance.run import corpus as corpus_mod
+from conformance.run import known as known_mod
 from conformance.run.known import in_range
 
 SCHEMA = "fsdp-conformance-report"
@@ -206,8 +207,6 @@ def build(
     if catalog is None:
         from conformance.areas import CATALOG as catalog
     if known is None:
-        from conformance.run import known as known_mod
-
         known = known_mod.load()
     env = environment or {"suite": suite_info(), "torch": torch_info(), "platform": platform_info(), "fsdp_source": fsdp_source}
     torch_version = torch_version or env["torch"]["version"]
@@ -380,7 +379,13 @@ def build(
             "torch": str(k.torch),
             "invariants": sorted(k.invariants),
             "summary": k.summary,
-            "upstream": k.upstream,
+            "class": k.cls,
+            "evidence": k.evidence,
+            "evidence_source": k.evidence_source,
+            "root_cause": k.root_cause.id if k.root_cause else None,
+            "upstream": [u.to_dict() for u in k.upstream],
+            "upstream_searched": k.upstream_searched,
+            "upstream_note": k.upstream_note,
             "repro": k.repro,
             "status": st,
             "matches": sum(f["count"] for f in hits),
@@ -388,6 +393,18 @@ def build(
         })
 
     known_status = {k["id"]: k["status"] for k in known_out}
+    known_class = {k["id"]: k["class"] for k in known_out}
+    for f in findings:
+        if f.get("known_failure"):
+            f["known_class"] = known_class.get(f["known_failure"])
+    root_causes = []
+    for rc_id, ks in known_mod.forms(known).items():
+        rc = ks[0].root_cause
+        root_causes.append({
+            "id": rc_id, "explanation": rc.explanation if rc else "", "source": rc.source if rc else "",
+            "forms": [k.id for k in ks], "matched": [k.id for k in ks if known_status[k.id] == "matched"],
+        })
+    matched = [k for k in known_out if k["status"] == "matched"]
     for c in corpus_runs:
         # per record: did this invariant show the case's finding? (whether
         # the finding is fixed is the known failure's status, over every record)
@@ -420,6 +437,10 @@ def build(
             "seconds": round(sum(r["seconds"] for r in results), 3),
             "wall_seconds": round(wall_seconds, 3) if wall_seconds is not None else None,
             "findings": {k: sum(1 for f in findings if f["kind"] == k) for k in ("FAIL", "KNOWN", "HANG", "CRASH", "ERROR")},
+            # the known failures this run matched, by class (bugs apart from
+            # limitations and the rest), and the root causes they are forms of
+            "known_by_class": {c: sum(1 for k in matched if k["class"] == c) for c in known_mod.CLASSES},
+            "root_causes_matched": sum(1 for r in root_causes if r["matched"]),
             "tests": {
                 "passed": sum(t["outcome"] == "passed" for t in tests),
                 "failed": len(failed_tests),
@@ -431,6 +452,7 @@ def build(
         "results": results,
         "findings": findings,
         "known_failures": known_out,
+        "root_causes": root_causes,
         "corpus": corpus_runs,
         "warnings": warnings,
         "tests": {"failed": failed_tests},

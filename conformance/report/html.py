@@ -62,4 +62,5 @@ def render(report: dict, report_dir: Path | None = None) -> str:
         cells=cells,
         areas=areas,
         findings=findings,
+        known_line=markdown.known_line(report),
     )

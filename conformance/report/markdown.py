@@ -9,6 +9,7 @@ from conformance.run.features import FEATURES
 
 MARK = {"PASS": "PASS", "FAIL": "**FAIL**", "KNOWN": "KNOWN", "FIXED": "_FIXED_", "SKIP": "SKIP"}
 MAX_FINDINGS = 30
+CLASS_ORDER = {"bug": 0, "implicit": 1, "diagnostic": 2, "limitation": 3, "enhancement": 4}
 MAX_CODE = 4000
 
 
@@ -26,6 +27,17 @@ def headline(report: dict) -> str:
     parts = [f"{v.get(k, 0)} {k}" for k in ("PASS", "KNOWN", "FIXED", "FAIL", "SKIP") if v.get(k)]
     secs = s.get("wall_seconds") if s.get("wall_seconds") is not None else s["seconds"]
     return f"fsdp-conformance {state}: {', '.join(parts) or 'nothing ran'}; {s['examples']} examples in {secs:.0f}s"
+
+
+def known_line(report: dict) -> str:
+    """The known failures this run matched, by class (bugs apart from the
+    rest), and the root causes they are forms of."""
+    by = report["summary"].get("known_by_class") or {}
+    n = sum(by.values())
+    if not n:
+        return "Known failures matched: none"
+    parts = ", ".join(f"{v} {k}" for k, v in by.items() if v)
+    return f"Known failures matched: {n} ({parts}), forms of {report['summary'].get('root_causes_matched', 0)} root cause(s)"
 
 
 def render(report: dict, *, details: bool = True) -> str:
@@ -66,6 +78,13 @@ def render(report: dict, *, details: bool = True) -> str:
         lines += ["", f"Regression corpus: {len(cases)} case(s) checked first"
                   + (f"; **FAIL**: {', '.join(failed)}" if failed else "")
                   + (f"; _FIXED_ (the finding no longer reproduces; remove it from known_failures.toml): {', '.join(fixed)}" if fixed else "")]
+    matched = [k for k in report.get("known_failures", []) if k.get("status") == "matched"]
+    if matched:
+        lines += ["", f"### {known_line(report)}", "", "| finding | class | root cause | upstream |", "| --- | --- | --- | --- |"]
+        for k in sorted(matched, key=lambda k: (CLASS_ORDER.get(k.get("class"), 9), k["id"])):
+            ups = ", ".join(f"[{u['repo'].split('/')[-1]}#{u['number']}]({u['url']}) {u['state']}" + (f" (fixed in {u['fixed_in']})" if u.get("fixed_in") else "")
+                            for u in k.get("upstream", [])) or f"none found ({k.get('upstream_searched')})"
+            lines.append(f"| `{k['id']}` | {k.get('class')} | `{k.get('root_cause')}` | {ups} |")
     if report.get("warnings"):
         lines += ["", "### Warnings", ""]
         lines += [f"- {w}" for w in report["warnings"]]
@@ -73,7 +92,7 @@ def render(report: dict, *, details: bool = True) -> str:
     if details and findings:
         lines += ["", "### Findings", ""]
         for f in findings[:MAX_FINDINGS]:
-            label = f"known failure `{f['known_failure']}`" if f.get("known_failure") else f["kind"]
+            label = f"known failure `{f['known_failure']}` ({f.get('known_class')})" if f.get("known_failure") else f["kind"]
             lines += [
                 "<details>",
                 f"<summary><b>{f['kind']}</b> {row_label(f)} ({f['api']}, {f['tier']}): {label}, {f['count']} example(s)</summary>",

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from conformance.report.data import merge_tallies, row_label
-from conformance.report.markdown import headline
+from conformance.report.markdown import headline, known_line
 from conformance.report.write import PARTIAL
 
 STYLE = {"PASS": "green", "FAIL": "bold red", "KNOWN": "yellow", "FIXED": "cyan", "SKIP": "dim", "running": "blue"}
@@ -106,3 +106,4 @@ def final_table(report: dict, console: Console) -> None:
     if hint:
         console.print(f"[yellow]{escape(hint)}[/]", highlight=False)
     console.print(Text(headline(report), style="bold red" if report["summary"]["failed"] else "bold green"))
+    console.print(known_line(report), highlight=False)

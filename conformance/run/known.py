@@ -1,5 +1,7 @@
 """Known failures: findings against released torch, matched by invariant ID,
-torch version range and the tags of a violation."""
+torch version range and the tags of a violation; each with its class (bug,
+implicit, diagnostic, limitation, enhancement) and evidence, its root cause
+(shared by the findings that are its forms) and its upstream issues and PRs."""
 
 from __future__ import annotations
 
@@ -32,6 +34,44 @@ class Match:
     when: frozenset[str]  # every tag must be on the violation
 
 
+# What a finding is, as an FSDP maintainer triages it (known_failures.toml's header)
+CLASSES = ("bug", "implicit", "diagnostic", "limitation", "enhancement")
+# the classes that break a promise FSDP makes (documented or reasonably implied);
+# the others are documented limitations, unhelpful errors or wishes
+PROMISE_CLASSES = ("bug", "implicit")
+UPSTREAM_KINDS = ("issue", "pr")
+UPSTREAM_STATES = ("open", "closed", "merged")
+
+
+@dataclass(frozen=True)
+class Upstream:
+    repo: str  # "pytorch/pytorch"
+    number: int
+    kind: str  # issue | pr
+    title: str
+    state: str  # open | closed | merged
+    fixed_in: str = ""  # the release that fixed it, "" where none did
+
+    @property
+    def url(self) -> str:
+        return f"https://github.com/{self.repo}/{'pull' if self.kind == 'pr' else 'issues'}/{self.number}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.repo.split('/')[-1]}#{self.number}"
+
+    def to_dict(self) -> dict:
+        return {"repo": self.repo, "number": self.number, "kind": self.kind, "title": self.title, "state": self.state,
+                "fixed_in": self.fixed_in, "url": self.url}
+
+
+@dataclass(frozen=True)
+class RootCause:
+    id: str
+    explanation: str  # the mechanism, pointing into torch's source
+    source: str  # file: function, ...
+
+
 @dataclass(frozen=True)
 class KnownFailure:
     id: str
@@ -39,10 +79,22 @@ class KnownFailure:
     matches_: tuple[Match, ...]
     summary: str
     repro: str
-    upstream: str = ""
+    cls: str = "bug"  # one of CLASSES
+    evidence: str = ""
+    evidence_source: str = ""
+    root_cause: RootCause | None = None
+    upstream: tuple[Upstream, ...] = ()
+    upstream_searched: str = ""  # the date upstream was searched
+    upstream_note: str = ""
     # why the regression corpus has no case for it (a finding seen on a real
     # model that no CaseSpec expresses yet, or that no invariant observes yet)
     no_corpus: str = ""
+
+    @property
+    def breaks_promise(self) -> bool:
+        """A bug or an implicit promise broken; otherwise a documented
+        limitation, a diagnostic or an enhancement (reported under its class)."""
+        return self.cls in PROMISE_CLASSES
 
     @property
     def invariants(self) -> set[str]:
@@ -63,27 +115,57 @@ def in_range(torch_version: str, spec: SpecifierSet) -> bool:
     return spec.contains(Version(base.base_version), prereleases=True)
 
 
+def _upstream(fid: str, u: dict) -> Upstream:
+    out = Upstream(u["repo"], int(u["number"]), u["kind"], u["title"], u["state"], u.get("fixed_in", ""))
+    if out.kind not in UPSTREAM_KINDS or out.state not in UPSTREAM_STATES or "/" not in out.repo:
+        raise KnownFailuresError(f"finding {fid}: upstream {out.label}: kind one of {UPSTREAM_KINDS}, state one of {UPSTREAM_STATES}, "
+                                 "repo owner/name")
+    return out
+
+
 def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise KnownFailuresError(f"{path}: {e}") from None
+    try:
+        roots = {r["id"]: RootCause(r["id"], r["explanation"].strip(), r["source"].strip()) for r in data.get("root_cause", [])}
+    except KeyError as e:
+        raise KnownFailuresError(f"{path}: a [[root_cause]] lacks {e}") from None
     out = []
     for i, entry in enumerate(data.get("finding", [])):
         try:
+            fid = entry["id"]
+            if entry["class"] not in CLASSES:
+                raise KnownFailuresError(f"{path}: finding {fid}: class {entry['class']!r} is not one of {', '.join(CLASSES)}")
+            if entry["root_cause"] not in roots:
+                raise KnownFailuresError(f"{path}: finding {fid}: root_cause {entry['root_cause']!r} has no [[root_cause]]")
+            if not entry["evidence"].strip() or not entry["upstream_searched"]:
+                raise KnownFailuresError(f"{path}: finding {fid}: evidence and upstream_searched must not be empty")
             out.append(
                 KnownFailure(
-                    id=entry["id"],
+                    id=fid,
                     torch=SpecifierSet(entry["torch"]),
                     matches_=tuple(Match(m["invariant"], frozenset(m.get("when", []))) for m in entry["match"]),
                     summary=entry["summary"].strip(),
                     repro=entry["repro"],
-                    upstream=entry.get("upstream", ""),
+                    cls=entry["class"],
+                    evidence=entry["evidence"].strip(),
+                    evidence_source=entry.get("evidence_source", "").strip(),
+                    root_cause=roots[entry["root_cause"]],
+                    upstream=tuple(_upstream(fid, u) for u in entry.get("upstream", [])),
+                    upstream_searched=str(entry["upstream_searched"]),
+                    upstream_note=entry.get("upstream_note", "").strip(),
                     no_corpus=entry.get("no_corpus", ""),
                 )
             )
-        except (KeyError, InvalidSpecifier) as e:
+        except (KeyError, InvalidSpecifier, TypeError, ValueError) as e:
+            if isinstance(e, KnownFailuresError):
+                raise
             raise KnownFailuresError(f"{path}: finding #{i + 1} is malformed ({type(e).__name__}: {e})") from None
+    unused = set(roots) - {k.root_cause.id for k in out}
+    if unused:
+        raise KnownFailuresError(f"{path}: [[root_cause]] {sorted(unused)} named by no finding")
 
     # the catalog imports torch and the areas: the report reads known failures without them otherwise
     from conformance.areas import CATALOG
@@ -102,3 +184,11 @@ def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
 
 def match(v: Violation, known: list[KnownFailure], torch_version: str) -> KnownFailure | None:
     return next((k for k in known if k.matches(v, torch_version)), None)
+
+
+def forms(known: list[KnownFailure]) -> dict[str, list[KnownFailure]]:
+    """Root cause id -> the findings that are its forms, in file order."""
+    out: dict[str, list[KnownFailure]] = {}
+    for k in known:
+        out.setdefault(k.root_cause.id if k.root_cause else k.id, []).append(k)
+    return out

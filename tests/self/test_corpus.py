@@ -65,9 +65,18 @@ def test_a_corpus_case_reproduces_its_finding(case, fake_engine):
 
 
 SYNTHETIC = """
+[[root_cause]]
+id = "synthetic"
+explanation = "a deliberate regression"
+source = "-"
+
 [[finding]]
 id = "synthetic-dropped-unit"
 torch = ">=2.0"
+class = "bug"
+evidence = "a self-test of the corpus"
+root_cause = "synthetic"
+upstream_searched = "-"
 summary = "a deliberate regression standing in for a torch finding: ModuleWrapPolicy drops its last target"
 repro = "-"
 [[finding.match]]
@@ -130,6 +139,10 @@ MASKING = SYNTHETIC + """
 [[finding]]
 id = "synthetic-masked"
 torch = ">=2.0"
+class = "bug"
+evidence = "a self-test of the corpus"
+root_cause = "synthetic"
+upstream_searched = "-"
 summary = "a finding whose corpus case now stops at another finding first"
 repro = "-"
 [[finding.match]]

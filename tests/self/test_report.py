@@ -15,7 +15,7 @@ from packaging.specifiers import SpecifierSet
 from conformance.areas.common.catalog import Invariant
 from conformance.case.violation import Violation
 from conformance.report import compare, data, junit, markdown, write
-from conformance.run.known import KnownFailure, Match
+from conformance.run.known import KnownFailure, Match, RootCause, Upstream
 from conformance.run.runner import CaseResult
 from conformance.run.session import Session
 from tests.self import cases
@@ -33,7 +33,9 @@ CATALOG = {
     )
 }
 KNOWN = [
-    KnownFailure("tie-below-lca", SpecifierSet(">=2.13,<2.14"), (Match("TIES", frozenset({"kind:below-lca"})),), "Ties below the LCA are accepted.", "reports/findings/x.py", "https://example.org/1"),
+    KnownFailure("tie-below-lca", SpecifierSet(">=2.13,<2.14"), (Match("TIES", frozenset({"kind:below-lca"})),), "Ties below the LCA are accepted.", "reports/findings/x.py",
+                 cls="limitation", root_cause=RootCause("tie-unchecked", "FSDP1 never checks ties across units.", "_init_utils.py"),
+                 upstream=(Upstream("pytorch/pytorch", 104346, "pr", "Move ModuleWrapPolicy", "closed"),), upstream_searched="2026-12-01"),
     KnownFailure("old-bug", SpecifierSet("<2.0"), (Match("WRAP-UNITS", frozenset()),), "Long fixed.", "reports/findings/y.py"),
     KnownFailure("frozen-thing", SpecifierSet(">=2.13"), (Match("FROZEN-CLEAN", frozenset({"kind:spurious"})),), "Not drawn here.", "reports/findings/z.py"),
 ]
@@ -87,6 +89,15 @@ def test_rows_verdicts_and_smallest_case():
     assert states == {"tie-below-lca": "matched", "old-bug": "other-torch", "frozen-thing": "unmatched"}
     assert report["warnings"] == ["known failure frozen-thing (FROZEN-CLEAN) matched nothing in this run"]
     assert data.validate(json.loads(json.dumps(report))) is not None
+    # the matched finding's class is counted apart, its root cause listed with its forms
+    (known,) = [f for f in report["findings"] if f["kind"] == "KNOWN"]
+    assert known["known_class"] == "limitation"
+    assert report["summary"]["known_by_class"] == {"bug": 0, "implicit": 0, "diagnostic": 0, "limitation": 1, "enhancement": 0}
+    assert report["summary"]["root_causes_matched"] == 1
+    rc = {r["id"]: r for r in report["root_causes"]}
+    assert rc["tie-unchecked"]["forms"] == ["tie-below-lca"] and rc["tie-unchecked"]["matched"] == ["tie-below-lca"]
+    (k,) = [k for k in report["known_failures"] if k["id"] == "tie-below-lca"]
+    assert k["upstream"][0]["url"] == "https://github.com/pytorch/pytorch/pull/104346"
 
 
 def test_partials_of_xdist_workers_merge():
@@ -199,6 +210,12 @@ torch `2.13.0+cpu` (git `fedcba987654`, CUDA -, NCCL -) | suite 0.1.0 `012345678
 | TIES | fsdp1 | fake | KNOWN | 3 / 3 | 0.8s | known:tie-below-lca |
 | FROZEN-CLEAN | fsdp1 | fake | PASS | 3 / 3 | 0.4s |  |
 | FSDP2-GROUPS | fsdp2 | fake | SKIP | 0 / 0 | 0.0s | no test ran it on this tier |
+
+### Known failures matched: 1 (1 limitation), forms of 1 root cause(s)
+
+| finding | class | root cause | upstream |
+| --- | --- | --- | --- |
+| `tie-below-lca` | limitation | `tie-unchecked` | [pytorch#104346](https://github.com/pytorch/pytorch/pull/104346) closed |
 
 ### Warnings
 
