@@ -68,7 +68,8 @@ def ensure_profile(config) -> None:
         name = profiles.selected(config.getoption("--conformance-profile"))
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
-    profiles.activate(name)
+    # a seed given to a derandomized profile (ci) must change the draws
+    profiles.activate(name, seeded=config.getoption("hypothesis_seed", None) is not None)
     config._fsdp_conformance_profile = name
 
 

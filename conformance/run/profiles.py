@@ -86,13 +86,19 @@ def selected(option: str | None = None) -> str:
     return name
 
 
-def activate(name: str) -> None:
+def activate(name: str, *, seeded: bool = False) -> None:
     """Load ``name``. Import torch's test utilities first: importing them
     registers and loads torch's own profile, which must not win. With
-    $FSDP_CONFORMANCE_DATABASE set, the profile keeps its examples there."""
+    $FSDP_CONFORMANCE_DATABASE set, the profile keeps its examples there.
+    ``seeded``: a seed was given (--hypothesis-seed): the profile is not
+    derandomized, or Hypothesis would ignore the seed and draw the same
+    examples whatever it is (the ci profile)."""
     import torch.testing._internal.common_utils  # noqa: F401
 
     register()
+    if seeded and settings.get_profile(name).derandomize:
+        settings.register_profile(f"{name}-seeded", parent=settings.get_profile(name), derandomize=False)
+        name = f"{name}-seeded"
     url = os.environ.get(DATABASE_VAR)
     if url:
         settings.register_profile(f"{name}-db", parent=settings.get_profile(name), database=database_from(url))
