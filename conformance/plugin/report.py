@@ -90,12 +90,14 @@ class ReportPlugin:
     # ---- set-up -------------------------------------------------------------
 
     def pytest_configure(self, config) -> None:
-        from conformance import areas as invariants
+        self.selected = []
+        if self.selection:  # the catalog imports torch and FSDP: only a run that names invariants pays for it here
+            from conformance import areas as invariants
 
-        try:
-            self.selected = [i.id for i in invariants.select(self.selection)] if self.selection else []
-        except invariants.UnknownInvariant as e:
-            raise pytest.UsageError(str(e)) from None
+            try:
+                self.selected = [i.id for i in invariants.select(self.selection)]
+            except invariants.UnknownInvariant as e:
+                raise pytest.UsageError(str(e)) from None
         n = config.getoption("--max-examples")
         if n is not None:
             from hypothesis import settings

@@ -218,6 +218,26 @@ def nested_groups_stay_sharded():
         yield
 
 
+@fault("registered-output-noise")
+def registered_output_noise():
+    """Registration that runs FSDP's hooks around the method, as torch's
+    does, and returns its output plus noise: a deviation of a registered
+    method that has nothing to do with a self-call."""
+    import torch
+
+    def factory(orig):
+        hooked = _hooked(orig)
+
+        @functools.wraps(orig)
+        def wrapped(self, *args, **kwargs):
+            out = hooked(self, *args, **kwargs)
+            return out + 0.1 * torch.rand_like(out)
+
+        return wrapped
+
+    return patched_register(_register_with(factory))
+
+
 @fault("summon-does-nothing")
 def summon_does_nothing():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -269,7 +289,7 @@ def _faulty(name: str, kind: str):
 
 
 for _name in ("register-drops-kwargs", "gradients-doubled", "summon-does-nothing", "frozen-made-trainable", "register-on-fsdp-class",
-              "sum-reduction-not-divided"):
+              "sum-reduction-not-divided", "registered-output-noise"):
     for _kind in ("fsdp2", "fsdp1-methods", "train"):
         _fn = _faulty(_name, _kind)
         globals()[_fn.__name__] = _fn

@@ -46,3 +46,14 @@ def test_the_plugin_the_cli_and_the_report_load_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_pytest_run_that_asks_nothing_of_the_suite_loads_no_torch(tmp_path):
+    """The plugin is installed for every pytest run of a project that has the
+    package: a run that asks for no conformance test must not pay for torch
+    (seconds of start-up)."""
+    (tmp_path / "test_plain.py").write_text(
+        "import sys\n\ndef test_plain():\n    assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('conformance'))\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_plain.py")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr

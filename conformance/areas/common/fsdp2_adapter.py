@@ -4,10 +4,12 @@ groups sharded bottom-up, and what several areas read of FSDP2 modules."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import Counter
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.areas.common.fsdp2_oracle import shard_order
@@ -78,6 +80,48 @@ def count_collectives():
             return self.counts
 
     return CountCollectives()
+
+
+class MethodWatch:
+    """What a registered method did inside: how many times its module's
+    forward ran within it (``nested``: a method that calls self(...)), and
+    how many ops read a sharded (DTensor) parameter of the model after such a
+    nested forward had finished (``sharded_reads``): the mechanism of
+    fsdp2-forward-method-calls-self, observed rather than guessed from the
+    method's source."""
+
+    def __init__(self) -> None:
+        self.nested = 0
+        self.sharded_reads = 0
+
+
+@contextlib.contextmanager
+def watch_method(module: torch.nn.Module | None):
+    """A MethodWatch over one call of a method of ``module`` (None: a
+    forward, not a method: nothing to watch)."""
+    from torch.distributed.tensor import DTensor
+
+    watch = MethodWatch()
+
+    def after_forward(*_):
+        watch.nested += 1
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            # a DTensor Parameter is a parameter FSDP2 holds sharded
+            if watch.nested and any(isinstance(a, DTensor) and isinstance(a, torch.nn.Parameter) for a in (*args, *(kwargs or {}).values())):
+                watch.sharded_reads += 1
+            return func(*args, **(kwargs or {}))
+
+    if module is None:
+        yield watch
+        return
+    handle = module.register_forward_hook(after_forward, always_call=True)
+    try:
+        with Reads():
+            yield watch
+    finally:
+        handle.remove()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

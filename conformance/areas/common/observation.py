@@ -18,6 +18,11 @@ class CallObservation:
     max_diff: float | None
     error: str | None  # "Type: first line" when the call raised
     group_states: tuple[str, ...]  # per observed group after the call: sharded | full | mixed
+    # a method's own module's forward ran inside it this many times (it calls
+    # self(...)), and so many ops read a sharded parameter after such a
+    # nested forward (FSDP2; conformance.areas.common.fsdp2_adapter.watch_method)
+    nested_forwards: int = 0
+    sharded_reads: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,14 @@ value invariant adds."""
 
 from __future__ import annotations
 
+import re
+
 from conformance.case.violation import Violation
+
+# the exception a "raised" violation names ("call 2 raised RuntimeError: ..."),
+# as a tag: a known failure that raises one error must not absorb another
+_RAISED = re.compile(r"\b([A-Z][A-Za-z0-9_]*(?:Error|Exception|Warning|Interrupt|Exit))\b")
+RAISING_KINDS = ("kind:raised", "kind:backward-raised", "kind:state-dict-raised", "kind:unclear-rejection", "kind:unclear-error")
 
 
 def backend_tag(obs) -> str:
@@ -14,5 +21,15 @@ def backend_tag(obs) -> str:
     return f"backend:{obs.backend}"
 
 
+def raised_tags(msg: str, tags: set[str]) -> set[str]:
+    """raised:<ExceptionType> for a violation of a raising kind whose message
+    names the exception."""
+    if not any(k in tags for k in RAISING_KINDS):
+        return set()
+    m = _RAISED.search(msg)
+    return {f"raised:{m.group(1)}"} if m else set()
+
+
 def violation(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
-    return Violation(inv, msg, frozenset(tags | set(extra)))
+    tags = set(tags) | set(extra)
+    return Violation(inv, msg, frozenset(tags | raised_tags(msg, tags)))

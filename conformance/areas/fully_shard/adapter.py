@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.areas.common.fsdp1_adapter import Aliases
-from conformance.areas.common.fsdp2_adapter import count_collectives, error_line, fsdp2_api, full_tensor, shard
+from conformance.areas.common.fsdp2_adapter import count_collectives, error_line, fsdp2_api, full_tensor, shard, watch_method
 from conformance.areas.common.observation import CallObservation, GradObservation
 from conformance.areas.common.support import on_rank_device, placed
 from conformance.areas.common.training import FORWARD_ATOL, FORWARD_RTOL
@@ -134,6 +134,8 @@ class _Probe:
         self.ref = ref
         self.call = 0
         self.records: list[ProbeObservation] = []
+        self.watch = None  # the MethodWatch of the call under way
+
 
     def __call__(self, module: nn.Module, name: str, rel: str, t: torch.Tensor, step: int) -> None:
         path = self.aliases.canon_of_module.get(id(module))
@@ -147,6 +149,10 @@ class _Probe:
             state, equal = "full", bool(torch.equal(t.detach(), want))
         else:
             state, equal = "other", None
+        if state != "full" and step >= 0 and self.watch is not None and self.watch.nested:
+            # a drawn method skips a sharded parameter rather than compute with it:
+            # the probe is where its sharded read is seen
+            self.watch.sharded_reads += 1
         self.records.append(ProbeObservation(self.call, step, fqn, state, equal))
 
 
@@ -194,18 +200,22 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
                 x = built.example_input()
                 args, kwargs = call_args(x, call)
                 start = len(probe.records)
+                owner = read_attr(built.model, spec.methods[call.method].module) if call.method >= 0 else None
                 try:
-                    with count_collectives() as comm:
+                    with count_collectives() as comm, watch_method(owner) as watch:
+                        probe.watch = watch
                         out = method_callable(built.model, spec, call.method)(*args, **kwargs)
                 except Exception as e:
-                    calls.append(CallObservation(index, call.method, 0, None, None, error_line(e), _group_states(built.model, groups)))
+                    calls.append(CallObservation(index, call.method, 0, None, None, error_line(e), _group_states(built.model, groups),
+                                                 watch.nested, watch.sharded_reads))
                     raise _Stop from None
                 with _no_probe():
                     want = method_callable(ref.model, spec, call.method)(*args, **kwargs)
                 diff = float((out.detach() - want.detach()).abs().max()) if out.shape == want.shape else float("inf")
                 close = out.shape == want.shape and bool(torch.allclose(out.detach(), want.detach(), rtol=FORWARD_RTOL, atol=FORWARD_ATOL))
                 calls.append(
-                    CallObservation(index, call.method, _allgathers(comm.get_comm_counts()), close, diff, None, _group_states(built.model, groups))
+                    CallObservation(index, call.method, _allgathers(comm.get_comm_counts()), close, diff, None, _group_states(built.model, groups),
+                                    watch.nested, watch.sharded_reads)
                 )
                 # outputs that computed with a sharded parameter (the method
                 # skipped it) stay out of the loss on both sides
@@ -347,15 +357,16 @@ def observe_fsdp2(case: ModelCase) -> FSDP2Observation:
             kwargs = on_rank_device(method_kwargs(target, by_name[name], case.seed))
             fn, ref_fn = getattr(built.model, name), getattr(ref.model, name)
         try:
-            with count_collectives() as comm:
+            with count_collectives() as comm, watch_method(built.model if call.method >= 0 else None) as watch:
                 out = fn(**kwargs)
         except Exception as e:
-            calls.append(CallObservation(index, call.method, 0, None, None, error_line(e), _group_states(built.model, groups)))
+            calls.append(CallObservation(index, call.method, 0, None, None, error_line(e), _group_states(built.model, groups),
+                                         watch.nested, watch.sharded_reads))
             break
         want = ref_fn(**kwargs)
         close, diff = compare(out, want)
         calls.append(CallObservation(index, call.method, _allgathers(comm.get_comm_counts()), close, diff, None,
-                                     _group_states(built.model, groups)))
+                                     _group_states(built.model, groups), watch.nested, watch.sharded_reads))
         if call.method == -1:
             try:
                 loss, ref_loss = target_loss(built.target, out), target_loss(ref.target, want)

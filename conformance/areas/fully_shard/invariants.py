@@ -96,7 +96,7 @@ def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
         return [violation("FSDP2-FROZEN", f"fully_shard raised {obs.wrap_error}", tags, "kind:raised")]
     out = [violation("FSDP2-FROZEN", f"warned: {w!r}", tags, "kind:warned") for w in obs.warnings if "requires_grad" in w]
     if obs.backward_error:
-        out.append(violation("FSDP2-FROZEN", f"backward raised {obs.backward_error}", tags, "kind:backward-raised"))
+        out.append(violation("FSDP2-FROZEN", f"backward raised {obs.backward_error}", tags | _nested_anywhere(obs), "kind:backward-raised"))
     frozen = set(pred.frozen)
     for gr in obs.grads:
         if gr.fqn in frozen:
@@ -165,10 +165,23 @@ def check_ties(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -> 
     return out
 
 
-def call_tags(spec: CaseSpec, pred: FSDP2Prediction, c: CallPrediction) -> set[str]:
-    tags = {"method:root" if c.module == "" else "method:nonroot"}
+def call_tags(spec: CaseSpec, pred: FSDP2Prediction, c: CallPrediction, o: CallObservation | None = None,
+              obs: FSDP2Observation | None = None) -> set[str]:
+    """The facts of one call: the method's steps (predicted) and, given its
+    observation, what it was seen to do (observed:nested-forward: its module's
+    forward ran inside it; observed:sharded-read: an op read a sharded
+    parameter after that; observed:after-nested-forward: an earlier call's did;
+    observed:after-wrong-reshard: the call before left a group in the state
+    its reshard_after_forward does not give)."""
+    tags = {"call:forward"} if c.method == -1 else {"method:root" if c.module == "" else "method:nonroot"}
+    if o is not None:
+        tags |= observed_tags(o)
+        if obs is not None and any(p.nested_forwards for p in obs.calls if p.index < o.index):
+            tags.add("observed:after-nested-forward")
+        if obs is not None and _left_wrong(pred, obs, o.index - 1):
+            tags.add("observed:after-wrong-reshard")
     if c.method == -1:
-        return {"call:forward"}
+        return tags
     m = spec.methods[c.method]
     ops = {s.op for s in m.steps}
     if "call" in ops:
@@ -188,6 +201,37 @@ def call_tags(spec: CaseSpec, pred: FSDP2Prediction, c: CallPrediction) -> set[s
     if any(cl.method == c.method and cl.times > 1 for cl in spec.calls):
         tags.add("call:repeated")
     return tags
+
+
+def _left_wrong(pred: FSDP2Prediction, obs: FSDP2Observation, index: int) -> bool:
+    """Whether call ``index`` left a group sharded or unsharded against its
+    reshard_after_forward (what FWD-RESHARD reports of that call): a later
+    call then starts from a state no promise covers."""
+    got = {c.index: c for c in obs.calls}.get(index)
+    want = next((c for c in pred.calls if c.index == index), None)
+    if got is None or want is None:
+        return False
+    where = {frozenset(g.modules): i for i, g in enumerate(obs.groups)}
+    for gi, sharded in enumerate(want.sharded_after):
+        oi = where.get(frozenset(pred.groups[gi].modules))
+        if sharded is not None and oi is not None and oi < len(got.group_states) and got.group_states[oi] != ("sharded" if sharded else "full"):
+            return True
+    return False
+
+
+def observed_tags(o: CallObservation) -> set[str]:
+    tags = set()
+    if o.nested_forwards:
+        tags.add("observed:nested-forward")
+    if o.sharded_reads:
+        tags.add("observed:sharded-read")
+    return tags
+
+
+def _nested_anywhere(obs: FSDP2Observation) -> set[str]:
+    """observed:nested-forward when any call ran its module's forward inside
+    it (for what follows the calls: backward, gradients)."""
+    return {"observed:nested-forward"} if any(c.nested_forwards for c in obs.calls) else set()
 
 
 def _paired(pred: FSDP2Prediction, obs: FSDP2Observation) -> list[tuple[CallPrediction, CallObservation]]:
@@ -247,7 +291,7 @@ def check_allgather(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation
     probes = _probes(obs)
     out = []
     for c, o in calls:
-        tags = base | call_tags(spec, pred, c)
+        tags = base | call_tags(spec, pred, c, o, obs)
         out += _check_reads("FWD-ALLGATHER", c, probes, obs, tags, entry=True, own_group=pred.group_index(c.module))
         out += _check_allgathers("FWD-ALLGATHER", c, o, obs, tags)
     return out
@@ -275,21 +319,22 @@ def check_parity(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     for c, o in _paired(pred, obs):
         if not c.in_promise:
             continue
-        tags = base | call_tags(spec, pred, c)
+        tags = base | call_tags(spec, pred, c, o, obs)
         if o.error:
             out.append(violation("FWD-PARITY", f"call {c.index} raised {o.error}", tags, "kind:raised"))
         elif obs.values_meaningful and o.close is False:
             out.append(violation("FWD-PARITY", f"call {c.index} (method {c.method}) output differs from the reference's by {o.max_diff:.3g}", tags, "kind:output"))
     if not pred.backward_promised:
         return out  # a method reads another group's parameter directly: its gradients are not promised
+    after = base | _nested_anywhere(obs)
     if obs.backward_error:
-        out.append(violation("FWD-PARITY", f"backward raised {obs.backward_error}", base, "kind:backward-raised"))
+        out.append(violation("FWD-PARITY", f"backward raised {obs.backward_error}", after, "kind:backward-raised"))
     if obs.values_meaningful and obs.backward_ran:
         for g in obs.grads:
             if g.grad_none != g.ref_grad_none:
-                out.append(violation("FWD-PARITY", f"{g.fqn}: grad None is {g.grad_none}, the reference's {g.ref_grad_none}", base, "kind:grad-none"))
+                out.append(violation("FWD-PARITY", f"{g.fqn}: grad None is {g.grad_none}, the reference's {g.ref_grad_none}", after, "kind:grad-none"))
             elif g.close is False:
-                out.append(violation("FWD-PARITY", f"gradient of {g.fqn} differs from the reference's by {g.max_diff:.3g}", base, "kind:grad"))
+                out.append(violation("FWD-PARITY", f"gradient of {g.fqn} differs from the reference's by {g.max_diff:.3g}", after, "kind:grad"))
     if not out and not obs.values_meaningful:
         return VALUES_UNCHECKED  # nothing raised; outputs and gradients carry no values here
     return out
@@ -314,7 +359,7 @@ def check_reshard(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) 
     index = {frozenset(g.modules): i for i, g in enumerate(obs.groups)}
     out = []
     for c, o in calls:
-        tags = base | call_tags(spec, pred, c)
+        tags = base | call_tags(spec, pred, c, o, obs)
         for gi, want in enumerate(c.sharded_after):
             oi = index.get(frozenset(pred.groups[gi].modules))
             if want is None or oi is None or oi >= len(o.group_states):
@@ -405,7 +450,7 @@ def check_nested(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     probes = _probes(obs)
     out = []
     for c, o in calls:
-        tags = base | call_tags(spec, pred, c)
+        tags = base | call_tags(spec, pred, c, o, obs)
         if o.error:
             out.append(violation("FWD-NESTED", f"call {c.index} raised {o.error}", tags, "kind:raised"))
             continue
@@ -447,7 +492,7 @@ def check_isolation(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation
         reg = _registered_sibling(spec, c.method)
         if reg is None:
             continue
-        tags = base | call_tags(spec, pred, c) | {"method:sibling"}
+        tags = base | call_tags(spec, pred, c, o, obs) | {"method:sibling"}
         what = f"call {c.index}: {spec.methods[c.method].name} of {c.module or '<root>'} (registered on {reg} only)"
         if o.error:
             if c.in_promise:
