@@ -75,7 +75,7 @@ class ModelRun:
         for f in self.failures:
             lines.append(f"FAIL {f['invariant']}/{f['tier']}: {f['message']}")
             if f.get("case"):
-                lines.append("  smallest case:\n" + "\n".join("    " + x for x in f["case"].rstrip().splitlines()))
+                lines.append("  case (paste into Python):\n" + "\n".join("    " + x for x in f["case"].rstrip().splitlines()))
             if f.get("repro"):
                 lines.append(f"  repro: {f['repro']}")
         return "\n".join(lines)

@@ -251,6 +251,12 @@ class Runner:
         # case's results from fp32 training (None: nothing to round)
         self.low_dtype = None if self.pred.compute_dtype == "float32" else _dtype(self.pred.compute_dtype)
         self.low = placed(build(spec)) if self.low_dtype is not None else None
+        if self.low is not None and is_model_case(spec) and self.pred.buffer_dtype != "float32":
+            # a real model's arithmetic mixes its buffers in: as FSDP1's buffer_dtype casts them
+            for m in self.low.model.modules():
+                for n, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m._buffers[n] = b.to(_dtype(self.pred.buffer_dtype))
         self.aliases = a1.Aliases(self.built.model)
         self.names = list(self.pred.trainable)  # every canonical FQN
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)
