@@ -125,3 +125,50 @@ def test_a_budget_of_three_reaches_the_lora_frozen_error_and_warning():
     warn = predict_fsdp1(ModelCase(LLAMA, frozen=lora_only, plan=WrapPlan("fsdp1", ModuleWrap((DECODER,)), True)))
     assert err.error is not None and "layers.0" in err.error.path
     assert any("layers.0" in w.path for w in warn.warnings)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from conformance.engine.pool import RankPool
+
+    p = RankPool(2, "gloo", deadline=120.0, preload=("tests.self.faults_checkpoint", "tests.self.faults_training"))
+    p.tier = "gloo"
+    yield p
+    p.close()
+
+
+def _lora_fsdp2(lifecycle):
+    return next(c for c in natural_model_cases(LLAMA, ("fsdp2",), lifecycle) if c.frozen == natural_model_cases(LLAMA)[0].frozen)
+
+
+LORA_FAULTS = [
+    # (invariant, lifecycle, scenario, phases, kind)
+    ("SD-FULL", "full", "fault:ckpt-full:full-sd-perturbed", None, "kind:values"),
+    ("CKPT-RESHARD", "roundtrip", "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
+    ("OPTIM-STATE", "roundtrip", "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:optim-state-dropped"), "kind:lost-at-load"),
+    ("ACCUM", "schedule", "fault:schedule:fsdp2-sync-ignored", None, "kind:reduced-unsynced"),
+    ("MP-DTYPES", "schedule", "fault:schedule:fsdp2-param-dtype-ignored", None, "kind:compute-dtype"),
+]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("invariant,lifecycle,scenario,phases,kind", LORA_FAULTS, ids=[f[0] for f in LORA_FAULTS])
+def test_a_lora_fine_tune_catches_a_lifecycle_fault(invariant, lifecycle, scenario, phases, kind, pool):
+    """The LoRA fine-tune (FSDP2, every decoder layer sharded, only the
+    adapters train) holds each lifecycle invariant on unmodified torch, and
+    turns FAIL of the expected kind when one regression is applied inside
+    the ranks (tests/self/faults_checkpoint.py, faults_training.py)."""
+    import tests.self.faults_checkpoint  # noqa: F401  (the driver checks scenario names too)
+    import tests.self.faults_training  # noqa: F401
+    from conformance.areas import scenario_of
+    from conformance.engine.worlds import Worlds
+    from conformance.run.runner import FAIL, PASS, evaluate, observations
+
+    case = _lora_fsdp2(lifecycle)
+    parse = scenario_of(invariant).observation.from_dict
+    engine = Worlds(pool) if lifecycle != "schedule" else pool
+    res = evaluate(invariant, case, observations(engine, case, scenario_of(invariant).name, parse))
+    assert res.verdict == PASS, res.describe()
+    engine = Worlds(pool, phases={"ckpt-roundtrip": phases}) if lifecycle != "schedule" else pool
+    res = evaluate(invariant, case, observations(engine, case, scenario, parse))
+    assert res.verdict == FAIL and any(kind in v.tags for v in res.violations), res.describe()
