@@ -103,7 +103,7 @@ def model_report(run: ModelRun, tiers_info: list[dict], selection: list[str] | N
     """The report dict (same schema and rows as `fsdp-conformance run`'s)."""
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
 
-    selected = sorted({inv for inv, _ in run.checked})
+    selected = sorted({inv for inv, _ in run.checked} | {s["invariant"] for s in run.skipped})  # a SKIP was selected: its row says why
     return data.build(
         fsdp_source=fsdp_source.report_info(),
         partials=[run.session.to_dict()],

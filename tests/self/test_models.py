@@ -447,3 +447,21 @@ def test_cli_model_nccl_without_gpus_is_one_line_and_exit_2(capsys, tmp_path):
 def test_cli_model_rejects_an_unknown_profile(capsys, tmp_path):
     _one_line_exit_2(capsys, ["model", TOY, "--profile", "bogus", "--examples", "3", "--report-dir", str(tmp_path)],
                      "unknown Hypothesis profile 'bogus'")
+
+
+@pytest.mark.needs_ranks
+def test_a_lifecycle_model_case_repro_replays_it_on_real_ranks(tmp_path):
+    """A model's checkpoint case: its repro replays the case through `check`
+    on gloo (the model repro rebuilds wrapping and training only) and runs
+    from a directory of its own."""
+    from conformance.run.repro import repro_script
+    from strategies.targets import natural_model_cases
+
+    case = natural_model_cases(TOY, ("fsdp2",), "roundtrip")[0]
+    script = tmp_path / "repro.py"
+    script.write_text(repro_script(case, ["[OPTIM-STATE] a line"], "OPTIM-STATE"))
+    text = script.read_text()
+    assert '"BACKEND", "gloo"' in text and case.to_json() in text
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(tmp_path, with_user_dir=False),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OPTIM-STATE: PASS" in proc.stdout, proc.stdout + proc.stderr
