@@ -465,3 +465,39 @@ def test_a_lifecycle_model_case_repro_replays_it_on_real_ranks(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(tmp_path, with_user_dir=False),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OPTIM-STATE: PASS" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---- the lifecycle on a model: validation, SKIP reasons -------------------------------
+
+
+def test_model_case_lifecycle_is_validated():
+    from conformance.case.spec import CheckpointPlan, Microbatch, Schedule, ScheduleStep
+    from conformance.case.target import TargetError, check_case
+
+    with pytest.raises(SpecError, match="no microbatch skips"):
+        ModelCase(TOY, schedule=Schedule((ScheduleStep(microbatches=(Microbatch(("blocks.0",)),)),)))
+    with pytest.raises(SpecError, match="first microbatch is a forward"):
+        ModelCase(TOY, schedule=Schedule(first=0))
+    with pytest.raises(SpecError, match="world sizes"):
+        ModelCase(TOY, ckpt=CheckpointPlan(save_world=4))
+    with pytest.raises(TargetError, match="head.weight"):  # the tied head's second name, not its canonical FQN
+        check_case(ModelCase(TOY, plan=WrapPlan("fsdp2"), ckpt=CheckpointPlan(refreeze=("head.weight",))))
+    with pytest.raises(TargetError, match="NoSuchClass"):
+        check_case(ModelCase(TOY, ckpt=CheckpointPlan(load_plan=WrapPlan("fsdp1", ModuleWrap(("NoSuchClass",))))))
+    check_case(ModelCase(TOY, plan=WrapPlan("fsdp2"), ckpt=CheckpointPlan(refreeze=("embed.weight",), load_frozen=("blocks.0.ln.weight",))))
+
+
+def test_an_invariant_a_model_cannot_have_is_skip_with_its_areas_reason(tmp_path):
+    """Not a hard-coded exclusion: the reason is the area record's
+    (Area.model_cases), or the tier's; the report's rows say it."""
+    from conformance.areas import area_of
+    from conformance.cli import main
+
+    rc = main(["model", TOY, "--backend", "fake", "--invariant", "FWD-SUMMON", "--invariant", "SD-FULL", "--invariant", "RANKS-AGREE",
+               "--examples", "1", "--report-dir", str(tmp_path)])
+    assert rc == 0
+    rows = {r["invariant"]: r for r in json.loads((tmp_path / "report.json").read_text())["results"] if r["tier"] == "fake"}
+    assert area_of("FWD-SUMMON").model_cases and area_of("FWD-SUMMON").model_cases in rows["FWD-SUMMON"]["reason"]
+    assert not area_of("SD-FULL").model_cases and "fake tier" in rows["SD-FULL"]["reason"]
+    assert "nothing to disagree with" in rows["RANKS-AGREE"]["reason"]
+    assert all(rows[i]["verdict"] == "SKIP" and rows[i]["checked"] == 0 for i in ("FWD-SUMMON", "SD-FULL", "RANKS-AGREE"))
