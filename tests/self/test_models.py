@@ -79,6 +79,42 @@ def test_model_case_round_trips_through_json_and_python(case):
     assert ns["spec"] == case
 
 
+@settings(FAST, max_examples=15)
+@given(data=st.data())
+@pytest.mark.parametrize("lifecycle", ["full", "ties", "roundtrip", "schedule"])
+def test_lifecycle_model_cases_are_valid_and_promised(lifecycle, data):
+    """Every drawn lifecycle case names only the model's own parameters,
+    classes and modules, round-trips through JSON, and is one whose training
+    FSDP promises (else its invariants would compare nothing)."""
+    from conformance.case.target import check_case
+    from strategies.targets import lifecycle_fits
+
+    case = data.draw(model_cases(TOY, lifecycle=lifecycle))
+    check_case(case)
+    assert case_from_json(case.to_json()) == case
+    assert lifecycle_fits(case)
+    assert (case.ckpt is not None) == (lifecycle != "schedule") and (case.schedule is not None) == (lifecycle == "schedule")
+
+
+def test_lifecycle_strategies_reach_what_they_promise():
+    """The round trip loads under the other API on another world size with
+    a freeze change, the target's own LoRA-like preset among the load masks;
+    schedules mix precision, freeze changes and unsynced microbatches."""
+    from strategies.targets import _model
+
+    only_block1 = _model(TOY).frozen_for_trainable(lambda a: "blocks.1." in a)
+    from hypothesis import Phase
+
+    cfg = settings(database=None, max_examples=3000, suppress_health_check=list(HealthCheck), phases=[Phase.generate])  # found, not shrunk
+    find(model_cases(TOY, lifecycle="roundtrip"), lambda c: c.ckpt.load_plan.api != c.plan.api and c.ckpt.load_world == 3
+         and c.ckpt.save_world != 3 and bool(c.ckpt.refreeze), settings=cfg)
+    find(model_cases(TOY, lifecycle="roundtrip"), lambda c: c.ckpt.load_frozen == only_block1, settings=cfg)
+    find(model_cases(TOY, lifecycle="schedule"), lambda c: c.schedule.precision is not None and c.schedule.precision.param_dtype is not None
+         and len({st.frozen for st in c.schedule.steps}) > 1 and any(len(st.microbatches) > 1 and not st.sync_every for st in c.schedule.steps),
+         settings=cfg)
+    find(model_cases(TOY, lifecycle="full"), lambda c: c.ckpt.full_sd == "fsdp1-full" and c.ckpt.rank0_only, settings=cfg)
+
+
 def test_model_case_rejects_bad_data():
     with pytest.raises(SpecError, match="package.module:attr"):
         ModelCase("no-colon")

@@ -137,34 +137,40 @@ def pool():
     p.close()
 
 
-def _lora_fsdp2(lifecycle):
-    return next(c for c in natural_model_cases(LLAMA, ("fsdp2",), lifecycle) if c.frozen == natural_model_cases(LLAMA)[0].frozen)
+def _lora(lifecycle, api="fsdp2"):
+    """The natural LoRA case of ``api`` (FSDP1: ModuleWrapPolicy(LlamaDecoderLayer),
+    use_orig_params=True) with that lifecycle, only the adapters trainable."""
+    lora_only = natural_model_cases(LLAMA)[0].frozen
+    return next(c for c in natural_model_cases(LLAMA, (api,), lifecycle) if c.frozen == lora_only)
 
 
 LORA_FAULTS = [
-    # (invariant, lifecycle, scenario, phases, kind)
-    ("SD-FULL", "full", "fault:ckpt-full:full-sd-perturbed", None, "kind:values"),
-    ("CKPT-RESHARD", "roundtrip", "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
-    ("OPTIM-STATE", "roundtrip", "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:optim-state-dropped"), "kind:lost-at-load"),
-    ("ACCUM", "schedule", "fault:schedule:fsdp2-sync-ignored", None, "kind:reduced-unsynced"),
-    ("MP-DTYPES", "schedule", "fault:schedule:fsdp2-param-dtype-ignored", None, "kind:compute-dtype"),
+    # (invariant, lifecycle, API, scenario, phases, kind)
+    ("SD-FULL", "full", "fsdp2", "fault:ckpt-full:full-sd-perturbed", None, "kind:values"),
+    ("CKPT-RESHARD", "roundtrip", "fsdp2", "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
+    ("OPTIM-STATE", "roundtrip", "fsdp2", "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:optim-state-dropped"), "kind:lost-at-load"),
+    ("CKPT-RESHARD", "roundtrip", "fsdp1", "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
+    ("ACCUM", "schedule", "fsdp2", "fault:schedule:fsdp2-sync-ignored", None, "kind:reduced-unsynced"),
+    ("ACCUM", "schedule", "fsdp1", "fault:schedule:fsdp1-no-sync-ignored", None, "kind:reduced-unsynced"),
+    ("MP-DTYPES", "schedule", "fsdp2", "fault:schedule:fsdp2-param-dtype-ignored", None, "kind:compute-dtype"),
 ]
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("invariant,lifecycle,scenario,phases,kind", LORA_FAULTS, ids=[f[0] for f in LORA_FAULTS])
-def test_a_lora_fine_tune_catches_a_lifecycle_fault(invariant, lifecycle, scenario, phases, kind, pool):
-    """The LoRA fine-tune (FSDP2, every decoder layer sharded, only the
-    adapters train) holds each lifecycle invariant on unmodified torch, and
-    turns FAIL of the expected kind when one regression is applied inside
-    the ranks (tests/self/faults_checkpoint.py, faults_training.py)."""
+@pytest.mark.parametrize("invariant,lifecycle,api,scenario,phases,kind", LORA_FAULTS, ids=[f"{f[0]}-{f[2]}" for f in LORA_FAULTS])
+def test_a_lora_fine_tune_catches_a_lifecycle_fault(invariant, lifecycle, api, scenario, phases, kind, pool):
+    """The LoRA fine-tune (FSDP2 with every decoder layer sharded, or FSDP1
+    with each decoder layer a unit; only the adapters train) holds each
+    lifecycle invariant on unmodified torch, and turns FAIL of the expected
+    kind when one regression is applied inside the ranks
+    (tests/self/faults_checkpoint.py, faults_training.py)."""
     import tests.self.faults_checkpoint  # noqa: F401  (the driver checks scenario names too)
     import tests.self.faults_training  # noqa: F401
     from conformance.areas import scenario_of
     from conformance.engine.worlds import Worlds
     from conformance.run.runner import FAIL, PASS, evaluate, observations
 
-    case = _lora_fsdp2(lifecycle)
+    case = _lora(lifecycle, api)
     parse = scenario_of(invariant).observation.from_dict
     engine = Worlds(pool) if lifecycle != "schedule" else pool
     res = evaluate(invariant, case, observations(engine, case, scenario_of(invariant).name, parse))
