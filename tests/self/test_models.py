@@ -537,3 +537,17 @@ def test_an_invariant_a_model_cannot_have_is_skip_with_its_areas_reason(tmp_path
     assert not area_of("SD-FULL").model_cases and "fake tier" in rows["SD-FULL"]["reason"]
     assert "nothing to disagree with" in rows["RANKS-AGREE"]["reason"]
     assert all(rows[i]["verdict"] == "SKIP" and rows[i]["checked"] == 0 for i in ("FWD-SUMMON", "SD-FULL", "RANKS-AGREE"))
+
+
+@pytest.mark.fake
+def test_an_api_this_torch_lacks_is_skip_not_failure(monkeypatch, fake_engine):
+    """check_model outside pytest: the session's SKIP for an API the
+    installed torch cannot run becomes a SKIP row with the reason."""
+    from conformance.areas.common import support
+    from conformance.run.models import check_model
+
+    monkeypatch.setattr(support, "unavailable", lambda api, scenario, tier: "no FSDP2 here" if api == "fsdp2" else None)
+    run = check_model(TOY, invariants=["FSDP2-GROUPS", "WRAP-UNITS"], tiers=("fake",), examples=1, seed=0, engines={"fake": fake_engine})
+    assert run.ok, run.summary()
+    assert run.skipped == [{"invariant": "FSDP2-GROUPS", "tier": "fake", "reason": "no FSDP2 here"}]
+    assert run.checked == [("WRAP-UNITS", "fake")]
