@@ -5,8 +5,11 @@ drawn over the model's own graph, in CaseSpec's plan types: the freeze mask
 (FQNs), the WrapPlan (policy by class names or module paths, CustomWrap
 per-module kwargs, size threshold, use_orig_params, FSDP2 groups with
 reshard_after_forward), the target's methods to call (ForwardMethod with no
-steps: their bodies are the model's own) and which of them to register, and
-an optional TrainPlan. It crosses process boundaries as JSON like a CaseSpec;
+steps: their bodies are the model's own) and which of them to register, an
+optional TrainPlan, and the lifecycle: a CheckpointPlan (refreeze and
+load_frozen by canonical FQN) and a Schedule (mixed precision, accumulation;
+a real model's forward is its own: no microbatch skips a module, and the
+first microbatch is a forward). It crosses process boundaries as JSON like a CaseSpec;
 each rank imports the target and builds the model from the seed.
 """
 
@@ -22,12 +25,16 @@ from conformance.case.spec import (
     OPTIMIZERS,
     POLICY_TYPES,
     CaseSpec,
+    CheckpointPlan,
     CustomWrap,
     ForwardMethod,
     MethodCall,
+    Schedule,
     SpecError,
     TrainPlan,
     WrapPlan,
+    validate_ckpt_plan,
+    validate_schedule_plan,
 )
 
 MODEL_CASE_VERSION = 1
@@ -43,6 +50,8 @@ class ModelCase:
     # forward; register: passed to register_fsdp_forward_method (FSDP2).
     methods: tuple[ForwardMethod, ...] = ()
     train: TrainPlan | None = None
+    ckpt: CheckpointPlan | None = None  # SD-FULL, TIES-KEPT, CKPT-RESHARD, OPTIM-STATE
+    schedule: Schedule | None = None  # MP-DTYPES, ACCUM
 
     def __post_init__(self) -> None:
         validate_model_case(self)
@@ -118,7 +127,11 @@ def validate_model_case(case: ModelCase) -> None:
         raise SpecError("ModelCase.seed must be an int")
     if len(set(case.frozen)) != len(case.frozen):
         raise SpecError("ModelCase.frozen names a parameter twice")
-    plan = case.plan
+    _validate_plan(case.plan)
+    _validate_lifecycle(case)
+
+
+def _validate_plan(plan) -> None:
     if not isinstance(plan, WrapPlan) or plan.api not in ("fsdp1", "fsdp2"):
         raise SpecError(f"ModelCase.plan must be a WrapPlan with api fsdp1 or fsdp2, got {plan!r}")
     pol = plan.policy
@@ -140,6 +153,9 @@ def validate_model_case(case: ModelCase) -> None:
         if len(g.modules) > 1 and "" in g.modules:
             raise SpecError(f"shard group {g!r}: the root is sharded on its own")
         seen.update(g.modules)
+
+
+def _validate_lifecycle(case: ModelCase) -> None:
     names = [m.name for m in case.methods]
     if len(set(names)) != len(names):
         raise SpecError("ModelCase.methods names a method twice")
@@ -149,3 +165,17 @@ def validate_model_case(case: ModelCase) -> None:
     t = case.train
     if t is not None and (t.optimizer not in OPTIMIZERS or t.steps < 1 or not t.lr > 0):
         raise SpecError(f"train plan {t!r}: optimizer one of {OPTIMIZERS}, steps >= 1, lr > 0")
+    if case.ckpt is not None:
+        # the FQNs it names are checked against the model (check_case)
+        validate_ckpt_plan(case.ckpt)
+        if case.ckpt.load_plan is not None:
+            _validate_plan(case.ckpt.load_plan)
+            if case.ckpt.load_plan.ignored_modules or case.ckpt.load_plan.ignored_params:
+                raise SpecError("a checkpoint's load plan ignores nothing")
+    s = case.schedule
+    if s is not None:
+        validate_schedule_plan(s, case.plan.api)
+        if any(mb.skip for st in s.steps for mb in st.microbatches):
+            raise SpecError("schedule: a real model's forward is its own; no microbatch skips a module")
+        if s.first != -1:
+            raise SpecError("schedule: a real model's first microbatch is a forward (first=-1)")

@@ -370,17 +370,33 @@ class Schedule:
     first: int = -1  # the very first microbatch calls spec.methods[first] (registered, FSDP2); -1: forward
 
 
+def validate_schedule_plan(s: "Schedule", api: str) -> None:
+    """What a Schedule must be whatever its model (a CaseSpec's or a
+    ModelCase's): the FQNs and paths it names are checked against the model."""
+    if s.optimizer not in SCHEDULE_OPTIMIZERS or not s.lr > 0 or not s.steps:
+        raise SpecError(f"schedule: optimizer one of {SCHEDULE_OPTIMIZERS}, lr > 0, at least one step")
+    for st in s.steps:
+        if not st.microbatches:
+            raise SpecError("schedule: a step needs at least one microbatch")
+    pr = s.precision
+    if pr is not None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
+            if getattr(pr, name) not in (None, *DTYPES):
+                raise SpecError(f"precision: {name} must be None or one of {DTYPES}")
+        if api == "fsdp2" and (pr.buffer_dtype or pr.keep_low_precision_grads or not pr.cast_root_forward_inputs):
+            raise SpecError("precision: buffer_dtype, keep_low_precision_grads, cast_root_forward_inputs are FSDP1's")
+        if api == "fsdp1" and pr.output_dtype:
+            raise SpecError("precision: output_dtype is FSDP2's")
+
+
 def validate_schedule(spec: "CaseSpec") -> None:
     s = spec.schedule
     if s is None:
         return
-    if s.optimizer not in SCHEDULE_OPTIMIZERS or not s.lr > 0 or not s.steps:
-        raise SpecError(f"schedule: optimizer one of {SCHEDULE_OPTIMIZERS}, lr > 0, at least one step")
+    validate_schedule_plan(s, spec.plan.api)
     paths = {p for p, _ in walk(spec.tree)}
     fqns = {f for f, _ in ModelGraph(spec).named_parameters(remove_duplicate=False)}
     for st in s.steps:
-        if not st.microbatches:
-            raise SpecError("schedule: a step needs at least one microbatch")
         if not set(st.frozen) <= fqns:
             raise SpecError(f"schedule: frozen names unknown parameters {sorted(set(st.frozen) - fqns)}")
         for mb in st.microbatches:
@@ -388,16 +404,6 @@ def validate_schedule(spec: "CaseSpec") -> None:
                 raise SpecError(f"schedule: a microbatch skips an unknown or the root module: {mb.skip!r}")
     if not -1 <= s.first < len(spec.methods):
         raise SpecError(f"schedule: first={s.first} names no method")
-    pr = s.precision
-    if pr is not None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
-            if getattr(pr, name) not in (None, *DTYPES):
-                raise SpecError(f"precision: {name} must be None or one of {DTYPES}")
-        api = spec.plan.api
-        if api == "fsdp2" and (pr.buffer_dtype or pr.keep_low_precision_grads or not pr.cast_root_forward_inputs):
-            raise SpecError("precision: buffer_dtype, keep_low_precision_grads, cast_root_forward_inputs are FSDP1's")
-        if api == "fsdp1" and pr.output_dtype:
-            raise SpecError("precision: output_dtype is FSDP2's")
 
 
 # ---- tree queries (pure) ---------------------------------------------------
@@ -702,14 +708,20 @@ def _validate_methods(spec: CaseSpec, paths: set[str]) -> None:
             raise SpecError(f"train plan {t!r}: divide_factor must be > 0")
 
 
-def _validate_ckpt(spec: CaseSpec, fqns: set[str]) -> None:
-    c = spec.ckpt
+def validate_ckpt_plan(c: "CheckpointPlan") -> None:
+    """What a CheckpointPlan must be whatever its model (the FQNs it names
+    and its load plan are checked against the model)."""
     if not all(isinstance(w, int) and 1 <= w <= MAX_WORLD for w in (c.save_world, c.load_world)):
         raise SpecError(f"checkpoint world sizes must be 1..{MAX_WORLD}")
     if c.optimizer not in CKPT_OPTIMIZERS or c.steps < 1 or c.steps_after < 0:
         raise SpecError(f"checkpoint plan {c!r}: optimizer one of {CKPT_OPTIMIZERS}, steps >= 1, steps_after >= 0")
     if c.full_sd not in FULL_SD_WAYS or c.load_path not in LOAD_PATHS:
         raise SpecError(f"checkpoint plan {c!r}: full_sd one of {FULL_SD_WAYS}, load_path one of {LOAD_PATHS}")
+
+
+def _validate_ckpt(spec: CaseSpec, fqns: set[str]) -> None:
+    c = spec.ckpt
+    validate_ckpt_plan(c)
     for f in c.refreeze + (c.load_frozen or ()):
         if f not in fqns:
             raise SpecError(f"checkpoint plan names unknown parameter {f!r}")

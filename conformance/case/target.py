@@ -219,7 +219,26 @@ def check_case(case) -> None:
     for f in case.frozen:
         if f not in fqns:
             raise _fail(ref, f"the freeze mask names {f!r}, not a parameter of the model")
-    pol = case.plan.policy
+    plans = [case.plan] + ([case.ckpt.load_plan] if case.ckpt is not None and case.ckpt.load_plan is not None else [])
+    for plan in plans:
+        _check_plan(ref, g, plan, fqns, paths)
+    canonical = set(g.param_fqn.values())  # the lifecycle's masks name each parameter by its canonical FQN
+    lifecycle = []
+    if case.ckpt is not None:
+        lifecycle += [("the checkpoint plan", f) for f in case.ckpt.refreeze + (case.ckpt.load_frozen or ())]
+    if case.schedule is not None:
+        lifecycle += [("the schedule", f) for st in case.schedule.steps for f in st.frozen]
+    for what, f in lifecycle:
+        if f not in canonical:
+            raise _fail(ref, f"{what} names {f!r}, not the canonical FQN of a parameter of the model")
+    names = {m.name for m in target.methods}
+    for m in case.methods:
+        if m.name not in names:
+            raise _fail(ref, f"the case calls method {m.name!r}, which the target does not list")
+
+
+def _check_plan(ref: str, g, plan, fqns: set[str], paths: set[str]) -> None:
+    pol = plan.policy
     for c in getattr(pol, "classes", ()):
         try:
             g.resolve_class(c)
@@ -228,20 +247,16 @@ def check_case(case) -> None:
     for p in getattr(pol, "targets", ()):
         if p not in paths:
             raise _fail(ref, f"the wrap policy names module {p!r}, not a module of the model")
-    for grp in case.plan.groups:
+    for grp in plan.groups:
         for p in grp.modules:
             if p not in paths:
                 raise _fail(ref, f"the shard group names module {p!r}, not a module of the model")
-    for p in case.plan.ignored_modules:
+    for p in plan.ignored_modules:
         if p not in paths or p == "":
             raise _fail(ref, f"ignored module {p!r} is not a non-root module of the model")
-    for f in case.plan.ignored_params:
+    for f in plan.ignored_params:
         if f not in fqns:
             raise _fail(ref, f"ignored parameter {f!r} is not a parameter of the model")
-    names = {m.name for m in target.methods}
-    for m in case.methods:
-        if m.name not in names:
-            raise _fail(ref, f"the case calls method {m.name!r}, which the target does not list")
 
 
 def check_target(ref: str, *, wrap_classes: tuple[str, ...] | None = None) -> Target:
@@ -316,3 +331,57 @@ def methods_calling_forward(ref: str) -> frozenset[str]:
     finally:
         handle.remove()
     return frozenset(out)
+
+
+@functools.lru_cache(maxsize=32)
+def params_without_grad(ref: str) -> frozenset[str]:
+    """Canonical FQNs of the parameters whose gradient stays None after one
+    backward of the target's loss on its inputs (seed 0), every parameter
+    trainable, on an unsharded model: the parameters the loss does not use
+    (a pooler an MLM loss never reads), a fact of the model the oracle
+    needs (FSDP1 reduces whole flat parameters: those get zero gradients,
+    not None). Empty when forward or backward fails (check_target reports
+    that)."""
+    target = cached_target(ref)
+    model = make_model(ref, 0)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    try:
+        target_loss(target, model(**dict(target.inputs(0)))).backward()
+    except Exception:
+        return frozenset()
+    g = ModelGraph(model)
+    by_id = {id(p): p for p in model.parameters()}
+    seen = {}
+    for fqn, p in model.named_parameters():
+        seen.setdefault(id(p), fqn)
+    return frozenset(g.param_fqn.get(fqn, fqn) for pid, fqn in seen.items() if by_id[pid].grad is None)
+
+
+@functools.lru_cache(maxsize=64)
+def runs_in(ref: str, param_dtype: str, buffer_dtype: str | None = None) -> str:
+    """Whether the target's unsharded model runs its forward and loss with
+    its parameters in ``param_dtype`` (torch.<name>), its floating inputs
+    too, and its floating buffers in ``buffer_dtype`` (None: as they are):
+    "" if so, else "Type: first line" of what raised. A model whose own
+    arithmetic does not survive the cast (a float32 buffer times a bf16
+    activation into a bf16 LayerNorm) cannot be trained under mixed
+    precision whatever FSDP does: a fact of the model, found by running it."""
+    target = cached_target(ref)
+    model = make_model(ref, 0)
+    dtype = getattr(torch, param_dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        if buffer_dtype is not None:
+            for m in model.modules():
+                for n, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m._buffers[n] = b.to(getattr(torch, buffer_dtype))
+    inputs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in dict(target.inputs(0)).items()}
+    try:
+        with torch.no_grad():
+            target_loss(target, model(**inputs)).float()
+    except Exception as e:
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return ""

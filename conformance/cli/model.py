@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from conformance.cli.common import BACKENDS
 from conformance.cli.errors import UsageError
+from conformance.engine.errors import EngineError
+from conformance.engine.pool import resolve_backend
 from conformance.report import data, write
 from conformance.run import profiles
 from conformance.selfcheck import fsdp_source
@@ -38,14 +40,14 @@ def add_parser(sub) -> None:
 
 def _budget(profile: str | None, examples: int | None) -> int:
 
+    try:  # an unknown profile is bad input even where --examples sets the budget
+        name = profiles.selected(profile)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if examples is not None:
         if examples < 1:
             raise UsageError(f"--examples must be >= 1, got {examples}")
         return examples
-    try:
-        name = profiles.selected(profile)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     # a real model costs far more per example than a drawn tree
     return {"dev": 5, "ci": 20, "thorough": 100}[name]
 
@@ -64,6 +66,11 @@ def cmd_model(ns) -> int:
     bad = [t for t in tiers if t not in BACKENDS or t == "auto"]
     if bad:
         raise UsageError(f"unknown backend {bad[0]!r}; choose from fake, gloo, nccl")
+    for t in tiers:  # nccl without a GPU per rank: one line, as `run` says it
+        try:
+            resolve_backend(t, ns.world_size)
+        except EngineError as e:
+            raise UsageError(str(e)) from None
     if ns.world_size < 1 or ns.fake_world_size < 1:
         raise UsageError("world sizes must be >= 1")
     try:
@@ -96,10 +103,11 @@ def model_report(run: ModelRun, tiers_info: list[dict], selection: list[str] | N
     """The report dict (same schema and rows as `fsdp-conformance run`'s)."""
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
 
-    selected = sorted({inv for inv, _ in run.checked})
+    selected = sorted({inv for inv, _ in run.checked} | {s["invariant"] for s in run.skipped})  # a SKIP was selected: its row says why
     return data.build(
         fsdp_source=fsdp_source.report_info(),
         partials=[run.session.to_dict()],
+        tests=run.skip_records(),  # the invariants not checked on a model, with the reason
         run={"tiers": tiers_info, "target": run.target, "selection": selection or selected, "selected": selected,
              "profile": None, "seed": None},
         status="complete",

@@ -19,8 +19,11 @@ MARKER = "fsdp_model"
 _KEYS = ("target", "invariants", "tiers", "examples", "seed", "world_size", "fake_world_size", "deadline")
 
 
+# the gloo pool: real collectives, so that the value invariants compare values
+# ("fake", the in-process tier, checks structure only)
+DEFAULT_TIERS = ("gloo",)
 MARKER_DOC = (
-    f"{MARKER}(target, invariants=None, tiers=('fake',), examples=5, seed=None): "
+    f"{MARKER}(target, invariants=None, tiers={DEFAULT_TIERS!r}, examples=5, seed=None): "
     "the real model (a conformance.Target, 'package.module:attr') the fsdp_model fixture checks"
 )
 
@@ -36,7 +39,7 @@ class ModelChecker:
     def check(self, target: str | None = None, **kwargs):
         from conformance.run.models import check_model
 
-        opts = {"tiers": ("fake",), "examples": 5, **self.defaults, **kwargs}
+        opts = {"tiers": DEFAULT_TIERS, "examples": 5, **self.defaults, **kwargs}
         if target is not None:
             opts["target"] = target
         bad = sorted(set(opts) - set(_KEYS))
@@ -44,13 +47,16 @@ class ModelChecker:
             raise TypeError(f"fsdp_model.check() got unknown options {bad}; known: {', '.join(_KEYS)}")
         if not opts.get("target"):
             raise pytest.UsageError(f"fsdp_model: no target; give @pytest.mark.{MARKER}('pkg.module:attr') or check(target=...)")
+        from conformance.areas import UnknownInvariant
         from conformance.case.target import TargetError
 
         tgt = opts.pop("target")
         try:
             run = check_model(tgt, repro_dir=self.tmp_path / "repros", **opts)
-        except TargetError as e:
-            pytest.fail(str(e), pytrace=False)
+        except (TargetError, UnknownInvariant) as e:  # bad input: one line, no traceback
+            pytest.fail(f"fsdp_model: {e}" if isinstance(e, UnknownInvariant) else str(e), pytrace=False)
+        except ValueError as e:  # an unknown tier
+            pytest.fail(f"fsdp_model: {e}", pytrace=False)
         self.runs.append(run)
         if not run.ok:
             raise AssertionError(run.summary())

@@ -79,6 +79,42 @@ def test_model_case_round_trips_through_json_and_python(case):
     assert ns["spec"] == case
 
 
+@settings(FAST, max_examples=15)
+@given(data=st.data())
+@pytest.mark.parametrize("lifecycle", ["full", "ties", "roundtrip", "schedule"])
+def test_lifecycle_model_cases_are_valid_and_promised(lifecycle, data):
+    """Every drawn lifecycle case names only the model's own parameters,
+    classes and modules, round-trips through JSON, and is one whose training
+    FSDP promises (else its invariants would compare nothing)."""
+    from conformance.case.target import check_case
+    from strategies.targets import lifecycle_fits
+
+    case = data.draw(model_cases(TOY, lifecycle=lifecycle))
+    check_case(case)
+    assert case_from_json(case.to_json()) == case
+    assert lifecycle_fits(case)
+    assert (case.ckpt is not None) == (lifecycle != "schedule") and (case.schedule is not None) == (lifecycle == "schedule")
+
+
+def test_lifecycle_strategies_reach_what_they_promise():
+    """The round trip loads under the other API on another world size with
+    a freeze change, the target's own LoRA-like preset among the load masks;
+    schedules mix precision, freeze changes and unsynced microbatches."""
+    from strategies.targets import _model
+
+    only_block1 = _model(TOY).frozen_for_trainable(lambda a: "blocks.1." in a)
+    from hypothesis import Phase
+
+    cfg = settings(database=None, max_examples=3000, suppress_health_check=list(HealthCheck), phases=[Phase.generate])  # found, not shrunk
+    find(model_cases(TOY, lifecycle="roundtrip"), lambda c: c.ckpt.load_plan.api != c.plan.api and c.ckpt.load_world == 3
+         and c.ckpt.save_world != 3 and bool(c.ckpt.refreeze), settings=cfg)
+    find(model_cases(TOY, lifecycle="roundtrip"), lambda c: c.ckpt.load_frozen == only_block1, settings=cfg)
+    find(model_cases(TOY, lifecycle="schedule"), lambda c: c.schedule.precision is not None and c.schedule.precision.param_dtype is not None
+         and len({st.frozen for st in c.schedule.steps}) > 1 and any(len(st.microbatches) > 1 and not st.sync_every for st in c.schedule.steps),
+         settings=cfg)
+    find(model_cases(TOY, lifecycle="full"), lambda c: c.ckpt.full_sd == "fsdp1-full" and c.ckpt.rank0_only, settings=cfg)
+
+
 def test_model_case_rejects_bad_data():
     with pytest.raises(SpecError, match="package.module:attr"):
         ModelCase("no-colon")
@@ -279,8 +315,16 @@ def test_cli_runs_a_user_target(user_dir):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((rep / "report.json").read_text())
     rows = {(r["invariant"], r["tier"]): r for r in report["results"]}
+    sys.path.insert(0, str(user_dir))
+    try:  # the natural configurations run first, then the 2 drawn
+        from strategies.targets import natural_model_cases
+
+        natural = len(natural_model_cases("tinylm:target", ("fsdp1",)))
+    finally:
+        sys.path.remove(str(user_dir))
+    assert natural >= 4  # each wrap class as two policies, either use_orig_params
     for tier in ("fake", "gloo"):  # the gloo ranks import the user's module too
-        assert rows[("WRAP-UNITS", tier)]["examples"] == 2 and rows[("WRAP-UNITS", tier)]["verdict"] == "PASS"
+        assert rows[("WRAP-UNITS", tier)]["examples"] == natural + 2 and rows[("WRAP-UNITS", tier)]["verdict"] == "PASS"
     # FWD-PARITY compares values: on the fake tier the examples ran and compared none (SKIP)
     assert rows[("FWD-PARITY", "fake")]["verdict"] == "SKIP" and "values are not compared" in rows[("FWD-PARITY", "fake")]["reason"]
     # (a drawn model case may call no registered method: that one compares nothing)
@@ -292,11 +336,15 @@ def test_python_api_runs_a_user_target(user_dir, monkeypatch, fake_engine):
     import conformance
 
     monkeypatch.syspath_prepend(str(user_dir))
+    from strategies.targets import natural_model_cases
+
     run = conformance.check_model("tinylm:target", invariants=["FSDP2-GROUPS", "FROZEN-WARN"], examples=2,
-                                  engines={"fake": fake_engine})
+                                  tiers=("fake",), engines={"fake": fake_engine})
     assert run.ok, run.summary()
     assert {(i, t) for i, t in run.checked} == {("FSDP2-GROUPS", "fake"), ("FROZEN-WARN", "fake")}
-    assert sum(t.examples for t in run.session.tallies.values()) == 4
+    # each: the target's natural configurations of its API, then 2 drawn
+    natural = len(natural_model_cases("tinylm:target", ("fsdp1",))) + len(natural_model_cases("tinylm:target", ("fsdp2",)))
+    assert sum(t.examples for t in run.session.tallies.values()) == natural + 4
 
 
 def test_pytest_plugin_runs_a_user_target(user_dir):
@@ -310,14 +358,21 @@ def test_pytest_plugin_runs_a_user_target(user_dir):
 
         def test_fsdp_bad_target(fsdp_model):
             fsdp_model.check("tinylm:bad_class")
+
+        @pytest.mark.fsdp_model("tinylm:target", invariants=["NO-SUCH-INVARIANT"])
+        def test_fsdp_bad_invariant(fsdp_model):
+            fsdp_model.check()
     '''))
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "test_user_model.py"]
     if "fsdp_conformance" not in {e.name for e in importlib.metadata.entry_points(group="pytest11")}:
         args[3:3] = ["-p", "conformance.plugin"]  # not installed through the entry point (yet)
     proc = subprocess.run(args, cwd=user_dir, env=_env(user_dir), capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
-    assert "1 passed" in out and "1 failed" in out, out
+    assert "1 passed" in out and "2 failed" in out, out
     assert "target 'tinylm:bad_class': wrap class 'DecoderLayer' is not a class of any module of the model" in out, out
+    # an unknown invariant: one line, no traceback
+    assert "fsdp_model: unknown invariant ID 'NO-SUCH-INVARIANT'" in out, out
+    assert "Traceback" not in out and "UnknownInvariant" not in out, out
 
 
 BAD = [
@@ -357,3 +412,142 @@ def test_bad_target_is_one_line_and_exit_2(user_dir, monkeypatch, capsys, ref, w
     assert len(lines) == 1 and f"target {ref!r}" in lines[0] and why in lines[0], err
     assert "Traceback" not in err
     assert _children() <= before  # no rank process started, none left behind
+
+
+# ---- defaults that compare values; output a person can act on ------------------------
+
+NOISY = "tests.self.noisy_target:target"
+
+
+@pytest.mark.needs_ranks
+def test_noisy_method_is_fail_on_the_default_tier(tmp_path):
+    """check_model's default tier compares values: a registered method that
+    adds random noise is FAIL there, with its message, case and repro; on
+    the fake tier FWD-PARITY compares nothing (SKIP, never PASS)."""
+    from conformance.run.models import DEFAULT_TIERS, check_model
+
+    assert DEFAULT_TIERS == ("gloo",)
+    run = check_model(NOISY, invariants=["FWD-PARITY"], examples=1, seed=0, repro_dir=tmp_path)
+    assert [(f["invariant"], f["tier"]) for f in run.failures] == [("FWD-PARITY", "gloo")], run.summary()
+    assert not any(f.known_failure for t in run.session.tallies.values() for f in t.findings.values())  # FAIL, not KNOWN
+    out = run.summary()
+    assert "FAIL FWD-PARITY/gloo: [FWD-PARITY] call 1 (method 0) output differs from the reference's" in out, out
+    assert f"ModelCase(target={NOISY!r}" in out
+    repro = run.failures[0]["repro"]
+    assert repro and Path(repro).is_file() and f"  repro: {repro}" in out
+    fake = check_model(NOISY, invariants=["FWD-PARITY"], tiers=("fake",), examples=1, seed=0)
+    assert fake.ok and all(t.examples == t.verdicts.get("UNCHECKED", 0) > 0 for t in fake.session.tallies.values())
+    assert "SKIP" in fake.summary() and " PASS " not in fake.summary()
+
+
+def test_marker_default_tier_is_check_models():
+    from conformance.plugin.models import DEFAULT_TIERS as MARKER_TIERS
+    from conformance.run.models import DEFAULT_TIERS
+
+    assert MARKER_TIERS == DEFAULT_TIERS
+
+
+@pytest.mark.needs_ranks
+def test_cli_model_failure_prints_message_case_and_repro(tmp_path, capsys):
+    from conformance.cli import main
+
+    rc = main(["model", NOISY, "--backend", "gloo", "--invariant", "FWD-PARITY", "--examples", "1", "--seed", "0",
+               "--report-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    line = next(x for x in out.splitlines() if x.startswith("FAIL FWD-PARITY/gloo: "))
+    assert "output differs from the reference's" in line
+    assert "case (paste into Python):" in out and f"ModelCase(target={NOISY!r}" in out
+    repro = next(x.split("repro: ", 1)[1] for x in out.splitlines() if x.strip().startswith("repro: "))
+    assert Path(repro).is_file() and Path(repro).parent == tmp_path / "repros"
+
+
+def _one_line_exit_2(capsys, args, want):
+    from conformance.cli import main
+
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and want in lines[0] and "Traceback" not in err, err
+
+
+def test_cli_model_nccl_without_gpus_is_one_line_and_exit_2(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU per rank: nccl is available")
+    _one_line_exit_2(capsys, ["model", TOY, "--backend", "nccl", "--report-dir", str(tmp_path)], "backend 'nccl'")
+
+
+def test_cli_model_rejects_an_unknown_profile(capsys, tmp_path):
+    _one_line_exit_2(capsys, ["model", TOY, "--profile", "bogus", "--examples", "3", "--report-dir", str(tmp_path)],
+                     "unknown Hypothesis profile 'bogus'")
+
+
+@pytest.mark.needs_ranks
+def test_a_lifecycle_model_case_repro_replays_it_on_real_ranks(tmp_path):
+    """A model's checkpoint case: its repro replays the case through `check`
+    on gloo (the model repro rebuilds wrapping and training only) and runs
+    from a directory of its own."""
+    from conformance.run.repro import repro_script
+    from strategies.targets import natural_model_cases
+
+    case = natural_model_cases(TOY, ("fsdp2",), "roundtrip")[0]
+    script = tmp_path / "repro.py"
+    script.write_text(repro_script(case, ["[OPTIM-STATE] a line"], "OPTIM-STATE"))
+    text = script.read_text()
+    assert '"BACKEND", "gloo"' in text and case.to_json() in text
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(tmp_path, with_user_dir=False),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OPTIM-STATE: PASS" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---- the lifecycle on a model: validation, SKIP reasons -------------------------------
+
+
+def test_model_case_lifecycle_is_validated():
+    from conformance.case.spec import CheckpointPlan, Microbatch, Schedule, ScheduleStep
+    from conformance.case.target import TargetError, check_case
+
+    with pytest.raises(SpecError, match="no microbatch skips"):
+        ModelCase(TOY, schedule=Schedule((ScheduleStep(microbatches=(Microbatch(("blocks.0",)),)),)))
+    with pytest.raises(SpecError, match="first microbatch is a forward"):
+        ModelCase(TOY, schedule=Schedule(first=0))
+    with pytest.raises(SpecError, match="world sizes"):
+        ModelCase(TOY, ckpt=CheckpointPlan(save_world=4))
+    with pytest.raises(TargetError, match="head.weight"):  # the tied head's second name, not its canonical FQN
+        check_case(ModelCase(TOY, plan=WrapPlan("fsdp2"), ckpt=CheckpointPlan(refreeze=("head.weight",))))
+    with pytest.raises(TargetError, match="NoSuchClass"):
+        check_case(ModelCase(TOY, ckpt=CheckpointPlan(load_plan=WrapPlan("fsdp1", ModuleWrap(("NoSuchClass",))))))
+    check_case(ModelCase(TOY, plan=WrapPlan("fsdp2"), ckpt=CheckpointPlan(refreeze=("embed.weight",), load_frozen=("blocks.0.ln.weight",))))
+
+
+def test_an_invariant_a_model_cannot_have_is_skip_with_its_areas_reason(tmp_path):
+    """Not a hard-coded exclusion: the reason is the area record's
+    (Area.model_cases), or the tier's; the report's rows say it."""
+    from conformance.areas import area_of
+    from conformance.cli import main
+
+    rc = main(["model", TOY, "--backend", "fake", "--invariant", "FWD-SUMMON", "--invariant", "SD-FULL", "--invariant", "RANKS-AGREE",
+               "--examples", "1", "--report-dir", str(tmp_path)])
+    assert rc == 0
+    rows = {r["invariant"]: r for r in json.loads((tmp_path / "report.json").read_text())["results"] if r["tier"] == "fake"}
+    assert area_of("FWD-SUMMON").model_cases and area_of("FWD-SUMMON").model_cases in rows["FWD-SUMMON"]["reason"]
+    assert not area_of("SD-FULL").model_cases and "fake tier" in rows["SD-FULL"]["reason"]
+    assert "nothing to disagree with" in rows["RANKS-AGREE"]["reason"]
+    assert all(rows[i]["verdict"] == "SKIP" and rows[i]["checked"] == 0 for i in ("FWD-SUMMON", "SD-FULL", "RANKS-AGREE"))
+
+
+@pytest.mark.fake
+def test_an_api_this_torch_lacks_is_skip_not_failure(monkeypatch, fake_engine):
+    """check_model outside pytest: the session's SKIP for an API the
+    installed torch cannot run becomes a SKIP row with the reason."""
+    from conformance.areas.common import support
+    from conformance.run.models import check_model
+
+    monkeypatch.setattr(support, "unavailable", lambda api, scenario, tier: "no FSDP2 here" if api == "fsdp2" else None)
+    run = check_model(TOY, invariants=["FSDP2-GROUPS", "WRAP-UNITS"], tiers=("fake",), examples=1, seed=0, engines={"fake": fake_engine})
+    assert run.ok, run.summary()
+    assert run.skipped == [{"invariant": "FSDP2-GROUPS", "tier": "fake", "reason": "no FSDP2 here"}]
+    assert run.checked == [("WRAP-UNITS", "fake")]

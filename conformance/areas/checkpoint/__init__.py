@@ -37,5 +37,4 @@ AREA = Area(
     unavailable=missing_api,
     needs_ranks=True,
     repro=repro.ckpt_script,
-    model_cases="model cases draw no checkpoint plan yet",
 )

@@ -1,7 +1,9 @@
 """Checkpoint adapter: full state dicts (SD-FULL), load paths and ties
 (TIES-KEPT), torch.distributed.checkpoint save under one plan and world size
 and load under another (CKPT-RESHARD, OPTIM-STATE). Version differences of
-the state-dict APIs are hidden here."""
+the state-dict APIs are hidden here. A generated case trains on
+(model(x) ** 2).sum(); a real model's case (ModelCase) on its target's own
+loss of its inputs (a new seed each step, the same on every rank)."""
 
 from __future__ import annotations
 
@@ -16,16 +18,16 @@ import torch.nn as nn
 from torch.distributed.tensor import distribute_tensor
 
 from conformance.areas.checkpoint.observation import CkptObservation
-from conformance.areas.checkpoint.oracle import with_frozen
+from conformance.areas.checkpoint.oracle import with_mask
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err1
-from conformance.areas.common.support import placed, rank_device
+from conformance.areas.common.support import on_rank_device, placed, rank_device
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, reference_loss
 from conformance.case.build import build, is_sharded, read_attr
-from conformance.case.graph import ModelGraph
+from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
-from conformance.case.tree import join, walk
+from conformance.case.target import graph_of, target_loss
 
 LR = 0.05
 
@@ -102,7 +104,7 @@ def load_spec(spec: CaseSpec) -> CaseSpec:
     oracle and the uninterrupted run have it)."""
     ck = spec.ckpt
     frozen = _mask(spec) if ck.load_frozen is None else frozenset(ck.load_frozen)
-    return dataclasses.replace(spec, plan=ck.load_plan or spec.plan, tree=with_frozen(spec.tree, frozen))
+    return with_mask(dataclasses.replace(spec, plan=ck.load_plan or spec.plan), frozen)
 
 
 def wrap(spec: CaseSpec, built, meta_init: bool = False) -> nn.Module:
@@ -128,10 +130,21 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return make_optimizer(name, model.parameters(), LR)
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, x0: torch.Tensor, step: int) -> None:
+def step_loss(spec: CaseSpec, built, model: nn.Module, step: int) -> torch.Tensor:
+    """The loss of training step ``step`` (the same batch on every rank): a
+    generated case's (model(x_step) ** 2).sum(), a real model's own loss of
+    its target's inputs at seed + step."""
+    if is_model_case(spec):
+        target = built.target
+        return target_loss(target, model(**on_rank_device(dict(target.inputs(spec.seed + step)))))
+    loss, _ = reference_loss(model, [built.example_input() * (1.0 + 0.25 * step)])
+    return loss
+
+
+def train_step(spec: CaseSpec, built, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     """One step on this step's batch (the same on every rank)."""
     opt.zero_grad(set_to_none=True)
-    loss, _ = reference_loss(model, [x0 * (1.0 + 0.25 * step)])
+    loss = step_loss(spec, built, model, step)
     if loss.requires_grad:
         loss.backward()
     opt.step()
@@ -147,23 +160,22 @@ def single_process(spec: CaseSpec, *, until_save: bool) -> tuple[nn.Module, torc
     ck = spec.ckpt
     ref = placed(build(spec))
     opt = _optimizer(ck.optimizer, ref.model)
-    x0 = ref.example_input()
     for step in range(ck.steps):
-        train_step(ref.model, opt, x0, step)
+        train_step(spec, ref, ref.model, opt, step)
         if step == 0 and ck.refreeze:
             flip(ref.model, ck.refreeze, spec)
     if until_save:
         return ref.model, opt
     apply_load_mask(spec, ref.model)
     for step in range(ck.steps, ck.steps + ck.steps_after):
-        train_step(ref.model, opt, x0, step)
+        train_step(spec, ref, ref.model, opt, step)
     return ref.model, opt
 
 
 def _by_id(spec: CaseSpec) -> dict[str, str]:
-    """Parameter id (the spec FQN where it was made) -> canonical FQN."""
-
-    return {pid: fqn for fqn, pid in ModelGraph(spec).named_parameters()}
+    """Parameter id (a CaseSpec's spec FQN where it was made, a ModelCase's
+    canonical FQN) -> canonical FQN."""
+    return {pid: fqn for fqn, pid in graph_of(spec).named_parameters()}
 
 
 def flip(model: nn.Module, pids, spec: CaseSpec) -> None:
@@ -401,9 +413,8 @@ def save(spec: CaseSpec, dir: str) -> dict:
         with _timed(times, "fsdp"):  # wrapping and training steps
             model = wrap(spec, built)
             opt = _optimizer(ck.optimizer, model)
-            x0 = built.example_input()
             for step in range(ck.steps):
-                train_step(model, opt, x0, step)
+                train_step(spec, built, model, opt, step)
                 if step == 0 and ck.refreeze:
                     flip(built.model, ck.refreeze, spec)
     except ERRORS as e:
@@ -426,7 +437,7 @@ def save(spec: CaseSpec, dir: str) -> dict:
         try:
             apply_load_mask(spec, built.model)
             for step in range(ck.steps, ck.steps + ck.steps_after):
-                train_step(model, opt, x0, step)
+                train_step(spec, built, model, opt, step)
             cont = full_params(spec, model, built.model)
         except ERRORS as e:
             return CkptObservation(**base, error=_err(e), phase="resume").to_dict()
@@ -438,11 +449,10 @@ def save(spec: CaseSpec, dir: str) -> dict:
 
 
 def _mask(spec: CaseSpec) -> frozenset[str]:
-    """The parameters frozen at the save (the tree's mask, refreeze applied)."""
-
-    frozen = {join(path, p.name) for path, m in walk(spec.tree) for p in m.params if not p.requires_grad}
-    frozen ^= set(spec.ckpt.refreeze)
-    return frozenset(f for f in _by_id(spec) if f in frozen)
+    """The parameters frozen at the save (the case's mask, refreeze applied), by id."""
+    g = graph_of(spec)
+    frozen = {pid for _, pid in g.named_parameters() if not g.requires_grad(pid)}
+    return frozenset(frozen ^ set(spec.ckpt.refreeze))
 
 
 def ckpt_dir(dir: str) -> str:
@@ -499,10 +509,9 @@ def load(spec: CaseSpec, dir: str) -> dict:
         ref_diff += [f"{fqn}.{k}" for k, v in st.items() if k not in got or not _close(got[k], v)]
     # resume: the load mask, the steps after the save
     try:
-        x0 = built.example_input()
         with _timed(times, "fsdp"):
             for step in range(ck.steps, ck.steps + ck.steps_after):
-                train_step(model, opt, x0, step)
+                train_step(lspec, built, model, opt, step)
         final = full_params(lspec, model, built.model)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="resume").to_dict()

@@ -12,7 +12,9 @@ from conformance.areas.checkpoint.oracle import CkptPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
 from conformance.areas.common.violations import violation
+from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
+from conformance.case.target import graph_of
 from conformance.case.tree import walk
 from conformance.case.violation import Violation, set_diff
 
@@ -40,9 +42,11 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     for flag in ("rank0_only", "offload", "ignore_frozen"):
         if getattr(ck, flag):
             tags.add(flag)
-    if spec.ties or spec.shared:
+    # a real model's ties and shared modules are in its graph, not its case
+    shared = bool(spec.shared) or (is_model_case(spec) and graph_of(spec).shared_modules())
+    if spec.ties or shared or (is_model_case(spec) and pred is not None and pred.tied):
         tags.add("tie")
-    if spec.shared:
+    if shared:
         tags.add("shared-module")
     if _tie_in_unresharded_list_group(spec):
         tags.add("group:multi-no-reshard-tie-reversed")
@@ -86,7 +90,9 @@ def _tie_in_unresharded_list_group(spec: CaseSpec) -> bool:
     """The save plan's fully_shard([b, a, ...], reshard_after_forward=False),
     its modules listed out of registration order, holds both ends of a tied
     Parameter (fsdp2-tied-list-group-unsharded-save-segfault)."""
-    if spec.plan.api != "fsdp2":
+    if spec.plan.api != "fsdp2" or is_model_case(spec):
+        # a real model's ties are not (module, source) pairs of its case:
+        # not told (a match this tag needs then stays a FAIL)
         return False
 
     def under(path: str, mods) -> bool:

@@ -1,6 +1,7 @@
 """The oracle for the checkpoint invariants: what a full state dict holds,
 which names are tied, which parameters carry optimizer state at the save.
-Pure: reads the spec's module graph, never torch.distributed."""
+Pure: reads the case's module graph (a CaseSpec's own, a ModelCase's
+target's), never torch.distributed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.training_oracle import predict_training
 from conformance.case.graph import ModelGraph
+from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec, ModuleSpec, ParamSpec
+from conformance.case.target import graph_of
 from conformance.case.tree import join
 
 
@@ -55,7 +58,7 @@ class CkptPrediction:
 def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
 
     ck = spec.ckpt
-    g = ModelGraph(spec)
+    g = graph_of(spec)
     named = g.named_parameters(remove_duplicate=False)
     keys = tuple(g.state_dict_keys())
     params = {f for f, _ in named}
@@ -72,7 +75,7 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
     untrained = initial & at_save if ck.steps > 1 else initial
     why = predict_training(spec).applicable
     if not why and ck.load_plan is not None:
-        load = dataclasses.replace(spec, plan=ck.load_plan, tree=_masked(spec, at_load), ckpt=None)
+        load = with_mask(dataclasses.replace(spec, plan=ck.load_plan, ckpt=None), at_load)
         why = predict_training(load).applicable
     rank0 = (ck.full_sd == "fsdp1-full" and ck.rank0_only) or (ck.full_sd == "dcp-full" and ck.offload)
     return CkptPrediction(
@@ -107,7 +110,7 @@ def _uneven_steps_in_load_unit(spec: CaseSpec, g: ModelGraph, initial: set[str],
     if load.api != "fsdp1" or load.use_orig_params:
         return False
     steps = {pid: (pid not in initial) + (ck.steps - 1) * (pid not in at_save) for _, pid in g.named_parameters()}
-    p1 = predict_fsdp1(dataclasses.replace(spec, plan=load, tree=with_frozen(spec.tree, frozenset(at_load)), ckpt=None))
+    p1 = predict_fsdp1(with_mask(dataclasses.replace(spec, plan=load, ckpt=None), at_load))
     if p1.error is not None:
         return False
     for u in p1.units:
@@ -135,7 +138,8 @@ def _shards(spec: CaseSpec, g: ModelGraph, at_load: set[str]) -> tuple[str, ...]
         if plan.api == "fsdp2":
             sizes = [g.param_info[pid].shape[0] for _, pid in g.named_parameters()]
         else:
-            case = dataclasses.replace(spec, plan=plan, tree=spec.tree if frozen is None else with_frozen(spec.tree, frozenset(frozen)), ckpt=None)
+            case = dataclasses.replace(spec, plan=plan, ckpt=None)
+            case = case if frozen is None else with_mask(case, frozen)
             p1 = predict_fsdp1(case)
             units = p1.units if p1.error is None else ()
             sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in units if u.managed]
@@ -151,8 +155,14 @@ def _shards(spec: CaseSpec, g: ModelGraph, at_load: set[str]) -> tuple[str, ...]
     return tuple(out)
 
 
-def _masked(spec: CaseSpec, frozen: set[str]) -> ModuleSpec:
-    return with_frozen(spec.tree, frozenset(frozen))
+def with_mask(case, frozen) -> CaseSpec:
+    """``case`` with exactly the parameters ``frozen`` (parameter ids: a
+    CaseSpec's spec FQNs, a ModelCase's canonical FQNs) frozen."""
+    frozen = frozenset(frozen)
+    if is_model_case(case):
+        g = graph_of(case)
+        return dataclasses.replace(case, frozen=tuple(g.param_fqn[pid] for _, pid in g.named_parameters() if pid in frozen))
+    return dataclasses.replace(case, tree=with_frozen(case.tree, frozen))
 
 
 def with_frozen(tree: ModuleSpec, frozen: frozenset[str] | None, prefix: str = "") -> ModuleSpec:

@@ -18,5 +18,4 @@ AREA = Area(
     unavailable=lambda case: missing_api(),
     needs_ranks=True,
     repro=repro.schedule_script,
-    model_cases="model cases draw no training schedule yet",
 )

@@ -2,7 +2,16 @@
 masks that change between steps, microbatches with gradient sync off on all
 but the last, mixed precision) under FSDP1 or FSDP2 next to fp32
 single-process training of the same model on every rank's data, and record
-what FSDP did. Reads FSDP internals only for FSDP1's flat gradients."""
+what FSDP did. Reads FSDP internals only for FSDP1's flat gradients.
+
+A generated case's microbatch loss is (model(x) ** 2).sum() on a tensor; a
+real model's (ModelCase) is its target's own loss on the target's inputs at
+a seed per rank, step and microbatch. A real model's modules compute in
+dtypes of their own choosing between FSDP's boundaries (HF upcasts norms and
+softmax): its forwards' inputs are recorded where FSDP casts them (the
+modules given to fully_shard or wrapped as units, cast_forward_inputs on;
+FSDP1's root with cast_root_forward_inputs), its floating buffers and every
+module's own parameters everywhere."""
 
 from __future__ import annotations
 
@@ -28,7 +37,9 @@ from conformance.areas.common.training import make_optimizer, reference_loss
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
 from conformance.areas.schedule.oracle import predict_schedule
 from conformance.case.build import BATCH, Built, build, method_callable, read_attr
+from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec, Precision
+from conformance.case.target import cached_target, target_loss
 from conformance.case.tree import walk
 
 REDUCE_OPS = ("reduce_scatter", "all_reduce", "allreduce")
@@ -108,11 +119,56 @@ def wrap_kwargs(spec: CaseSpec, pr: Precision | None):
     return for_group
 
 
-def data(spec: CaseSpec, step: int, micro: int, rank: int) -> torch.Tensor:
+def data(spec: CaseSpec, step: int, micro: int, rank: int):
     """The input of one rank's microbatch: differs by rank and microbatch, so
-    that a lost or doubled contribution changes the gradient."""
-    gen = torch.Generator().manual_seed(spec.seed * 7919 + step * 613 + micro * 31 + rank)
+    that a lost or doubled contribution changes the gradient (a real
+    model's: its target's keyword arguments at that seed)."""
+    seed = spec.seed * 7919 + step * 613 + micro * 31 + rank
+    if is_model_case(spec):
+        return on_rank_device(dict(cached_target(spec.target).inputs(seed)))
+    gen = torch.Generator().manual_seed(seed)
     return on_rank_device(0.5 * torch.randn(BATCH, generator=gen))
+
+
+def cast(x, dtype: torch.dtype):
+    """The input as the test feeds it: a tensor in ``dtype``; a real model's
+    keyword arguments with their floating tensors in ``dtype``."""
+    if isinstance(x, dict):
+        return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in x.items()}
+    return x.to(dtype)
+
+
+def call(fn, x):
+    return fn(**x) if isinstance(x, dict) else fn(x)
+
+
+def microbatch_loss(spec: CaseSpec, out) -> torch.Tensor:
+    """One microbatch's loss of one forward's output, in float32."""
+    if is_model_case(spec):
+        return target_loss(cached_target(spec.target), out).float()
+    return (out.float() ** 2).sum()
+
+
+def output_tensor(out) -> torch.Tensor:
+    """The tensor an output's dtype is read from: itself, a model output's
+    logits (or last hidden state), else its first tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for name in ("logits", "last_hidden_state", "prediction_logits"):
+        t = getattr(out, name, None)
+        if isinstance(t, torch.Tensor):
+            return t
+    values = out.values() if isinstance(out, dict) else out
+    return next(t for t in values if isinstance(t, torch.Tensor))
+
+
+def reference(spec: CaseSpec, forward, batches: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The single-process reference of one data-parallel microbatch (the
+    mean of every rank's loss; see training.reference_loss)."""
+    if not is_model_case(spec):
+        return reference_loss(forward, batches)
+    per_rank = [microbatch_loss(spec, call(forward, x)) for x in batches]
+    return torch.stack(per_rank).sum() / len(batches), per_rank
 
 
 class ReduceRecorder:
@@ -142,6 +198,15 @@ class ForwardRecorder:
     def __init__(self, spec: CaseSpec, built: Built, aliases: a1.Aliases):
         self.step = 0
         self.seen: dict[tuple[int, str], ForwardSeen] = {}
+        # ids of the modules whose inputs are recorded; None: every module's
+        self.boundaries: set[int] | None = None
+        if is_model_case(spec):
+            for _, mod in built.model.named_modules():
+                names = [n for n, p in mod._parameters.items() if p is not None]
+                bufs = [n for n, b in mod._buffers.items() if b is not None and b.is_floating_point()]
+                mod.register_forward_pre_hook(self._hook(aliases.canon_of_module[id(mod)], names, bufs))
+            self.boundaries = set()
+            return
         ties = {}
         for t in spec.ties:
             ties.setdefault(t.module, []).append(t.name)
@@ -156,7 +221,8 @@ class ForwardRecorder:
             key = (self.step, path)
             if key in self.seen:
                 return
-            ins = tuple(_name(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+            recorded = self.boundaries is None or id(mod) in self.boundaries
+            ins = tuple(_name(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()) if recorded else ()
             params = tuple((n, _name(getattr(mod, n).dtype)) for n in names)
             buffers = tuple((n, _name(getattr(mod, n).dtype)) for n in bufs)
             self.seen[key] = ForwardSeen(self.step, path, ins, params, buffers)
@@ -185,6 +251,12 @@ class Runner:
         # case's results from fp32 training (None: nothing to round)
         self.low_dtype = None if self.pred.compute_dtype == "float32" else _dtype(self.pred.compute_dtype)
         self.low = placed(build(spec)) if self.low_dtype is not None else None
+        if self.low is not None and is_model_case(spec) and self.pred.buffer_dtype != "float32":
+            # a real model's arithmetic mixes its buffers in: as FSDP1's buffer_dtype casts them
+            for m in self.low.model.modules():
+                for n, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m._buffers[n] = b.to(_dtype(self.pred.buffer_dtype))
         self.aliases = a1.Aliases(self.built.model)
         self.names = list(self.pred.trainable)  # every canonical FQN
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)
@@ -204,6 +276,26 @@ class Runner:
                 register(self.built.modules[m.module], m.name)
         self.opt = make_optimizer(s.optimizer, self.model.parameters(), s.lr)
         self.ropt = make_optimizer(s.optimizer, self.ref.model.parameters(), s.lr)
+        if self.recorder.boundaries is not None:
+            self.recorder.boundaries = self.cast_boundaries()
+
+    def cast_boundaries(self) -> set[int]:
+        """The modules whose forward inputs FSDP casts to param_dtype: FSDP2's
+        fully_shard modules (cast_forward_inputs, default on); FSDP1's units
+        with cast_forward_inputs, its root with cast_root_forward_inputs."""
+        pr = self.spec.schedule.precision
+        if pr is None or pr.param_dtype is None:
+            return set()
+        if self.api == "fsdp2":
+            if pr.cast_forward_inputs is False:
+                return set()
+            _, FSDPModule, _ = a2.fsdp2_api()
+            return {id(m) for m in self.model.modules() if isinstance(m, FSDPModule)}
+        units = FSDP.fsdp_modules(self.model)
+        out = {id(u.module) for u in units} if pr.cast_forward_inputs else set()
+        if pr.cast_root_forward_inputs:
+            out.add(id(self.built.model))
+        return out
 
     # -- the FSDP model's parameters, by canonical FQN -------------------------------
     def handles(self) -> dict[str, torch.Tensor]:
@@ -302,8 +394,8 @@ class Runner:
                 if si == 0 and k == 0 and s.first >= 0:
                     fn = method_callable(self.model, self.spec, s.first)
                 with ctx, rec.mode:
-                    out = fn(data(self.spec, si, k, self.rank).to(in_dtype))
-                    loss = (out.float() ** 2).sum()
+                    out = call(fn, cast(data(self.spec, si, k, self.rank), in_dtype))
+                    loss = microbatch_loss(self.spec, out)
                     if loss.requires_grad:  # not when this microbatch uses frozen parameters only
                         loss.backward()
                     elif self.api == "fsdp2":  # forward only: the root (and reshard_after_forward=False groups) stay unsharded
@@ -316,12 +408,12 @@ class Runner:
             self.fsdp_seconds += time.perf_counter() - t_fsdp
             self.agree(obs, where, failed)
             ref_fn = self.ref.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.ref.model, self.spec, s.first)
-            total, losses = reference_loss(ref_fn, [data(self.spec, si, k, r) for r in range(self.world)])
+            total, losses = reference(self.spec, ref_fn, [data(self.spec, si, k, r) for r in range(self.world)])
             if total.requires_grad:
                 total.backward()
             mine = losses[self.rank].detach()
             noise += self._low_losses(si, k, losses)
-            obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(out.dtype),
+            obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(output_tensor(out).dtype),
                                                       float((loss.detach() - mine).abs() / (1 + mine.abs()))))
         self.set_skip(())
         if self.pred.reference_zero_grads:  # FSDP1's FlatParameters: see SchedulePrediction
@@ -372,7 +464,7 @@ class Runner:
             return []
         s = self.spec.schedule
         fn = self.low.model if not (si == 0 and k == 0 and s.first >= 0) else method_callable(self.low.model, self.spec, s.first)
-        total, low = reference_loss(fn, [data(self.spec, si, k, r).to(self.low_dtype) for r in range(self.world)])
+        total, low = reference(self.spec, fn, [cast(data(self.spec, si, k, r), self.low_dtype) for r in range(self.world)])
         if total.requires_grad:
             total.backward()
         return [float((a.detach() - b.detach()).abs() / (1 + b.detach().abs())) for a, b in zip(low, losses)]
@@ -446,7 +538,7 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     except _Stop:
         pass
     buffers = tuple((run.aliases.canon_of_module.get(id(m), "?") + "." + n if run.aliases.canon_of_module.get(id(m)) else n, _name(b.dtype))
-                    for m in run.built.modules.values() for n, b in m._buffers.items() if b is not None)
+                    for m in run.built.modules.values() for n, b in m._buffers.items() if b is not None and b.is_floating_point())
     return ScheduleObservation(
         **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], rounding_noise=tuple(obs["noise"]), forwards=tuple(run.recorder.seen.values()),
         microbatches=tuple(obs["microbatches"]), grads=tuple(obs["grads"]) + tuple(obs["flat"]), params=tuple(obs["params"]),

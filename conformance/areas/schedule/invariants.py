@@ -9,8 +9,9 @@ from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.schedule.observation import ScheduleObservation
 from conformance.areas.schedule.oracle import SchedulePrediction, step_tolerance, used_params
-from conformance.case.graph import ModelGraph
+from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
+from conformance.case.target import graph_of
 from conformance.case.violation import Violation
 
 catalog = Catalog()
@@ -23,7 +24,7 @@ DOC_SYNC = "FullyShardedDataParallel.no_sync docstring (gradients accumulate in 
 def _smallest_unit_numel(spec: CaseSpec) -> int | None:
     """FSDP1: the fewest elements one unit's flat parameter holds."""
 
-    g = ModelGraph(spec)
+    g = graph_of(spec)
     sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in predict_fsdp1(spec).units if u.managed]
     return min(sizes) if sizes else None
 
@@ -61,8 +62,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("skips")
     if s.first >= 0:
         tags.add("method-first")
-    if spec.ties:
-        tags.add("tied")
+    if spec.ties or (is_model_case(spec) and any(len(graph_of(spec).aliases(pid)) > 1 for pid in graph_of(spec).param_info)):
+        tags.add("tied")  # a real model's ties are in its graph
     if pred.compute_dtype != "float32":
         tags.add("param-dtype-low")
 

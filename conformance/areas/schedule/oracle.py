@@ -9,8 +9,9 @@ import functools
 from dataclasses import dataclass
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
-from conformance.case.graph import ModelGraph
+from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec, Precision
+from conformance.case.target import graph_of, params_without_grad, runs_in
 
 F32 = "float32"
 # Value tolerance by the lowest precision a run involves, relative to
@@ -73,8 +74,11 @@ def effective(pr: Precision | None, api: str) -> dict:
 
 def used_params(spec: CaseSpec, skip: tuple[str, ...]) -> set[str]:
     """Canonical FQNs of the parameters a forward that passes over the
-    modules at ``skip`` (spec paths) reads."""
-    g = ModelGraph(spec)
+    modules at ``skip`` (spec paths) reads; a real model's: those its
+    target's loss gives a gradient (its forward skips nothing)."""
+    g = graph_of(spec)
+    if is_model_case(spec):
+        return {f for f, _ in g.named_parameters()} - params_without_grad(spec.target)
     skipped = set(skip)
     out: set[str] = set()
     seen: set[str] = set()
@@ -121,11 +125,17 @@ def predict_schedule(spec: CaseSpec) -> SchedulePrediction:
     api = spec.plan.api
     pr = s.precision or Precision()
     e = effective(pr, api)
-    g = ModelGraph(spec)
+    g = graph_of(spec)
     names = tuple(f for f, _ in g.named_parameters())
     why = ""
     if api == "fsdp1" and not spec.plan.use_orig_params and len({st.frozen for st in s.steps}) > 1:
         why = "FSDP1 with use_orig_params=False flattens parameters: requires_grad cannot change after wrapping"
+    if not why and is_model_case(spec) and e["param"] != F32:
+        # FSDP casts parameters (FSDP1 buffers too); the model's own
+        # arithmetic must run in those dtypes
+        err = runs_in(spec.target, e["param"], pr.buffer_dtype if api == "fsdp1" else None)
+        if err:
+            why = f"the unsharded model itself does not run with parameters in {e['param']}: {err}"
     if api == "fsdp1":
         # keep_low_precision_grads: "keeps the gradients in the dtype used for gradient reduction"
         grad = e["reduce"] if pr.keep_low_precision_grads else F32
