@@ -61,6 +61,15 @@ def _ignored(spec: CaseSpec, model: nn.Module) -> list[nn.Parameter]:
     return list(out.values())
 
 
+def reference_norm(grads: list[torch.Tensor], norm_type: float) -> float:
+    """The single-process total norm, by its definition rather than by the
+    clip_grad functions under test: the norm of every gradient flattened
+    into one vector (0 for none)."""
+    if not grads or not any(g.numel() for g in grads):
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.cat([g.detach().flatten().float() for g in grads]), norm_type))
+
+
 def _norm_value(t) -> float:
     return float(full_tensor(t.detach()))
 
@@ -101,16 +110,20 @@ def observe(spec: CaseSpec) -> ClipObservation:
     frozen = {f for f, p in ref.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     canon = {id(p): f for f, p in reversed(list(ref.model.named_parameters(remove_duplicate=False)))}
 
-    # the reference: single-process clipping on the mean loss over every rank's batch
+    # the reference: single-process clipping on the mean loss over every rank's
+    # batch, by the documented formula (max_norm / (norm + 1e-6), clamped at 1)
     trainable = any(p.requires_grad for p in ref.model.parameters())
     loss, _ = reference_loss(ref.model, xs)
     if trainable:
         loss.backward()
     ref_params = _clipped(ref.model, plan)
     clipped = tuple(canon[id(p)] for p in ref_params if p.requires_grad)
-    ref_pre = float(torch.nn.utils.get_total_norm([p.grad for p in ref_params if p.grad is not None], norm_type))
-    max_norm = plan.fraction * ref_pre
-    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_params, max_norm, norm_type))
+    ref_grads = [p.grad for p in ref_params if p.grad is not None]
+    ref_norm = reference_norm(ref_grads, norm_type)
+    max_norm = plan.fraction * ref_norm
+    coef = min(1.0, max_norm / (ref_norm + 1e-6))
+    for g in ref_grads:
+        g.mul_(coef)
     if trainable:
         torch.optim.SGD([p for p in ref.model.parameters() if p.requires_grad], lr=1.0).step()
     common = dict(base, ref_norm=ref_norm, max_norm=max_norm, clipped=clipped)
