@@ -17,7 +17,6 @@ from strategies.cases import case_specs
 from strategies.groups import fsdp2_case_specs
 from strategies.training import fsdp1_trainable
 
-
 _NORMS = st.sampled_from(NORM_TYPES)
 _FRACTIONS = st.sampled_from(CLIP_FRACTIONS)
 _WAYS = st.sampled_from(("clip_grad_norm_", "get_total_norm"))

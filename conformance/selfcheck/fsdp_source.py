@@ -192,7 +192,6 @@ def differs_from_installed(root: Path) -> list[str] | None:
 def copy_installed(dest: str | os.PathLike) -> Path:
     """A copy of the installed torch's FSDP packages under ``dest`` (the
     start of a mutant, or of a deliberate change to try)."""
-    import shutil
 
     inst = installed_root()
     if inst is None or not (inst / _rel(REQUIRED) / "__init__.py").is_file():
