@@ -262,6 +262,52 @@ class CheckpointPlan:
     load_path: str = "load_state_dict"
 
 
+# ---- gradient clipping (clip area) -------------------------------------------
+
+# norm_type by name: float(name) is the value ("inf": math.inf), and a name
+# keeps the spec's JSON and repr plain (float("inf") is neither).
+NORM_TYPES = ("2", "1", "3", "inf")
+# How the gradients are clipped: torch.nn.utils.clip_grad_norm_;
+# get_total_norm then clip_grads_with_norm_ (the two-step form); FSDP1's
+# FullyShardedDataParallel.clip_grad_norm_ (the root's method, every parameter).
+CLIP_WAYS = ("clip_grad_norm_", "get_total_norm", "fsdp1-method")
+# max_norm as a fraction of the single-process total norm: below 1 the
+# gradients are scaled down, from 1 on they are left as they are.
+CLIP_FRACTIONS = (0.5, 0.1, 2.0)
+
+
+@dataclass(frozen=True)
+class ClipPlan:
+    """One backward of loss = (model(x_rank) ** 2).sum() on data that differs
+    by rank, then the gradients clipped ``way`` with norm ``norm_type`` to
+    max_norm = ``fraction`` times the single-process norm; ``foreach``: the
+    nn.utils ways' argument (None: torch's default). ``subset``: the path of
+    the module whose parameters are clipped (None: every parameter; FSDP1's
+    method always clips every one)."""
+
+    norm_type: str = "2"
+    way: str = "clip_grad_norm_"
+    foreach: bool | None = None
+    fraction: float = 0.5
+    subset: str | None = None
+
+
+def validate_clip(spec: "CaseSpec") -> None:
+    c = spec.clip
+    if c is None:
+        return
+    if c.norm_type not in NORM_TYPES or c.way not in CLIP_WAYS or c.fraction not in CLIP_FRACTIONS:
+        raise SpecError(f"clip plan {c!r}: norm_type one of {NORM_TYPES}, way one of {CLIP_WAYS}, fraction one of {CLIP_FRACTIONS}")
+    if c.foreach not in (None, True, False):
+        raise SpecError(f"clip plan {c!r}: foreach must be None, True or False")
+    if (c.way == "fsdp1-method") != (spec.plan.api == "fsdp1"):
+        raise SpecError(f"clip plan {c!r}: FSDP1 clips with its own method, FSDP2 with torch.nn.utils'")
+    if c.way == "fsdp1-method" and (c.foreach is not None or c.subset is not None):
+        raise SpecError(f"clip plan {c!r}: FSDP1's method takes no foreach and clips every parameter")
+    if c.subset is not None and c.subset not in {p for p, _ in walk(spec.tree)}:
+        raise SpecError(f"clip plan {c!r}: subset names no module")
+
+
 @dataclass(frozen=True)
 class CaseSpec:
     tree: ModuleSpec
@@ -275,6 +321,7 @@ class CaseSpec:
     train: TrainPlan | None = None
     ckpt: CheckpointPlan | None = None
     schedule: Schedule | None = None  # MP-DTYPES, ACCUM
+    clip: ClipPlan | None = None  # CLIP-NORM, CLIP-GRADS
 
     def __post_init__(self) -> None:
         validate(self)
@@ -532,6 +579,7 @@ def validate(spec: CaseSpec) -> None:
     _validate_plan(spec, paths, fqns)
     _validate_methods(spec, paths)
     validate_schedule(spec)
+    validate_clip(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -740,7 +788,7 @@ _TYPES = {
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
         CheckpointPlan,
-        Precision, Microbatch, ScheduleStep, Schedule,
+        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan,
     )
 }
 

@@ -30,6 +30,11 @@ ENV_VAR = "FSDP_CONFORMANCE_FSDP_SOURCE"
 # and the older home of FSDP2, which newer releases keep as a re-export.
 PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 REQUIRED = PACKAGES[0]
+# Single modules outside those packages that the areas composed with FSDP
+# exercise (gradient clipping, activation checkpointing): overlaid file by
+# file where the source holds them. torch imports them while it starts, so
+# the overlay must be in effect before torch is imported.
+MODULES = ("torch.nn.utils.clip_grad", "torch.utils.checkpoint")
 
 
 class SourceError(Exception):
@@ -57,14 +62,20 @@ def overlaid_packages(root: Path) -> list[str]:
     return [p for p in PACKAGES if (root / _rel(p) / "__init__.py").is_file()]
 
 
+def overlaid_modules(root: Path) -> list[str]:
+    """The single modules of MODULES that ``root`` holds."""
+    return [m for m in MODULES if (root / _rel(m).with_suffix(".py")).is_file()]
+
+
 def python_files(root: Path) -> list[Path]:
-    """Every .py file of the overlaid packages, sorted, relative to ``root``.
-    A nested package is part of its parent's overlay: it is found on the
-    parent's __path__, which is ``root``'s directory."""
+    """Every .py file of the overlaid packages and modules, sorted, relative
+    to ``root``. A nested package is part of its parent's overlay: it is
+    found on the parent's __path__, which is ``root``'s directory."""
     out = []
     for pkg in overlaid_packages(root):
         base = root / _rel(pkg)
         out += [p.relative_to(root) for p in base.rglob("*.py") if "__pycache__" not in p.parts]
+    out += [_rel(m).with_suffix(".py") for m in overlaid_modules(root)]
     return sorted(set(out))
 
 
@@ -73,11 +84,14 @@ class _Finder(importlib.abc.MetaPathFinder):
     found by the ordinary path finder on the package's __path__ (the source
     tree), so every module of the package comes from ``root``."""
 
-    def __init__(self, root: Path, packages: list[str]) -> None:
+    def __init__(self, root: Path, packages: list[str], modules: list[str] = ()) -> None:
         self.root = root
         self.packages = packages
+        self.modules = list(modules)
 
     def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.modules:
+            return importlib.util.spec_from_file_location(fullname, self.root / _rel(fullname).with_suffix(".py"))
         if fullname not in self.packages:
             return None
         pkg_dir = self.root / _rel(fullname)
@@ -101,10 +115,10 @@ def install(path: str | os.PathLike) -> Path:
         if _installed.root == root:
             return root
         raise SourceError(f"FSDP source {_installed.root} is already in effect in this process; cannot switch to {root}")
-    loaded = [p for p in PACKAGES if p in sys.modules]
+    loaded = [p for p in (*PACKAGES, *overlaid_modules(root)) if p in sys.modules]
     if loaded:
         raise SourceError(f"{loaded[0]} was imported before the FSDP source {root} could be put in effect")
-    _installed = _Finder(root, overlaid_packages(root))
+    _installed = _Finder(root, overlaid_packages(root), overlaid_modules(root))
     sys.meta_path.insert(0, _installed)
     return root
 
@@ -166,7 +180,7 @@ def differs_from_installed(root: Path) -> list[str] | None:
     if inst is None:
         return None
     mine = set(python_files(root))
-    theirs = {p for p in python_files_of(inst, overlaid_packages(root))}
+    theirs = {p for p in python_files_of(inst, overlaid_packages(root), overlaid_modules(root))}
     out = []
     for rel in sorted(mine | theirs):
         a, b = root / rel, inst / rel
@@ -178,24 +192,37 @@ def differs_from_installed(root: Path) -> list[str] | None:
 def copy_installed(dest: str | os.PathLike) -> Path:
     """A copy of the installed torch's FSDP packages under ``dest`` (the
     start of a mutant, or of a deliberate change to try)."""
-    import shutil
 
     inst = installed_root()
     if inst is None or not (inst / _rel(REQUIRED) / "__init__.py").is_file():
         raise SourceError("no installed torch with torch/distributed/fsdp/ in this Python")
     dest = Path(dest)
-    for pkg in PACKAGES:
-        if (inst / _rel(pkg)).is_dir():
-            shutil.copytree(inst / _rel(pkg), dest / _rel(pkg), ignore=shutil.ignore_patterns("__pycache__"))
+    copy_tree(inst, dest)
     return dest
 
 
-def python_files_of(root: Path, packages: list[str]) -> list[Path]:
+def copy_tree(inst: Path, dest: Path) -> None:
+    """The overlaid packages and modules of the torch at ``inst`` (the
+    directory above it) copied under ``dest``."""
+    import shutil
+
+    for pkg in PACKAGES:
+        if (inst / _rel(pkg)).is_dir():
+            shutil.copytree(inst / _rel(pkg), dest / _rel(pkg), ignore=shutil.ignore_patterns("__pycache__"))
+    for mod in MODULES:
+        src = inst / _rel(mod).with_suffix(".py")
+        if src.is_file():
+            (dest / src.relative_to(inst)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest / src.relative_to(inst))
+
+
+def python_files_of(root: Path, packages: list[str], modules: list[str] = ()) -> list[Path]:
     out = []
     for pkg in packages:
         base = root / _rel(pkg)
         if base.is_dir():
             out += [p.relative_to(root) for p in base.rglob("*.py") if "__pycache__" not in p.parts]
+    out += [_rel(m).with_suffix(".py") for m in modules if (root / _rel(m).with_suffix(".py")).is_file()]
     return out
 
 

@@ -13,10 +13,12 @@ FILE_VAR = "FSDP_CONFORMANCE_MUTANT_FILE"
 # which only the rank pool's training checks see: parity first, by area
 # before tier.
 RUNTIME_FILES = ("_runtime_utils.py", "_fsdp_collectives.py", "_fsdp_param.py")
+# Files one area exercises above all: that area's tests first.
+AREA_FILES = {"clip_grad.py": "clip", "fully_sharded_data_parallel.py": "clip"}
 # areas (test_<area>.py) in the order they run for a mutant of each API
 ORDER = {
-    "fsdp1": ("autowrap", "lora", "summon", "parity", "checkpoint", "schedule"),
-    "fsdp2": ("fully_shard", "parity", "checkpoint", "schedule"),
+    "fsdp1": ("autowrap", "lora", "summon", "parity", "checkpoint", "schedule", "clip"),
+    "fsdp2": ("fully_shard", "parity", "checkpoint", "schedule", "clip"),
     "forward_method": ("fully_shard", "parity"),
 }
 TIERS = ("fake", "gloo", "nccl")
@@ -26,9 +28,14 @@ def pytest_collection_modifyitems(session, config, items):
     order = ORDER.get(os.environ.get(ENV_VAR, ""))
     if not order:
         return
-    runtime = os.environ.get(FILE_VAR, "").endswith(RUNTIME_FILES)
+    file = os.environ.get(FILE_VAR, "")
+    runtime = file.endswith(RUNTIME_FILES)
     if runtime:
         order = ("parity", *[a for a in order if a != "parity"])
+    first = next((a for f, a in AREA_FILES.items() if file.endswith(f)), None)
+    if first is not None:  # values of one area: its tests, on the pool, first
+        runtime = True
+        order = (first, *[a for a in order if a != first])
 
     def key(item):
         cs = getattr(item, "callspec", None)

@@ -60,7 +60,9 @@ class Mutant:
 
     @property
     def path(self) -> str:
-        return f"torch/distributed/{self.file}"
+        # below torch/distributed/, or a path from torch/ on (a module
+        # fsdp_source.MODULES overlays: torch/nn/utils/clip_grad.py)
+        return self.file if self.file.startswith("torch/") else f"torch/distributed/{self.file}"
 
 
 @dataclass
@@ -150,11 +152,7 @@ def check_all(mutants: list[Mutant]) -> None:
 def make_source(m: Mutant | None, dest: Path) -> Path:
     """A copy of the installed FSDP packages under ``dest`` with ``m`` applied
     (None: unmodified, for the baseline check)."""
-    root = installed_root()
-    for pkg in fsdp_source.PACKAGES:
-        rel = Path(*pkg.split("."))
-        if (root / rel).is_dir():
-            shutil.copytree(root / rel, dest / rel, ignore=shutil.ignore_patterns("__pycache__"))
+    fsdp_source.copy_tree(installed_root(), dest)
     if m is not None:
         target = dest / m.path
         target.write_text(mutated_text(m, target.read_text()))

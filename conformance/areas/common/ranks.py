@@ -38,6 +38,17 @@ def any_rank_failed(failed: bool) -> bool:
     return bool(flag.item())
 
 
+def failed_ranks(failed: bool) -> int:
+    """How many ranks (this one included) failed at the same point: as
+    any_rank_failed, for a caller that must tell some ranks failing from
+    every rank failing."""
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return int(failed)
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    dist.all_reduce(flag, group=_side_group())
+    return int(flag.item())
+
+
 def ranks_agree(obs: list, tags: set | frozenset = frozenset()) -> list[Violation]:
     """RANKS-AGREE: every rank's observation (its comparable()) equals rank
     0's; ``tags``: the case's facts, for known failures to match on."""

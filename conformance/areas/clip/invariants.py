@@ -1,0 +1,105 @@
+"""CLIP-NORM and CLIP-GRADS: gradient clipping over FSDP1's and FSDP2's
+sharded gradients against single-process clipping."""
+
+from __future__ import annotations
+
+from conformance.areas.clip.observation import ClipObservation
+from conformance.areas.clip.oracle import ClipPrediction
+from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
+from conformance.areas.common.violations import backend_tag, violation
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
+
+catalog = Catalog()
+
+DOC_CLIP = ("torch.nn.utils.clip_grad_norm_ / get_total_norm docstrings (the norm over all gradients as if concatenated "
+            "into one vector; gradients modified in place); FullyShardedDataParallel.clip_grad_norm_ docstring "
+            "(handles gradients sharded across ranks; call on every rank)")
+
+
+def error_tag(text: str) -> str:
+    """The mechanism of a clipping error, for findings to match on."""
+    if "norm on an empty tensor" in text:
+        return "error:inf-norm-empty"
+    if "mixed torch.Tensor and DTensor" in text:
+        return "error:mixed-tensor-dtensor"
+    return "error:other"
+
+
+def _tags(pred: ClipPrediction, obs_list: list[ClipObservation]) -> set[str]:
+    tags = set(pred.tags) | {backend_tag(obs_list[0])}
+    if any(o.empty_local for o in obs_list):
+        tags.add("shard:empty")  # some rank's local shard of a clipped gradient is empty
+    return tags
+
+
+@catalog.invariant(
+    "CLIP-NORM",
+    group="clip",
+    api="fsdp1|fsdp2",
+    scenario="clip",
+    all_ranks=True,
+    statement="Clipping sharded gradients (torch.nn.utils.clip_grad_norm_ or get_total_norm + clip_grads_with_norm_ over FSDP2's DTensor gradients, of every parameter or of one module's; FSDP1's clip_grad_norm_ method) returns on every rank the single-process total norm of the same gradients (norm types 1, 2, 3, inf; foreach on, off or default): frozen parameters add nothing, a tied parameter and an ignored one (its gradient averaged by the user) count once, a rank whose local shard of a gradient is empty neither raises nor changes the norm.",
+    source=DOC_CLIP,
+)
+def check_norm(spec: CaseSpec, pred: ClipPrediction, obs: list[ClipObservation]) -> list[Violation] | NotChecked:
+    if pred.applicable:
+        return NotChecked(f"training is not promised for this case: {pred.applicable}")
+    tags = _tags(pred, obs)
+    first = obs[0]
+    if first.wrap_error or first.step_error:
+        return [violation("CLIP-NORM", f"FSDP raised before clipping: {first.wrap_error or first.step_error}", tags, "kind:raised", "at:training")]
+    out = []
+    for o in obs:
+        if o.clip_error:
+            out.append(violation("CLIP-NORM", f"rank {o.rank}: clipping raised {o.clip_error}", tags, "kind:raised", error_tag(o.clip_error)))
+    if out:
+        skipped = [o.rank for o in obs if o.peer_failed]
+        if skipped:
+            out[0] = violation("CLIP-NORM", out[0].message + f" (ranks {skipped} did not call it: they would wait in its reduction)",
+                               set(out[0].tags))
+        return out
+    if not first.values_meaningful:
+        return VALUES_UNCHECKED
+    for o in obs:
+        if o.norm_close is False:
+            out.append(violation("CLIP-NORM", f"rank {o.rank}: total norm {o.norm:.6g}, single-process {o.ref_norm:.6g} "
+                                 f"(norm_type {pred.plan.norm_type})", tags, "kind:norm"))
+    return out
+
+
+@catalog.invariant(
+    "CLIP-GRADS",
+    group="clip",
+    api="fsdp1|fsdp2",
+    scenario="clip",
+    statement="After clipping, every parameter's full gradient (read as the change an SGD step of lr 1 makes) equals the single-process clipped gradient: the clipped ones scaled by max_norm / total norm when that is below 1, the others (outside the clipped module) left as they are; frozen parameters unchanged with grad None.",
+    source=DOC_CLIP,
+)
+def check_grads(spec: CaseSpec, pred: ClipPrediction, obs: ClipObservation) -> list[Violation] | NotChecked:
+    if pred.applicable:
+        return NotChecked(f"training is not promised for this case: {pred.applicable}")
+    tags = _tags(pred, [obs])
+    if obs.wrap_error or obs.step_error:
+        return [violation("CLIP-GRADS", f"FSDP raised before clipping: {obs.wrap_error or obs.step_error}", tags, "kind:raised", "at:training")]
+    if obs.failed:
+        return NotChecked("clipping raised on some rank (CLIP-NORM): no clipped gradients to compare")
+    frozen = set(pred.training.frozen)
+    out = []
+    for fqn, none in obs.frozen_grads_none:
+        if not none:
+            out.append(violation("CLIP-GRADS", f"frozen parameter {fqn} has a gradient", tags, "kind:frozen-grad"))
+    if not obs.values_meaningful:
+        return out or VALUES_UNCHECKED
+    clipped = set(obs.clipped)
+    for p in obs.params:
+        if p.fqn in frozen and not p.unchanged:
+            out.append(violation("CLIP-GRADS", f"frozen parameter {p.fqn} changed", tags, "kind:frozen-changed"))
+        elif p.close is False:
+            where = "clipped" if p.fqn in clipped else "not clipped"
+            out.append(violation("CLIP-GRADS", f"{p.fqn} ({where}): gradient differs from single-process by {p.max_diff:.3g}",
+                                 tags, "kind:grad", f"param:{where.replace(' ', '-')}"))
+    return out
+
+
+INVARIANTS = tuple(catalog.invariants)
