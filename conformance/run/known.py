@@ -63,6 +63,17 @@ def in_range(torch_version: str, spec: SpecifierSet) -> bool:
     return spec.contains(Version(base.base_version), prereleases=True)
 
 
+def _upstream_link(upstream) -> str:
+    """The link a report shows: a finding's ``upstream`` URL, or the first of
+    its ``[[finding.upstream]]`` tables (repo, number, kind)."""
+    if isinstance(upstream, list):
+        if not upstream:
+            return ""
+        u = upstream[0]
+        return f"https://github.com/{u['repo']}/{'pull' if u.get('kind') == 'pr' else 'issues'}/{u['number']}"
+    return upstream
+
+
 def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
     try:
         data = tomllib.loads(Path(path).read_text())
@@ -78,7 +89,7 @@ def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
                     matches_=tuple(Match(m["invariant"], frozenset(m.get("when", []))) for m in entry["match"]),
                     summary=entry["summary"].strip(),
                     repro=entry["repro"],
-                    upstream=entry.get("upstream", ""),
+                    upstream=_upstream_link(entry.get("upstream", "")),
                     no_corpus=entry.get("no_corpus", ""),
                 )
             )

@@ -231,6 +231,7 @@ def _expect_fsdp2(spec: CaseSpec, world: int) -> Expected:
             if not (1 < raf < world and world % raf == 0):
                 return Expected(why=f"reshard_after_forward={raf} is not a non-trivial divisor of the world size {world}")
         groups[g.modules[0]] = (", ".join(g.modules), g.managed, g.trainable, raf)
+    states = {g.modules[0] for g in pred.groups}  # every module given to fully_shard, with parameters or not
     steps, loss = timeline(spec, frozenset(f for f, (_, rg) in params.items() if rg))
     order = [s.path for s in steps if s.kind == "enter" and s.path in groups]  # pre-order: all_states' order
     fwd_prefetch = {m: [t for t in ts if t in groups] for m, ts in c.forward_prefetch}
@@ -283,36 +284,37 @@ def _expect_fsdp2(spec: CaseSpec, world: int) -> Expected:
             events.append(Event("post_backward", groups[m][0], "POST_BACKWARD"))
 
         for s in steps:
-            if s.path not in groups:
+            if s.path not in states:
                 continue
             if s.kind == "enter":
-                training[s.path] = "FORWARD"
-                unshard(s.path, "FORWARD", "forward")
-                wait(s.path)
-                for t in fwd_prefetch.get(s.path, ()):
+                if s.path in groups:
+                    training[s.path] = "FORWARD"
+                    unshard(s.path, "FORWARD", "forward")
+                    wait(s.path)
+                for t in fwd_prefetch.get(s.path, ()):  # a state without parameters prefetches too
                     unshard(t, "FORWARD", "forward")
-            else:
+            elif s.path in groups:
                 reshard(s.path, "FORWARD")
                 indices[s.path].append(len(post_order))
                 post_order.append(s.path)
                 training[s.path] = "IDLE"
         if loss:
             for s in backward_order(steps):
-                if s.path not in groups or not s.grad:
+                if s.path not in states or not s.grad:
                     continue
                 m = s.path
-                if s.kind == "exit" and training[m] != "PRE_BACKWARD":
-                    training[m] = "PRE_BACKWARD"
-                    unshard(m, "PRE_BACKWARD", "backward")
-                    wait(m)
-                    if m in bwd_prefetch:
-                        for t in bwd_prefetch[m]:
-                            unshard(t, "PRE_BACKWARD", "backward")
-                    elif indices[m]:
-                        i = indices[m].pop()
-                        if i > 0:
-                            unshard(post_order[i - 1], "PRE_BACKWARD", "backward")
-                elif s.kind == "enter":
+                if s.kind == "exit":
+                    if m in groups and training[m] != "PRE_BACKWARD":
+                        training[m] = "PRE_BACKWARD"
+                        unshard(m, "PRE_BACKWARD", "backward")
+                        wait(m)
+                        if m not in bwd_prefetch and indices[m]:
+                            i = indices[m].pop()
+                            if i > 0:
+                                unshard(post_order[i - 1], "PRE_BACKWARD", "backward")
+                    for t in bwd_prefetch.get(m, ()):
+                        unshard(t, "PRE_BACKWARD", "backward")
+                elif m in groups:
                     post_backward(m)
             # the root's final callback: every group whose inputs did not
             # require grad (its post-backward hook never ran), in pre-order
