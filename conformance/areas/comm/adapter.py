@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conformance.areas.comm.observation import CollectiveSeen, CommObservation, EventSeen, IterationSeen
+from conformance.areas.comm.observation import CommObservation
 from conformance.areas.common import fsdp1_adapter as a1
+from conformance.areas.common.comm_adapter import Recorder, dtype_of, fsdp2_patches, one_rank_mesh
 from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.support import fsdp2_mesh, on_rank_device, placed, rank_device
@@ -27,137 +27,13 @@ from conformance.case.build import build
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
 
-OPS = {"allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
-       "all_reduce": "all_reduce"}
-
-
-def _op(name: str) -> str:
-    short = name.split(".")[-1].strip("_")
-    for key, op in OPS.items():
-        if short.startswith(key) or short.startswith("_" + key):
-            return op
-    return f"other:{short}"
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
-class Recorder:
-    """What one observation saw: collectives from the dispatcher (under
-    ``mode``), attributed to the group or unit on top of ``owner``; events;
-    the phase ("forward" / "backward") the caller sets."""
-
-    def __init__(self) -> None:
-        self.phase = "forward"
-        self.owner: list[tuple[str, str]] = []  # (group or unit, FSDP1 hook context)
-        self.collectives: list[CollectiveSeen] = []
-        self.events: list[EventSeen] = []
-        rec = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func.overloadpacket)
-                if name.startswith(("c10d.", "_c10d_functional.")):
-                    rec.collective(name, args)
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-
-    def collective(self, name: str, args) -> None:
-        op = _op(name)
-        tensors = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
-        group, ctx = self.owner[-1] if self.owner else ("?", "")
-        # all-gathers: (outputs..., input), the tensor form or the list form;
-        # reduce-scatters: (output, inputs...)
-        if op == "all_gather" and len(tensors) >= 2:
-            numel = sum(t.numel() for t in tensors[:-1])
-            ranks = numel // max(tensors[-1].numel(), 1)
-        elif op == "reduce_scatter" and len(tensors) >= 2:
-            numel = sum(t.numel() for t in tensors[1:])
-            ranks = numel // max(tensors[0].numel(), 1)
-        else:
-            numel, ranks = (tensors[0].numel() if tensors else 0), dist.get_world_size()
-        dtype = _dtype_name(tensors[0].dtype) if tensors else "?"
-        self.collectives.append(CollectiveSeen(self.phase, op, group, numel, ranks, dtype, ctx))
-
-    @contextlib.contextmanager
-    def owning(self, group: str, ctx: str = ""):
-        self.owner.append((group, ctx))
-        try:
-            yield
-        finally:
-            self.owner.pop()
-
-    def take(self, backward: bool) -> IterationSeen:
-        out = IterationSeen(tuple(self.collectives), tuple(self.events), backward)
-        self.collectives, self.events = [], []
-        return out
-
-
-# ---- FSDP2 ---------------------------------------------------------------------
-
-_SINGLETONS: dict[int, object] = {}
-
-
-def _one_rank_mesh():
-    """A mesh of this rank alone: every rank makes every singleton group
-    (new_group is collective), once per default group."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = id(dist.group.WORLD)
-    if key not in _SINGLETONS:
-        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        _SINGLETONS.clear()
-        _SINGLETONS[key] = groups[dist.get_rank()]
-    return DeviceMesh.from_group(_SINGLETONS[key], rank_device().type)
-
-
-def _fsdp2_patches(rec: Recorder, labels: dict[int, str]):
-    """FSDPParamGroup's unshard, reshard and post_backward, recording the
-    events and owning the collectives they issue."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    orig_unshard, orig_reshard, orig_post = FSDPParamGroup.unshard, FSDPParamGroup.reshard, FSDPParamGroup.post_backward
-
-    def label(g) -> str:
-        return labels.get(id(g.modules[0]), "?") if g.modules else "?"
-
-    def state(g) -> str:
-        return g._training_state.name
-
-    def unshard(self, *args, **kwargs):
-        before = self._all_gather_result is None and not self.is_unsharded
-        with rec.owning(label(self)):
-            out = orig_unshard(self, *args, **kwargs)
-        if before and (self._all_gather_result is not None or self.is_unsharded):
-            rec.events.append(EventSeen("unshard", label(self), state(self)))
-        return out
-
-    def reshard(self, *args, **kwargs):
-        before = (self.is_unsharded, self.is_sharded_post_forward, self.is_sharded)
-        st = state(self)
-        out = orig_reshard(self, *args, **kwargs)
-        if (self.is_unsharded, self.is_sharded_post_forward, self.is_sharded) != before:
-            rec.events.append(EventSeen("reshard", label(self), st))
-        return out
-
-    def post_backward(self, *args, **kwargs):
-        with rec.owning(label(self)):
-            out = orig_post(self, *args, **kwargs)
-        rec.events.append(EventSeen("post_backward", label(self), state(self)))
-        return out
-
-    return (mock.patch.object(FSDPParamGroup, "unshard", unshard), mock.patch.object(FSDPParamGroup, "reshard", reshard),
-            mock.patch.object(FSDPParamGroup, "post_backward", post_backward))
-
 
 def _shard2(spec: CaseSpec, built, mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     fully_shard, _, _ = fsdp2_api()
     c = spec.comm
-    mp = MixedPrecisionPolicy(param_dtype=_dt(c.param_dtype), reduce_dtype=_dt(c.reduce_dtype))
+    mp = MixedPrecisionPolicy(param_dtype=dtype_of(c.param_dtype), reduce_dtype=dtype_of(c.reduce_dtype))
     for grp in shard_order(spec.plan, graph_of(spec)):
         kwargs = {"mesh": mesh, "mp_policy": mp}
         if grp.reshard_after_forward is not None:
@@ -167,10 +43,6 @@ def _shard2(spec: CaseSpec, built, mesh) -> None:
     for which, setter in ((c.forward_prefetch, "set_modules_to_forward_prefetch"), (c.backward_prefetch, "set_modules_to_backward_prefetch")):
         for module, targets in which:
             getattr(built.modules[module], setter)([built.modules[t] for t in targets])
-
-
-def _dt(name: str | None):
-    return None if name is None else getattr(torch, name)
 
 
 # ---- FSDP1 ---------------------------------------------------------------------
@@ -219,7 +91,7 @@ def _wrap1(spec: CaseSpec, built):
     c = spec.comm
     mp = None
     if c.param_dtype or c.reduce_dtype:
-        mp = MixedPrecision(param_dtype=_dt(c.param_dtype), reduce_dtype=_dt(c.reduce_dtype))
+        mp = MixedPrecision(param_dtype=dtype_of(c.param_dtype), reduce_dtype=dtype_of(c.reduce_dtype))
     bp = None if c.fsdp1_backward_prefetch is None else BackwardPrefetch[c.fsdp1_backward_prefetch]
     return a1.wrap(spec, built, sharding_strategy=ShardingStrategy[c.sharding_strategy], backward_prefetch=bp,
                    forward_prefetch=c.fsdp1_forward_prefetch, limit_all_gathers=c.limit_all_gathers, mixed_precision=mp)
@@ -242,10 +114,10 @@ def observe(spec: CaseSpec) -> CommObservation:
     base = dict(api=api, rank=dist.get_rank(), world_size=world, backend=str(dist.get_backend()), torch_version=torch.__version__)
     try:
         if api == "fsdp2":
-            _shard2(spec, built, fsdp2_mesh() if c.world == 0 else _one_rank_mesh())
+            _shard2(spec, built, fsdp2_mesh() if c.world == 0 else one_rank_mesh())
             model = built.model
             labels = {id(m): aliases.canon_of_module.get(id(m), "?") for m in built.model.modules()}
-            patches = _fsdp2_patches(rec, labels)
+            patches = fsdp2_patches(rec, labels)
         else:
             model = _wrap1(spec, built)
             units = {id(u._handle): aliases.canon_of_module.get(id(u.module), "?") for u in FSDP.fsdp_modules(model)
