@@ -143,7 +143,9 @@ class ShardGroup:
     modules, False for the root)."""
 
     modules: tuple[str, ...]
-    reshard_after_forward: bool | None = None
+    # an int (>= 2): the world size to reshard to after forward (a non-trivial
+    # divisor of the mesh's; the comm area draws it)
+    reshard_after_forward: bool | int | None = None
 
 
 @dataclass(frozen=True)
@@ -322,6 +324,7 @@ class CaseSpec:
     ckpt: CheckpointPlan | None = None
     schedule: Schedule | None = None  # MP-DTYPES, ACCUM
     clip: ClipPlan | None = None  # CLIP-NORM, CLIP-GRADS
+    comm: CommPlan | None = None  # the communication invariants (COMM-*)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -453,6 +456,60 @@ def validate_schedule(spec: "CaseSpec") -> None:
         raise SpecError(f"schedule: first={s.first} names no method")
 
 
+# ---- communication (COMM-*) -------------------------------------------------
+
+FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+FSDP1_BACKWARD_PREFETCH = (None, "BACKWARD_PRE", "BACKWARD_POST")
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """``iterations`` forward/backward passes of loss = (model(x) ** 2).sum()
+    (no optimizer: what is communicated does not depend on the values),
+    each observed collective by collective.
+
+    ``world``: 0, the engine's whole world; 1, each rank alone (a process
+    group or mesh of its own rank). ``param_dtype`` / ``reduce_dtype``:
+    the API's mixed precision (None: unset). FSDP2 (the plan's groups carry
+    reshard_after_forward): ``forward_prefetch`` / ``backward_prefetch``,
+    (module, modules) for set_modules_to_forward_prefetch /
+    set_modules_to_backward_prefetch, each module a group's. FSDP1:
+    ``sharding_strategy``, ``backward_prefetch`` (a BackwardPrefetch
+    member's name or None), ``forward_prefetch``, ``limit_all_gathers``."""
+
+    iterations: int = 1
+    world: int = 0
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    forward_prefetch: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    backward_prefetch: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    sharding_strategy: str = "FULL_SHARD"
+    fsdp1_backward_prefetch: str | None = "BACKWARD_PRE"
+    fsdp1_forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+
+
+def validate_comm(spec: "CaseSpec") -> None:
+    c = spec.comm
+    if c is None:
+        return
+    if not 1 <= c.iterations <= 4 or c.world not in (0, 1):
+        raise SpecError("comm: iterations 1..4, world 0 (all ranks) or 1")
+    for name in ("param_dtype", "reduce_dtype"):
+        if getattr(c, name) not in (None, *DTYPES):
+            raise SpecError(f"comm: {name} must be None or one of {DTYPES}")
+    api = spec.plan.api
+    group_modules = {m for g in spec.plan.groups for m in g.modules} | {""}
+    for which in (c.forward_prefetch, c.backward_prefetch):
+        for module, targets in which:
+            if api != "fsdp2" or module not in group_modules or not set(targets) <= group_modules:
+                raise SpecError("comm: explicit prefetching is FSDP2's, between modules the plan gives fully_shard")
+    if len({m for m, _ in c.forward_prefetch}) != len(c.forward_prefetch) or len({m for m, _ in c.backward_prefetch}) != len(c.backward_prefetch):
+        raise SpecError("comm: one prefetch list per module")
+    if c.sharding_strategy not in FSDP1_STRATEGIES or c.fsdp1_backward_prefetch not in FSDP1_BACKWARD_PREFETCH:
+        raise SpecError(f"comm: sharding_strategy one of {FSDP1_STRATEGIES}, backward prefetch one of {FSDP1_BACKWARD_PREFETCH}")
+
+
 # ---- tree queries (pure) ---------------------------------------------------
 
 
@@ -580,6 +637,7 @@ def validate(spec: CaseSpec) -> None:
     _validate_methods(spec, paths)
     validate_schedule(spec)
     validate_clip(spec)
+    validate_comm(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -681,8 +739,9 @@ def _validate_plan(spec: CaseSpec, paths: set[str], fqns: set[str]) -> None:
             raise SpecError(f"shard group {g!r}: a module is in two groups")
         if len(g.modules) > 1 and "" in g.modules:
             raise SpecError(f"shard group {g!r}: the root is sharded on its own")
-        if g.reshard_after_forward not in (None, True, False):
-            raise SpecError(f"shard group {g!r}: reshard_after_forward must be None, True or False")
+        raf = g.reshard_after_forward
+        if not (raf is None or isinstance(raf, bool) or (isinstance(raf, int) and raf >= 2)):
+            raise SpecError(f"shard group {g!r}: reshard_after_forward must be None, True, False or an int >= 2")
         seen.update(g.modules)
 
 
@@ -788,7 +847,7 @@ _TYPES = {
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
         CheckpointPlan,
-        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan,
+        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan,
     )
 }
 

@@ -1,0 +1,146 @@
+"""What the comm and microbatch areas' adapters share: the recorder of the
+collectives a rank issues (from the dispatcher: op, numel, ranks, dtype),
+attributed to the FSDP2 parameter group or FSDP1 unit that issued them, the
+patches of FSDPParamGroup's unshard / reshard / post_backward that record
+FSDP2's events, and a one-rank mesh. Touches FSDP2 internals
+(FSDPParamGroup)."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conformance.areas.common.comm_observation import CollectiveSeen, EventSeen, IterationSeen
+from conformance.areas.common.support import rank_device
+
+OPS = {"allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
+       "all_reduce": "all_reduce"}
+
+
+def _op(name: str) -> str:
+    short = name.split(".")[-1].strip("_")
+    for key, op in OPS.items():
+        if short.startswith(key) or short.startswith("_" + key):
+            return op
+    return f"other:{short}"
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+class Recorder:
+    """What one observation saw: collectives from the dispatcher (under
+    ``mode``), attributed to the group or unit on top of ``owner``; events;
+    the phase ("forward" / "backward") the caller sets."""
+
+    def __init__(self) -> None:
+        self.phase = "forward"
+        self.owner: list[tuple[str, str]] = []  # (group or unit, FSDP1 hook context)
+        self.collectives: list[CollectiveSeen] = []
+        self.events: list[EventSeen] = []
+        rec = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                if name.startswith(("c10d.", "_c10d_functional.")):
+                    rec.collective(name, args)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def collective(self, name: str, args) -> None:
+        op = _op(name)
+        tensors = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        group, ctx = self.owner[-1] if self.owner else ("?", "")
+        # all-gathers: (outputs..., input), the tensor form or the list form;
+        # reduce-scatters: (output, inputs...)
+        if op == "all_gather" and len(tensors) >= 2:
+            numel = sum(t.numel() for t in tensors[:-1])
+            ranks = numel // max(tensors[-1].numel(), 1)
+        elif op == "reduce_scatter" and len(tensors) >= 2:
+            numel = sum(t.numel() for t in tensors[1:])
+            ranks = numel // max(tensors[0].numel(), 1)
+        else:
+            numel, ranks = (tensors[0].numel() if tensors else 0), dist.get_world_size()
+        dtype = _dtype_name(tensors[0].dtype) if tensors else "?"
+        self.collectives.append(CollectiveSeen(self.phase, op, group, numel, ranks, dtype, ctx))
+
+    @contextlib.contextmanager
+    def owning(self, group: str, ctx: str = ""):
+        self.owner.append((group, ctx))
+        try:
+            yield
+        finally:
+            self.owner.pop()
+
+    def take(self, backward: bool) -> IterationSeen:
+        out = IterationSeen(tuple(self.collectives), tuple(self.events), backward)
+        self.collectives, self.events = [], []
+        return out
+
+
+# ---- FSDP2 ---------------------------------------------------------------------
+
+_SINGLETONS: dict[int, object] = {}
+
+
+def one_rank_mesh():
+    """A mesh of this rank alone: every rank makes every singleton group
+    (new_group is collective), once per default group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = id(dist.group.WORLD)
+    if key not in _SINGLETONS:
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        _SINGLETONS.clear()
+        _SINGLETONS[key] = groups[dist.get_rank()]
+    return DeviceMesh.from_group(_SINGLETONS[key], rank_device().type)
+
+
+def fsdp2_patches(rec: Recorder, labels: dict[int, str]):
+    """FSDPParamGroup's unshard, reshard and post_backward, recording the
+    events and owning the collectives they issue."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    orig_unshard, orig_reshard, orig_post = FSDPParamGroup.unshard, FSDPParamGroup.reshard, FSDPParamGroup.post_backward
+
+    def label(g) -> str:
+        return labels.get(id(g.modules[0]), "?") if g.modules else "?"
+
+    def state(g) -> str:
+        return g._training_state.name
+
+    def unshard(self, *args, **kwargs):
+        before = self._all_gather_result is None and not self.is_unsharded
+        with rec.owning(label(self)):
+            out = orig_unshard(self, *args, **kwargs)
+        if before and (self._all_gather_result is not None or self.is_unsharded):
+            rec.events.append(EventSeen("unshard", label(self), state(self)))
+        return out
+
+    def reshard(self, *args, **kwargs):
+        before = (self.is_unsharded, self.is_sharded_post_forward, self.is_sharded)
+        st = state(self)
+        out = orig_reshard(self, *args, **kwargs)
+        if (self.is_unsharded, self.is_sharded_post_forward, self.is_sharded) != before:
+            rec.events.append(EventSeen("reshard", label(self), st))
+        return out
+
+    def post_backward(self, *args, **kwargs):
+        with rec.owning(label(self)):
+            out = orig_post(self, *args, **kwargs)
+        rec.events.append(EventSeen("post_backward", label(self), state(self)))
+        return out
+
+    return (mock.patch.object(FSDPParamGroup, "unshard", unshard), mock.patch.object(FSDPParamGroup, "reshard", reshard),
+            mock.patch.object(FSDPParamGroup, "post_backward", post_backward))
+
+
+def dtype_of(name: str | None):
+    return None if name is None else getattr(torch, name)

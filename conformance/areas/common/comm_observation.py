@@ -1,0 +1,35 @@
+"""What a rank saw FSDP communicate, iteration by iteration (pure data; the
+comm and microbatch areas' observations hold it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CollectiveSeen:
+    """A collective as the dispatcher saw it: the unsharded side's numel, the
+    ranks it spans (unsharded / local numel), its dtype, the group or unit
+    that issued it and (FSDP1) the hook it ran in."""
+
+    phase: str
+    op: str
+    group: str
+    numel: int
+    ranks: int
+    dtype: str
+    context: str = ""
+
+
+@dataclass(frozen=True)
+class EventSeen:
+    kind: str  # unshard | reshard | post_backward
+    group: str
+    state: str  # the group's training state: FORWARD | PRE_BACKWARD | POST_BACKWARD
+
+
+@dataclass(frozen=True)
+class IterationSeen:
+    collectives: tuple[CollectiveSeen, ...] = ()
+    events: tuple[EventSeen, ...] = ()
+    backward: bool = True

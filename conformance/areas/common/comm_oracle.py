@@ -1,0 +1,476 @@
+"""What FSDP communicates, as its documentation promises (the comm and
+microbatch areas read it): per iteration, the collectives FSDP issues for
+each FSDP2 parameter group or FSDP1 unit (all-gathers, reduce-scatters,
+all-reduces, with numel, ranks and dtype) and, for FSDP2, the sequence of
+unshard / reshard / post-backward events. Predicted from the spec and the
+world size alone (no torch.distributed).
+
+The promises it encodes, and where they are stated:
+
+- fully_shard docstring, reshard_after_forward: True reshards after forward
+  and re-all-gathers in backward; False keeps the unsharded parameters and
+  avoids the backward all-gather; None is True for non-root modules and
+  False for the root; an int (a non-trivial divisor of the shard mesh size)
+  reshards to that world size, so that the backward all-gather spans it.
+- MixedPrecisionPolicy / MixedPrecision docstrings: the parameter all-gather
+  runs in param_dtype, the gradient reduction in reduce_dtype (param_dtype
+  when unset).
+- set_modules_to_forward_prefetch: the listed modules' all-gathers are issued
+  right after this module's own; set_modules_to_backward_prefetch: the same
+  in backward, replacing the default, which "prefetches the next FSDP module
+  based on the reverse post-forward order".
+- FSDP1's BackwardPrefetch docstring: BACKWARD_PRE prefetches the next set
+  of parameters before the current set's gradient computation (in its
+  pre-backward), BACKWARD_POST after it (in its post-backward), None not at
+  all; forward_prefetch: the next forward all-gather before the current
+  forward computation, from the second iteration on (static graph).
+- upstream's own tests: test_fully_shard_comm.py (exact all-gather and
+  reduce-scatter counts per reshard_after_forward, the exact event order
+  under default and explicit prefetching), test_fully_shard_frozen.py (the
+  reduce-scatter covers the trainable parameters only), FSDP2's unshard on a
+  one-rank mesh issues no all-gather.
+
+The forward is the suite's generic one (conformance.case.build): a module
+adds its own parameters to the running activation, then calls its children
+in order; the oracle follows it to know which module outputs and inputs
+require gradients, hence which backward hooks run, and in which order (the
+reverse of the forward's)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
+from conformance.case.spec import CaseSpec, CommPlan, ModuleSpec
+from conformance.case.tree import join
+
+ANY_TORCH = "2.13.0"  # the group structure (not version-dependent for the cases this area draws)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective: ``numel`` on its unsharded side (an all-gather's
+    output, a reduce-scatter's input, an all-reduce's tensor) over ``ranks``
+    ranks, in ``dtype``. ``context``: FSDP1, the hook that issued it
+    ("pre_forward U", "pre_backward U", "post_backward U"); "" for FSDP2."""
+
+    phase: str  # forward | backward
+    op: str  # all_gather | reduce_scatter | all_reduce | other:<name>
+    group: str  # FSDP2: the group's modules, ", "-joined; FSDP1: the unit's path
+    numel: int
+    ranks: int
+    dtype: str
+    context: str = ""
+    # the oracle's own: why this collective is promised, where that is a
+    # mechanism a finding may name (not compared with what is seen)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Event:
+    """FSDP2: a parameter group's unshard (an all-gather started, or on one
+    rank its stand-in), reshard (unsharded parameters freed) or
+    post-backward, with the group's training state then."""
+
+    kind: str  # unshard | reshard | post_backward
+    group: str
+    state: str  # FORWARD | PRE_BACKWARD | POST_BACKWARD
+
+
+@dataclass(frozen=True)
+class Iteration:
+    collectives: tuple[Collective, ...]
+    events: tuple[Event, ...] = ()
+    backward: bool = True  # the loss requires grad, so backward runs
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What one world size must see; ``why`` is set (and nothing else
+    counts) where the case is outside the promise at that world size.
+    ``exact_numel``: False where the unsharded numel includes padding the
+    API does not document (FSDP1 with use_orig_params=True aligns each
+    parameter): then a collective's numel is at least the predicted one and
+    a multiple of its ranks."""
+
+    iterations: tuple[Iteration, ...] = ()
+    why: str = ""
+    exact_numel: bool = True
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # enter | exit
+    path: str
+    grad: bool  # enter: the module's input requires grad; exit: its output does
+    tensor: int = -1  # exit: which tensor the output is (a module returning its last child's output shares it)
+
+
+def timeline(spec: CaseSpec, grad: frozenset[str]) -> tuple[tuple[Step, ...], bool]:
+    """The forward's module entries and exits in order, each with whether
+    the tensor there requires grad (``grad``: the FQNs of the parameters
+    autograd differentiates), and whether the loss does."""
+    steps: list[Step] = []
+
+    def _trainable_own(m: ModuleSpec, path: str) -> bool:
+        return any(join(path, p.name) in grad for p in m.params)
+    count = [0]
+
+    def new() -> int:
+        count[0] += 1
+        return count[0]
+
+    def call(m: ModuleSpec, path: str, x: bool, t: int) -> tuple[bool, int]:
+        if m.cls in TORCH_CONTAINERS:  # torch's own containers are iterated, never called
+            for c in m.children:
+                x, t = call(c, join(path, c.name), x, t)
+            return x, t
+        if m.cls == "Embedding":  # its input is an index, never differentiable
+            steps.append(Step("enter", path, False))
+            out = _trainable_own(m, path)
+            steps.append(Step("exit", path, out, new()))
+            return out or x, new()  # the residual: f(i) + x
+        steps.append(Step("enter", path, x))
+        if m.cls in ("Linear", "LayerNorm"):
+            out = x or _trainable_own(m, path)
+            steps.append(Step("exit", path, out, new()))
+            return out, new()  # the residual: f(x) + x
+        y = x or _trainable_own(m, path)
+        if m.params or m.buffers:
+            t = new()
+        for c in m.children:
+            y, t = call(c, join(path, c.name), y, t)
+        steps.append(Step("exit", path, y, t))
+        return y, t
+
+    loss, _ = call(spec.tree, "", False, 0)
+    return tuple(steps), loss
+
+
+def backward_order(steps: tuple[Step, ...]) -> list[Step]:
+    """The steps in the order backward reaches them: the forward reversed,
+    except that modules whose outputs are one tensor (a module returning its
+    last child's output) see their pre-backward hooks fire together, in the
+    order they were registered (the forward's)."""
+    out: list[Step] = []
+    done: set[int] = set()
+    for s in reversed(steps):
+        if s.kind == "exit":
+            if s.tensor in done:
+                continue
+            done.add(s.tensor)
+            out += [x for x in steps if x.kind == "exit" and x.tensor == s.tensor]
+        else:
+            out.append(s)
+    return out
+
+
+def param_shapes(spec: CaseSpec) -> dict[str, tuple[tuple[int, ...], bool]]:
+    out = {}
+
+    def walk(m: ModuleSpec, path: str) -> None:
+        for p in m.params:
+            out[join(path, p.name)] = (p.shape, p.requires_grad)
+        for c in m.children:
+            walk(c, join(path, c.name))
+
+    walk(spec.tree, "")
+    return out
+
+
+def padded_numel(shape: tuple[int, ...], world: int) -> int:
+    """FSDP2's per-parameter Shard(0): each rank holds ceil(dim0 / W) rows
+    (padded); the unsharded side of a collective is W of those."""
+    rest = math.prod(shape[1:])
+    return world * math.ceil(shape[0] / world) * rest
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """FSDP2's schedule settings in force for one iteration (a microbatch):
+    set_requires_gradient_sync, set_reshard_after_backward,
+    set_is_last_backward and set_reshard_after_forward (None: unchanged) on
+    the root (recurse), and an explicit ``unshard`` (the module whose
+    unshard() runs and is waited for before the forward; None: none), then
+    with ``reshard`` its reshard()."""
+
+    sync: bool = True
+    reshard_after_backward: bool = True
+    is_last_backward: bool = True
+    reshard_after_forward: bool | None = None
+    unshard: str | None = None
+    reshard: bool = False
+
+
+@dataclass(frozen=True)
+class FSDP2Comm:
+    """What an FSDP2 run sets besides its groups: mixed precision, explicit
+    prefetching, the groups whose matrices are Shard(1), and per iteration
+    its Knobs."""
+
+    knobs: tuple[Knobs, ...]
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    forward_prefetch: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    backward_prefetch: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    shard_dim1: tuple[str, ...] = ()
+
+
+# ---- FSDP2 -----------------------------------------------------------------
+
+
+def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
+    """FSDP2's collectives and events, iteration by iteration (the suite's
+    generic forward, loss (out ** 2).sum(), a backward when it requires grad)."""
+    pred = predict_fsdp2(spec, ANY_TORCH)
+    if pred.supported:
+        return Expected(why=pred.supported)
+    params = param_shapes(spec)
+    ag_dtype = c.param_dtype or "float32"
+    rs_dtype = c.reduce_dtype or ag_dtype
+    groups = {}  # module path -> (label, managed, trainable, reshard)
+    for g in pred.groups:
+        if not g.managed:
+            continue  # no parameters: no parameter group, nothing to communicate
+        raf = g.reshard
+        if not isinstance(raf, bool):
+            if not (1 < raf < world and world % raf == 0):
+                return Expected(why=f"reshard_after_forward={raf} is not a non-trivial divisor of the world size {world}")
+        groups[g.modules[0]] = (", ".join(g.modules), g.managed, g.trainable, raf)
+    states = {g.modules[0] for g in pred.groups}  # every module given to fully_shard, with parameters or not
+    steps, loss = timeline(spec, frozenset(f for f, (_, rg) in params.items() if rg))
+    order = [s.path for s in steps if s.kind == "enter" and s.path in groups]  # pre-order: all_states' order
+    fwd_prefetch = {m: [t for t in ts if t in groups] for m, ts in c.forward_prefetch}
+    bwd_prefetch = {m: [t for t in ts if t in groups] for m, ts in c.backward_prefetch}
+    for m in c.shard_dim1:
+        if m in groups and any(len(params[f][0]) >= 2 and params[f][0][1] % world for f in groups[m][1]):
+            return Expected(why=f"Shard(1) of a matrix in {m or '<root>'} whose dim 1 the world size {world} does not divide (FSDP2 shards dim 1 evenly only)")
+
+    def numel(m: str, f: str) -> int:
+        shape = params[f][0]
+        if m in c.shard_dim1 and len(shape) >= 2:
+            return math.prod(shape)  # Shard(1), even
+        return padded_numel(shape, world)
+
+    full = {m: sum(numel(m, f) for f in groups[m][1]) for m in groups}
+    grads = {m: sum(numel(m, f) for f in groups[m][2]) for m in groups}
+    state = {m: "sharded" for m in groups}  # sharded | unsharded | post (resharded to the int world)
+    pending = {m: False for m in groups}  # an all-gather issued, not yet waited for
+    raf_now = {m: groups[m][3] for m in groups}
+    post_order: list[str] = []  # cleared by the last backward's final callback
+    indices: dict[str, list[int]] = {m: [] for m in groups}
+    out = []
+    for k in c.knobs:
+        events: list[Event] = []
+        colls: list[Collective] = []
+        training = {m: "IDLE" for m in groups}
+        if k.reshard_after_forward is not None:
+            raf_now = {m: k.reshard_after_forward for m in groups}
+
+        def unshard(m: str, st: str, phase: str) -> None:
+            """Issue the all-gather (a prefetch stops here; the group's own
+            pre-forward or pre-backward waits for it)."""
+            if state[m] == "unsharded" or pending[m]:
+                return
+            label, raf = groups[m][0], raf_now[m]
+            events.append(Event("unshard", label, st))
+            if world > 1:
+                ranks = raf if state[m] == "post" else world
+                colls.append(Collective(phase, "all_gather", label, full[m], ranks, ag_dtype))
+            pending[m] = True
+
+        def wait(m: str) -> None:
+            if pending[m]:
+                state[m], pending[m] = "unsharded", False
+
+        def reshard(m: str, st: str) -> None:
+            raf = raf_now[m]
+            if st == "FORWARD":
+                if raf is False:
+                    return
+                new = "sharded" if raf is True else "post"
+            else:
+                new = "sharded"
+            if state[m] != new:
+                events.append(Event("reshard", groups[m][0], st))
+                state[m] = new
+
+        def post_backward(m: str) -> None:
+            training[m] = "POST_BACKWARD"
+            if k.reshard_after_backward:
+                reshard(m, "POST_BACKWARD")
+            if k.sync and groups[m][2] and world > 1:  # with gradients accumulated since the last sync
+                colls.append(Collective("backward", "reduce_scatter", groups[m][0], grads[m], world, rs_dtype))
+            events.append(Event("post_backward", groups[m][0], "POST_BACKWARD"))
+
+        if k.unshard is not None and k.unshard in groups:  # the module's unshard(), waited for
+            unshard(k.unshard, "IDLE", "forward")
+            wait(k.unshard)
+            if k.reshard:
+                reshard(k.unshard, "IDLE")
+        for s in steps:
+            if s.path not in states:
+                continue
+            if s.kind == "enter":
+                if s.path in groups:
+                    training[s.path] = "FORWARD"
+                    unshard(s.path, "FORWARD", "forward")
+                    wait(s.path)
+                for t in fwd_prefetch.get(s.path, ()):  # a state without parameters prefetches too
+                    unshard(t, "FORWARD", "forward")
+            elif s.path in groups:
+                reshard(s.path, "FORWARD")
+                indices[s.path].append(len(post_order))
+                post_order.append(s.path)
+                training[s.path] = "IDLE"
+        if loss:
+            for s in backward_order(steps):
+                if s.path not in states or not s.grad:
+                    continue
+                m = s.path
+                if s.kind == "exit":
+                    if m in groups and training[m] != "PRE_BACKWARD":
+                        training[m] = "PRE_BACKWARD"
+                        unshard(m, "PRE_BACKWARD", "backward")
+                        wait(m)
+                        if m not in bwd_prefetch and indices[m]:
+                            i = indices[m].pop()
+                            if i > 0:
+                                unshard(post_order[i - 1], "PRE_BACKWARD", "backward")
+                    for t in bwd_prefetch.get(m, ()):
+                        unshard(t, "PRE_BACKWARD", "backward")
+                elif m in groups:
+                    post_backward(m)
+            # the root's final callback: every group whose inputs did not
+            # require grad (its post-backward hook never ran), in pre-order
+            for m in order:
+                if training[m] != "POST_BACKWARD":
+                    post_backward(m)
+            if k.is_last_backward:
+                # finalize_backward: an all-gather prefetched but never waited
+                # for (a mistargeted prefetch) is dropped; the group stays
+                # sharded; the post-forward order starts again
+                for m in groups:
+                    pending[m] = False
+                    indices[m].clear()
+                post_order.clear()
+        out.append(Iteration(tuple(colls), tuple(events), loss))
+    return Expected(tuple(out))
+
+
+# ---- FSDP1 -----------------------------------------------------------------
+
+
+def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan) -> Expected:
+    """FSDP1's collectives iteration by iteration, each with the hook that issues it."""
+    pred = predict_fsdp1(spec)
+    if pred.error is not None:
+        return Expected(why="FSDP1 rejects the case (FROZEN-ERROR)")
+    params = param_shapes(spec)
+    ag_dtype = c.param_dtype or "float32"
+    rs_dtype = c.reduce_dtype or ag_dtype
+    units = {}  # path -> (numel, has trainable)
+    for u in pred.units:
+        if u.managed:
+            numel = sum(math.prod(params[f][0]) for f in u.managed)
+            units[u.path] = (numel, bool(u.trainable))
+    strategy = c.sharding_strategy
+    sharded = strategy != "NO_SHARD"
+    # the flat parameter: padded to a multiple of the world size when
+    # sharded; use_orig_params=True also aligns each parameter (undocumented)
+    full = {p: (math.ceil(n / world) * world if sharded else n) for p, (n, _) in units.items()}
+    # use_orig_params=True: a unit's flat parameter requires grad as a whole,
+    # its frozen parameters' gradients included (the frozen-parameter warning:
+    # "the gradient memory usage will be higher than expected (<total> numel
+    # instead of <trainable> numel before sharding via reduce-scatter)")
+    grad = frozenset(f for u in pred.units if u.trainable for f in u.managed)
+    steps, loss = timeline(spec, grad)
+    state = {p: "sharded" if sharded else "unsharded" for p in units}
+    pre_order: list[str] = []  # recorded on the first iteration
+    late: dict[str, str] = {}  # units resharded by the final callback, and how they got there
+    out = []
+    for it in range(c.iterations):
+        colls: list[Collective] = []
+        post_order: list[str] = []
+        needs_bw = {p: False for p in units}
+        prefetched = {p: False for p in units}
+        ran_pre_bw = {p: False for p in units}
+        ran_post_bw = {p: False for p in units}
+        ran_fwd: set[str] = set()
+
+        def unshard(p: str, phase: str, ctx: str) -> None:
+            if state[p] == "sharded":
+                colls.append(Collective(phase, "all_gather", p, full[p], world, ag_dtype, ctx, late.pop(p, "")))
+                state[p] = "unsharded"
+
+        def reshard(p: str) -> None:
+            if sharded:
+                state[p] = "sharded"
+                prefetched[p] = False
+
+        for s in steps:
+            p = s.path
+            if p not in units:
+                continue
+            if s.kind == "enter":
+                ctx = f"pre_forward {p}"
+                if not prefetched[p]:
+                    unshard(p, "forward", ctx)
+                prefetched[p] = False
+                ran_fwd.add(p)
+                if it == 0:
+                    pre_order.append(p)
+                elif c.fsdp1_forward_prefetch:
+                    i = pre_order.index(p) + 1
+                    if i < len(pre_order):
+                        t = pre_order[i]
+                        if t not in ran_fwd and not prefetched[t]:
+                            unshard(t, "forward", ctx)
+                            prefetched[t] = True
+            else:
+                # FULL_SHARD reshards after forward, except the root's unit
+                if strategy == "FULL_SHARD" and p != "":
+                    reshard(p)
+                needs_bw[p] = s.grad
+                post_order.append(p)
+        if loss:
+            def prefetch(p: str, phase: str, ctx: str) -> None:
+                i = post_order.index(p)
+                if i > 0:
+                    t = post_order[i - 1]
+                    if needs_bw[t] and not prefetched[t]:
+                        unshard(t, phase, ctx)
+                        prefetched[t] = True
+
+            for s in backward_order(steps):
+                p = s.path
+                if p not in units:
+                    continue
+                if s.kind == "exit" and s.grad and not ran_pre_bw[p]:
+                    ran_pre_bw[p] = True
+                    ctx = f"pre_backward {p}"
+                    if needs_bw[p] and not prefetched[p]:
+                        unshard(p, "backward", ctx)
+                    needs_bw[p] = False
+                    if c.fsdp1_backward_prefetch == "BACKWARD_PRE":
+                        prefetch(p, "backward", ctx)
+                elif s.kind == "enter" and (units[p][1] or s.grad):
+                    # the flat parameter's gradient is ready (its post-backward
+                    # hook), or for a frozen unit its inputs' gradients (the
+                    # reshard-only post-backward hook)
+                    ctx = f"post_backward {p}"
+                    ran_post_bw[p] = True
+                    reshard(p)
+                    if c.fsdp1_backward_prefetch == "BACKWARD_POST":
+                        prefetch(p, "backward", ctx)
+                    if units[p][1]:
+                        op = "reduce_scatter" if sharded else "all_reduce"
+                        colls.append(Collective("backward", op, p, full[p], world, rs_dtype, ctx))
+            for p in units:  # the final callback reshards what is left unsharded
+                if sharded and state[p] == "unsharded":
+                    late[p] = "after-no-backward-hook" if not (ran_pre_bw[p] or ran_post_bw[p]) else "after-final-callback-reshard"
+                reshard(p)
+        out.append(Iteration(tuple(colls), (), loss))
+    return Expected(tuple(out), exact_numel=not spec.plan.use_orig_params)

@@ -1,0 +1,106 @@
+"""Strategies for the communication invariants (COMM-*): trees with frozen
+parameters under FSDP2 groups (reshard_after_forward None / True / False /
+an int, for the root too; explicit forward and backward prefetching) or
+FSDP1 units (sharding strategy, backward_prefetch, forward_prefetch,
+limit_all_gathers), mixed precision, one to three iterations, and sometimes
+a one-rank mesh (FSDP2)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+from hypothesis.strategies import SearchStrategy
+
+from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
+from conformance.case.spec import FSDP1_BACKWARD_PREFETCH, FSDP1_STRATEGIES, CaseSpec, CommPlan, CustomWrap, ShardGroup, WrapPlan
+from strategies._common import ANY_TORCH, TreeIndex, check_int, ints, maybe, pick, pick_subset
+from strategies.cases import case_specs
+from strategies.training import fsdp1_trainable
+
+# reshard_after_forward per group: torch's default first; 2 reshards to
+# two ranks (a non-trivial divisor of the fake tier's four)
+RESHARD = (None, True, False, 2)
+# (param_dtype, reduce_dtype): unset first
+PRECISIONS = ((None, None), ("bfloat16", None), ("bfloat16", "float32"), ("float16", "float32"), (None, "bfloat16"))
+
+
+def _shardable(index: TreeIndex, path: str) -> bool:
+    return path != "" and index.modules[path].cls not in TORCH_CONTAINERS
+
+
+def _draw_prefetch(draw: Any, modules: list[str], label: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    out = []
+    if len(modules) < 2 or not maybe(draw, 2):
+        return ()
+    for m in pick_subset(draw, modules, min_size=1, max_size=2):
+        others = [t for t in modules if t != m]
+        out.append((m, tuple(pick_subset(draw, others, min_size=1, max_size=2))))
+    event(f"comm: explicit {label} prefetch")
+    return tuple(out)
+
+
+@st.composite
+def _fsdp2_comm_specs(draw: Any, base: SearchStrategy, max_groups: int, max_iterations: int) -> CaseSpec:
+    spec = draw(base)
+    index = TreeIndex(spec.tree, spec.classes)
+    world = 1 if maybe(draw, 1) else 0
+    choices = RESHARD if world == 0 else RESHARD[:3]
+    groups = [ShardGroup((p,), pick(draw, choices)) for p in
+              pick_subset(draw, [p for p in index.paths if _shardable(index, p)], min_size=0, max_size=max_groups)]
+    if maybe(draw, 2):
+        groups.append(ShardGroup(("",), pick(draw, choices[1:])))
+    spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2", groups=tuple(groups)))
+    while predict_fsdp2(spec, ANY_TORCH).supported and spec.plan.groups:  # drop the groups FSDP2 does not promise
+        spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, groups=spec.plan.groups[:-1]))
+    modules = [g.modules[0] for g in spec.plan.groups if g.modules != ("",)] + [""]
+    fwd = _draw_prefetch(draw, modules, "forward")
+    bwd = _draw_prefetch(draw, modules, "backward")
+    param, reduce = pick(draw, PRECISIONS)
+    plan = CommPlan(iterations=1 + draw(ints(max_iterations - 1)), world=world, param_dtype=param, reduce_dtype=reduce,
+                    forward_prefetch=fwd, backward_prefetch=bwd)
+    event(f"comm: fsdp2, {len(spec.plan.groups)} groups, world {'1' if world else 'all'}")
+    return dataclasses.replace(spec, comm=plan)
+
+
+def _fsdp1_ok(spec: CaseSpec) -> bool:
+    return fsdp1_trainable(spec) and predict_fsdp1(spec).error is None
+
+
+@st.composite
+def _fsdp1_comm_specs(draw: Any, base: SearchStrategy, max_iterations: int) -> CaseSpec:
+    spec = draw(base)
+    pol = spec.plan.policy
+    if isinstance(pol, CustomWrap) and pol.kwargs:  # the sharding strategy is the plan's, for every unit
+        spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, policy=CustomWrap(pol.targets)))
+    param, reduce = pick(draw, PRECISIONS)
+    plan = CommPlan(
+        iterations=1 + draw(ints(max_iterations - 1)), param_dtype=param, reduce_dtype=reduce,
+        sharding_strategy=pick(draw, FSDP1_STRATEGIES), fsdp1_backward_prefetch=pick(draw, ("BACKWARD_PRE",) + tuple(x for x in FSDP1_BACKWARD_PREFETCH if x != "BACKWARD_PRE")),
+        fsdp1_forward_prefetch=maybe(draw, 2), limit_all_gathers=not maybe(draw, 2),
+    )
+    event(f"comm: fsdp1 {plan.sharding_strategy}, backward_prefetch {plan.fsdp1_backward_prefetch}")
+    return dataclasses.replace(spec, comm=plan)
+
+
+def comm_specs(*, api: str = "fsdp2", max_modules: int = 8, max_depth: int = 3, max_groups: int = 4,
+               max_iterations: int = 3) -> SearchStrategy[CaseSpec]:
+    """CaseSpecs with a CommPlan for ``api``: the trees of :func:`case_specs`
+    (frozen parameters included; no ties, shared modules or ignored
+    parameters, whose collectives other invariants and findings cover),
+    FSDP2 with up to ``max_groups`` single-module groups or FSDP1 under any
+    policy, 1..``max_iterations`` iterations."""
+    if api not in ("fsdp1", "fsdp2"):
+        raise InvalidArgument(f"api={api!r} must be 'fsdp1' or 'fsdp2'")
+    for name, v in (("max_modules", max_modules), ("max_groups", max_groups), ("max_iterations", max_iterations)):
+        check_int(v, name, min_value=1)
+    check_int(max_depth, "max_depth", min_value=0)
+    common = dict(max_modules=max_modules, max_depth=max_depth, allow_ties=False, allow_shared=False, allow_ignored=False)
+    if api == "fsdp2":
+        base = case_specs(apis=st.just("fsdp2"), use_orig_params=st.just(False), policies=[None], **common)
+        return _fsdp2_comm_specs(base, max_groups, max_iterations)
+    return _fsdp1_comm_specs(case_specs(**common).filter(_fsdp1_ok), max_iterations)

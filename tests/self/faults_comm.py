@@ -1,0 +1,220 @@
+"""Faults injected into what FSDP communicates, as context managers, and the
+test-only scenarios that apply one around the comm area's observation
+inside a rank (the fake tier's in-process rank, or a pool's: a monkeypatch
+in the driver does not reach rank processes)."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+from conformance.case.spec import CaseSpec
+from conformance.engine.scenarios import scenario
+
+FAULTS = {}
+
+
+def fault(name):
+    def add(fn):
+        FAULTS[name] = fn
+        return fn
+
+    return add
+
+
+def _group_cls():
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    return _fsdp_param_group.FSDPParamGroup
+
+
+@fault("fsdp2-unshard-ignores-unsharded")
+def fsdp2_unshard_ignores_unsharded():
+    """unshard() lost its early return for an unsharded group: a group kept
+    unsharded (reshard_after_forward=False) all-gathers again in backward."""
+    cls = _group_cls()
+    orig = cls.unshard
+
+    def unshard(self, async_op=False):
+        if self.is_unsharded and self._all_gather_result is None:
+            self._to_sharded()
+        return orig(self, async_op)
+
+    return mock.patch.object(cls, "unshard", unshard)
+
+
+@fault("fsdp2-frozen-reduced")
+def fsdp2_frozen_reduced():
+    """post_backward reduce-scatters every parameter, frozen ones with a zero
+    gradient (as if reduce_scatter_unused_params ignored requires_grad)."""
+    import torch
+
+    cls = _group_cls()
+    orig = cls.post_backward
+
+    def post_backward(self, *args, **kwargs):
+        for fp in self.fsdp_params:
+            if hasattr(fp, "_unsharded_param") and not fp.sharded_param.requires_grad and fp.unsharded_param.grad is None:
+                fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
+        return orig(self, *args, **kwargs)
+
+    return mock.patch.object(cls, "post_backward", post_backward)
+
+
+@fault("fsdp2-reduce-in-param-dtype")
+def fsdp2_reduce_in_param_dtype():
+    """reduce_dtype ignored: gradients reduced in param_dtype."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    cls = _fsdp_param.FSDPParam
+    orig = cls.init_dtype_attrs
+
+    def init(self, mp_policy):
+        orig(self, mp_policy)
+        self.reduce_dtype = None
+
+    return mock.patch.object(cls, "init_dtype_attrs", init)
+
+
+@fault("fsdp2-one-rank-reduces")
+def fsdp2_one_rank_reduces():
+    """The one-rank shortcut of the gradient reduction is gone: a one-rank
+    mesh reduce-scatters each group's gradients (with itself)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    orig = _fsdp_param_group.foreach_reduce
+
+    def foreach_reduce(fsdp_params, unsharded_grads, group, *args, **kwargs):
+        if group is not None and group.size() == 1:
+            flat = torch.cat([g.reshape(-1) for g in unsharded_grads])
+            dist.reduce_scatter_tensor(torch.empty_like(flat), flat, group=group)
+        return orig(fsdp_params, unsharded_grads, group, *args, **kwargs)
+
+    return mock.patch.object(_fsdp_param_group, "foreach_reduce", foreach_reduce)
+
+
+@fault("fsdp2-int-reshard-full-mesh")
+def fsdp2_int_reshard_full_mesh():
+    """reshard_after_forward=<int> reshards to the full mesh: the backward
+    all-gather spans every rank instead of the int's."""
+    cls = _group_cls()
+    return mock.patch.object(cls, "_use_post_forward_mesh", property(lambda self: False))
+
+
+@fault("fsdp2-root-reshards-by-default")
+def fsdp2_root_reshards_by_default():
+    """reshard_after_forward=None reshards the root after forward too (the
+    root's default, False, is lost)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    orig = FSDPState._lazy_init
+
+    def lazy_init(self):
+        first = self._is_root is None
+        orig(self)
+        if first and self._is_root:
+            for g in self._fsdp_param_groups:
+                g.post_forward_mesh_info = g.mesh_info
+
+    return mock.patch.object(FSDPState, "_lazy_init", lazy_init)
+
+
+@fault("fsdp2-no-backward-prefetch")
+def fsdp2_no_backward_prefetch():
+    """The default backward prefetch is gone: each group all-gathers in its
+    own pre-backward."""
+    return mock.patch.object(_group_cls(), "_backward_prefetch", lambda self: None)
+
+
+@fault("fsdp2-forward-prefetch-ignored")
+def fsdp2_forward_prefetch_ignored():
+    """set_modules_to_forward_prefetch does nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return mock.patch.object(FSDPModule, "set_modules_to_forward_prefetch", lambda self, modules: None)
+
+
+@fault("fsdp1-root-reshards-after-forward")
+def fsdp1_root_reshards_after_forward():
+    """FSDP1 frees the root unit's parameters after forward too: the root
+    all-gathers again in backward."""
+    from torch.distributed.fsdp import _runtime_utils as ru
+    from torch.distributed.fsdp import fully_sharded_data_parallel as fsdp_module
+
+    def post_forward_reshard(state, handle):
+        if handle:
+            ru._reshard(state, handle, handle._sharding_strategy in ru.RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES)
+
+    # FullyShardedDataParallel.forward passes its own import to _post_forward
+    return _both(mock.patch.object(ru, "_post_forward_reshard", post_forward_reshard),
+                 mock.patch.object(fsdp_module, "_post_forward_reshard", post_forward_reshard))
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+@fault("fsdp1-reduce-in-param-dtype")
+def fsdp1_reduce_in_param_dtype():
+    """FSDP1 ignores reduce_dtype: gradients reduced in param_dtype."""
+    from torch.distributed.fsdp import _flat_param
+
+    orig = _flat_param.FlatParamHandle.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        if self._fwd_bwd_param_dtype is not None:
+            self._reduce_dtype = self._fwd_bwd_param_dtype
+
+    return mock.patch.object(_flat_param.FlatParamHandle, "__init__", init)
+
+
+@fault("fsdp1-backward-prefetch-ignored")
+def fsdp1_backward_prefetch_ignored():
+    """backward_prefetch ignored: nothing is prefetched in backward."""
+    from torch.distributed.fsdp import _runtime_utils as ru
+    from torch.distributed.fsdp._flat_param import HandleTrainingState
+
+    orig = ru._get_handle_to_prefetch
+
+    def get(state, handle):
+        if handle._training_state in (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST):
+            return None
+        return orig(state, handle)
+
+    return mock.patch.object(ru, "_get_handle_to_prefetch", get)
+
+
+@fault("fsdp1-forward-prefetch-ignored")
+def fsdp1_forward_prefetch_ignored():
+    """forward_prefetch=True ignored: each unit all-gathers in its own pre-forward."""
+    from torch.distributed.fsdp import _runtime_utils as ru
+    from torch.distributed.fsdp._flat_param import HandleTrainingState
+
+    orig = ru._get_handle_to_prefetch
+
+    def get(state, handle):
+        if handle._training_state == HandleTrainingState.FORWARD:
+            return None
+        return orig(state, handle)
+
+    return mock.patch.object(ru, "_get_handle_to_prefetch", get)
+
+
+def _faulty(name: str):
+    def run(spec: CaseSpec) -> dict:
+        from conformance.areas.comm import adapter
+
+        with FAULTS[name]():
+            return adapter.observe(spec).to_dict()
+
+    run.__name__ = run.__qualname__ = f"faulty_comm_{name}".replace("-", "_")
+    return run
+
+
+for _name in FAULTS:
+    scenario(f"fault:comm:{_name}", test_only=True)(_faulty(_name))

@@ -1,0 +1,117 @@
+"""COMM-COUNTS, COMM-ORDER, COMM-FSDP1-COUNTS and COMM-FSDP1-PREFETCH catch
+faults injected into what FSDP communicates.
+
+Each test shows a hand-written case holds on unmodified torch, then injects
+one plausible regression inside the rank (the fake tier's in-process rank;
+two of them inside a gloo pool's ranks too) through the test-only scenarios
+of tests/self/faults_comm.py, and shows the invariant turns it into a FAIL
+of the expected kind.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.areas.comm.observation import CommObservation
+from conformance.case.spec import CaseSpec, ClassSpec, CommPlan, CustomWrap, ModuleSpec, ParamSpec, ShardGroup, WrapPlan
+from conformance.run.runner import FAIL, PASS, evaluate, observations
+from tests.self import faults_comm  # noqa: F401  (registers the fault scenarios in the driver)
+
+pytestmark = pytest.mark.selfcheck
+
+LAYERS = ("layers.0", "layers.1", "layers.2")
+
+
+def model(plan: WrapPlan, comm: CommPlan, *, frozen: tuple[str, ...] = ()) -> CaseSpec:
+    """root (scale) -> layers: three blocks (w, proj: Linear 5x3, uneven over
+    the ranks); ``frozen``: FQNs with requires_grad=False."""
+    def p(fqn, name, shape):
+        return ParamSpec(name, shape, fqn not in frozen)
+
+    blocks = tuple(ModuleSpec(str(i), "Block", (p(f"layers.{i}.w", "w", (3,)),), children=(
+        ModuleSpec("proj", "Linear", (p(f"layers.{i}.proj.weight", "weight", (5, 3)), p(f"layers.{i}.proj.bias", "bias", (5,)))),
+    )) for i in range(3))
+    tree = ModuleSpec("", "Model", (p("scale", "scale", (3,)),), children=(ModuleSpec("layers", "ModuleList", children=blocks),))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), plan=plan, comm=comm, seed=3)
+
+
+def fsdp2(raf=None, root=None) -> WrapPlan:
+    groups = tuple(ShardGroup((m,), raf) for m in LAYERS)
+    return WrapPlan(api="fsdp2", groups=groups + ((ShardGroup(("",), root),) if root is not None else ()))
+
+
+FSDP1 = WrapPlan(api="fsdp1", policy=CustomWrap(LAYERS))
+BF16_FP32 = dict(param_dtype="bfloat16", reduce_dtype="float32")
+
+CASES = {
+    "fsdp2-default": lambda: model(fsdp2(), CommPlan(iterations=2)),
+    "fsdp2-no-reshard": lambda: model(fsdp2(False, False), CommPlan()),
+    "fsdp2-frozen": lambda: model(fsdp2(True, True), CommPlan(), frozen=("layers.0.w", "layers.0.proj.weight", "layers.0.proj.bias", "layers.1.proj.bias")),
+    "fsdp2-mp": lambda: model(fsdp2(), CommPlan(**BF16_FP32)),
+    "fsdp2-one-rank": lambda: model(fsdp2(), CommPlan(world=1)),
+    "fsdp2-int": lambda: model(fsdp2(2), CommPlan(iterations=2)),
+    "fsdp2-explicit": lambda: model(fsdp2(), CommPlan(forward_prefetch=(("layers.0", ("layers.1", "layers.2")),),
+                                                     backward_prefetch=(("layers.2", ("layers.1", "layers.0")),))),
+    "fsdp1-full": lambda: model(FSDP1, CommPlan(iterations=2)),
+    "fsdp1-mp": lambda: model(FSDP1, CommPlan(**BF16_FP32)),
+    "fsdp1-prefetch": lambda: model(FSDP1, CommPlan(iterations=2, fsdp1_forward_prefetch=True, limit_all_gathers=False)),
+}
+
+FAULTS = [
+    ("COMM-COUNTS", "fsdp2-no-reshard", "fsdp2-unshard-ignores-unsharded", "kind:extra"),
+    ("COMM-COUNTS", "fsdp2-frozen", "fsdp2-frozen-reduced", "kind:extra"),
+    ("COMM-COUNTS", "fsdp2-frozen", "fsdp2-frozen-reduced", "kind:numel"),
+    ("COMM-COUNTS", "fsdp2-mp", "fsdp2-reduce-in-param-dtype", "kind:dtype"),
+    ("COMM-COUNTS", "fsdp2-one-rank", "fsdp2-one-rank-reduces", "kind:extra"),
+    ("COMM-COUNTS", "fsdp2-int", "fsdp2-int-reshard-full-mesh", "kind:ranks"),
+    ("COMM-ORDER", "fsdp2-default", "fsdp2-no-backward-prefetch", "kind:reshard-post_backward"),
+    ("COMM-ORDER", "fsdp2-explicit", "fsdp2-forward-prefetch-ignored", "kind:reshard-forward"),
+    ("COMM-ORDER", "fsdp2-default", "fsdp2-root-reshards-by-default", "kind:reshard-forward"),
+    ("COMM-COUNTS", "fsdp2-default", "fsdp2-root-reshards-by-default", "kind:extra"),
+    ("COMM-FSDP1-COUNTS", "fsdp1-full", "fsdp1-root-reshards-after-forward", "kind:extra"),
+    ("COMM-FSDP1-COUNTS", "fsdp1-mp", "fsdp1-reduce-in-param-dtype", "kind:dtype"),
+    ("COMM-FSDP1-PREFETCH", "fsdp1-full", "fsdp1-backward-prefetch-ignored", "kind:not-prefetched"),
+    ("COMM-FSDP1-PREFETCH", "fsdp1-prefetch", "fsdp1-forward-prefetch-ignored", "kind:context"),
+]
+
+
+def run(invariant: str, spec: CaseSpec, engine, scenario: str = "comm"):
+    return evaluate(invariant, spec, observations(engine, spec, scenario, CommObservation.from_dict), known=[])
+
+
+def _invariants(spec: CaseSpec) -> tuple[str, ...]:
+    return ("COMM-COUNTS", "COMM-ORDER") if spec.plan.api == "fsdp2" else ("COMM-FSDP1-COUNTS", "COMM-FSDP1-PREFETCH")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cases_hold_on_unmodified_torch(case, fake_engine):
+    spec = CASES[case]()
+    for invariant in _invariants(spec):
+        res = run(invariant, spec, fake_engine)
+        assert res.verdict == PASS, res.describe()
+
+
+@pytest.mark.parametrize("invariant,case,fault,kind", FAULTS, ids=[f"{f[0]}-{f[2]}-{f[3]}" for f in FAULTS])
+def test_fault_is_caught(invariant, case, fault, kind, fake_engine):
+    res = run(invariant, CASES[case](), fake_engine, f"fault:comm:{fault}")
+    assert res.verdict == FAIL, res.describe()
+    assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from conformance.engine.pool import RankPool
+
+    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_comm",))
+    yield p
+    p.close()
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("invariant,case,fault,kind", [FAULTS[0], FAULTS[-2]], ids=["fsdp2", "fsdp1"])
+def test_fault_is_caught_inside_the_pool_ranks(invariant, case, fault, kind, pool):
+    spec = CASES[case]()
+    assert run(invariant, spec, pool).verdict == PASS
+    res = run(invariant, spec, pool, f"fault:comm:{fault}")
+    assert res.verdict == FAIL, res.describe()
+    assert any(kind in v.tags for v in res.violations), res.describe()
