@@ -83,13 +83,13 @@ def load_case(path: str, finding_id: str | None):
 
 
 def applicable(inv, spec) -> bool:
-    """The lifecycle invariants need their part of the case (a checkpoint
-    plan, a training schedule); a case without it has nothing for them."""
-    if inv.scenario.startswith("ckpt"):
-        return getattr(spec, "ckpt", None) is not None
-    if inv.scenario == "schedule":
-        return getattr(spec, "schedule", None) is not None
-    return True
+    """Whether ``spec`` is a case of ``inv``'s area (Area.applies, the one
+    place that says so): a case without a checkpoint plan has nothing for the
+    checkpoint invariants, one without a CommPlan nothing for COMM-*."""
+    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+    from conformance.areas import area_of
+
+    return area_of(inv.id).applies(spec)
 
 
 def check_case_file(spec, selected, backend: str, world_size: int) -> int:
