@@ -16,7 +16,6 @@ _COMMON = '''
 import functools
 import os
 import socket
-import warnings
 from importlib import import_module
 
 import torch
@@ -94,12 +93,28 @@ def method_kwargs(target, name):
 
 
 def init():
-    if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
+    """torchrun sets RANK; a plain `python` run is one gloo rank on a free port."""
+    if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
+
+
+def finish(deviation, as_specified):
+    """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, deviation)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        found = next((d for d in seen if d), None)
+        print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
+
+
+def close(a, b):
+    return len(a) == len(b) and all(abs(x - y) <= 1e-4 * (1 + abs(y)) for x, y in zip(a, b))
 
 
 def train(target, model, steps):
@@ -121,7 +136,11 @@ _FSDP1 = '''
 def policy(model):
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import (
-        CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
+        CustomPolicy,
+        ModuleWrapPolicy,
+        lambda_auto_wrap_policy,
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
     )
 
     paths = {}
@@ -153,10 +172,13 @@ def policy(model):
 
 
 def main():
+    import warnings
+
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     init()
     rank0 = dist.get_rank() == 0
+    wrong = []
     target, model = build()
     _, ref = build()
     with warnings.catch_warnings(record=True) as caught:
@@ -167,6 +189,10 @@ def main():
             fsdp = None
             if rank0:
                 print(f"FSDP raised {type(e).__name__}: {e}")
+            if not (EXPECT_ERROR and isinstance(e, ValueError) and "requires_grad" in str(e)):
+                wrong.append(f"FSDP raised {type(e).__name__}: {str(e).splitlines()[0]}")
+    if fsdp is not None and EXPECT_ERROR:
+        wrong.append("FSDP wrapped the model, expected the frozen-parameter ValueError")
     if rank0:
         for w in caught:
             if "requires_grad" in str(w.message):
@@ -178,11 +204,10 @@ def main():
                 print(f"FSDP unit {name.replace('_fsdp_wrapped_module.', '') or '<root>'!r} manages {fqns}")
         try:
             keys = [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()]
-            if rank0:
-                print(f"state_dict keys equal the unwrapped model's: {sorted(keys) == sorted(ref.state_dict())}")
+            if sorted(keys) != sorted(ref.state_dict()):
+                wrong.append(f"state_dict keys {sorted(set(keys) ^ set(ref.state_dict()))} differ from the unwrapped model's")
         except Exception as e:
-            if rank0:
-                print(f"state_dict raised {type(e).__name__}: {e}")
+            wrong.append(f"state_dict raised {type(e).__name__}: {str(e).splitlines()[0]}")
         if TRAIN_STEPS:  # fresh models, as the suite trains them
             try:
                 _, model = build()
@@ -190,15 +215,11 @@ def main():
                 fsdp = FSDP(model, auto_wrap_policy=policy(model), device_id=torch.device("cpu"), use_orig_params=USE_ORIG_PARAMS)
                 got = train(target, fsdp, TRAIN_STEPS)
                 want = train(target, ref, TRAIN_STEPS)
-                if rank0:
-                    print(f"training losses {got} vs unsharded {want}")
+                if not close(got, want):
+                    wrong.append(f"training losses {got}, the unsharded model's {want}")
             except Exception as e:
-                if rank0:
-                    print(f"training raised {type(e).__name__}: {e}")
-    if rank0:
-        print(EXPECTED)
-    dist.barrier()
-    dist.destroy_process_group()
+                wrong.append(f"training raised {type(e).__name__}: {str(e).splitlines()[0]}")
+    finish("; ".join(wrong) or None, "FSDP wrapped, kept the state-dict keys and trained as the unsharded model")
 
 
 if __name__ == "__main__":
@@ -208,9 +229,9 @@ if __name__ == "__main__":
 _FSDP2 = '''
 def main():
     try:
-        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
     except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+        from torch.distributed._composable.fsdp import fully_shard, register_fsdp_forward_method
 
     def shard(model):
         modules = dict(model.named_modules())
@@ -220,17 +241,15 @@ def main():
             fully_shard(mods if len(mods) > 1 else mods[0], **kw)
 
     init()
-    rank0 = dist.get_rank() == 0
+    wrong = []
     target, model = build()
     _, ref = build()
-    modules = dict(model.named_modules())
     try:
         shard(model)
         for name in REGISTER:
             register_fsdp_forward_method(model, name)
     except Exception as e:
-        if rank0:
-            print(f"FSDP2 raised {type(e).__name__}: {e}")
+        wrong.append(f"fully_shard raised {type(e).__name__}: {str(e).splitlines()[0]}")
         model = None
     if model is not None:
         calls = [("forward", dict(target.inputs(SEED)))] + [(n, method_kwargs(target, n)) for n in CALLS]
@@ -239,16 +258,14 @@ def main():
             try:
                 out = fn(**kw)
             except Exception as e:
-                if rank0:
-                    print(f"{name} raised {type(e).__name__}: {e}")
+                wrong.append(f"{name} raised {type(e).__name__}: {str(e).splitlines()[0]}")
                 break
-            equal = same(out, ref_fn(**kw))
-            states = []
+            if not same(out, ref_fn(**kw)):
+                wrong.append(f"{name}'s output differs from the unsharded model's")
             for (paths, reshard), own in zip(GROUPS, MANAGED):
                 sharded = {hasattr(functools.reduce(getattr, f.split("."), model), "device_mesh") for f in own}
-                states.append(f"{paths}: {'sharded' if sharded == {True} else 'full' if sharded == {False} else 'mixed'}")
-            if rank0:
-                print(f"{name}: output equals the unsharded model's: {equal}; after it: {'; '.join(states)}")
+                if reshard is True and sharded != {True}:
+                    wrong.append(f"after {name} the group {list(paths)} (reshard_after_forward=True) is not sharded")
         if TRAIN_STEPS:  # fresh models: an optimizer made after a forward would hold the root's unsharded parameters
             try:
                 _, model = build()
@@ -256,15 +273,11 @@ def main():
                 shard(model)
                 got = train(target, model, TRAIN_STEPS)
                 want = train(target, ref, TRAIN_STEPS)
-                if rank0:
-                    print(f"training losses {got} vs unsharded {want}")
+                if not close(got, want):
+                    wrong.append(f"training losses {got}, the unsharded model's {want}")
             except Exception as e:
-                if rank0:
-                    print(f"training raised {type(e).__name__}: {e}")
-    if rank0:
-        print(EXPECTED)
-    dist.barrier()
-    dist.destroy_process_group()
+                wrong.append(f"training raised {type(e).__name__}: {str(e).splitlines()[0]}")
+    finish("; ".join(wrong) or None, "every call's output as the unsharded model's, the groups resharded, training as the unsharded model")
 
 
 if __name__ == "__main__":
@@ -315,17 +328,18 @@ def _expected(case: ModelCase) -> str:
     return "\n".join(lines)
 
 
-def model_script(case: ModelCase, violations: list | None = None, title: str = "") -> str:
+def model_script(case: ModelCase, violations: list | None = None, title: str = "", *, modes=None, finding: str = "",
+                 name: str = "repro.py") -> str:
+    """A script (torch only, besides importing the target's package) that wraps
+    the target's model as the case says, compares with the unsharded model
+    and the oracle, and prints the verdict."""
     import torch
 
+    from conformance.areas.common.repro import DEFAULT_MODES, header
 
-    head = [
-        f'"""fsdp-conformance reproduction{": " + title if title else ""} on target {case.target} ({case.plan.api})',
-        f"found with torch {torch.__version__}",
-        *[str(v) for v in violations or ()],
-        "run: python repro.py   or   torchrun --nproc-per-node 2 repro.py",
-        '(torch only, besides importing the target\'s package)"""',
-    ]
+    doc = header(f"{title + ' ' if title else ''}on target {case.target} ({case.plan.api})", violations, _expected(case),
+                 modes or DEFAULT_MODES, finding, name)
+    head = [doc]
     consts = [
         f"TARGET = {case.target!r}",
         f"SEED = {case.seed!r}",
@@ -333,10 +347,12 @@ def model_script(case: ModelCase, violations: list | None = None, title: str = "
         f"TRAIN_STEPS = {case.train.steps if case.train else 0!r}",
         f"OPTIMIZER = {case.train.optimizer if case.train else 'SGD'!r}",
         f"LR = {case.train.lr if case.train else 0.05!r}",
-        f"EXPECTED = {_expected(case)!r}",
     ]
     if case.plan.api == "fsdp1":
-        consts += [f"POLICY = {_policy_literal(case.plan.policy, case.target)}", f"USE_ORIG_PARAMS = {case.plan.use_orig_params!r}"]
+        from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+
+        consts += [f"POLICY = {_policy_literal(case.plan.policy, case.target)}", f"USE_ORIG_PARAMS = {case.plan.use_orig_params!r}",
+                   f"EXPECT_ERROR = {predict_fsdp1(case).error is not None}  # the frozen-parameter ValueError (the oracle)"]
         body = _FSDP1
     else:
         order = shard_order(case.plan, graph_of(case))

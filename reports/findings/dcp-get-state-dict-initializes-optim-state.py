@@ -1,18 +1,17 @@
-"""Finding dcp-get-state-dict-initializes-optim-state (torch 2.13.0, 2.14.1).
+"""Finding: dcp-get-state-dict-initializes-optim-state
 
 get_state_dict / get_optimizer_state_dict on an optimizer that has no state
 yet (no parameter has trained: all were frozen until now, as in a job that
 unfreezes layers progressively) runs a zero-gradient optimizer step
 (_init_optim_state) on the live optimizer: every parameter that requires grad
-gets state it never had (SGD: a momentum buffer; Adam: step=1 and zero
-moments). The saved checkpoint holds that state, the optimizer keeps it, and
-Adam's next real step is its second (another bias correction than the same
-training without the checkpoint). Expected (docstring: "Return the combined
-state_dict for optimizers"): the optimizer's state dict, as
-Optimizer.state_dict() gives it (no state), and the optimizer unchanged.
+gets state it never had (Adam: step=1 and zero moments). The checkpoint holds
+that state, the optimizer keeps it, and Adam's next real step is its second.
+Expected (docstring: "Return the combined state_dict for optimizers"): the
+optimizer's state dict as Optimizer.state_dict() gives it (no state), and the
+optimizer unchanged.
 
-Run: python dcp-get-state-dict-initializes-optim-state.py   (one gloo rank), or
-     torchrun --nproc-per-node 2 dcp-get-state-dict-initializes-optim-state.py
+Run: python dcp-get-state-dict-initializes-optim-state.py
+Run: torchrun --nproc-per-node 2 dcp-get-state-dict-initializes-optim-state.py
 """
 
 import os
@@ -25,30 +24,40 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.fsdp import fully_shard
 
 
-def main():
+def init():
+    """torchrun sets RANK; a plain `python` run is one gloo rank on a free port."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
-    torch.manual_seed(0)
+
+
+def finish(deviation, as_specified):
+    """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, deviation)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        found = next((d for d in seen if d), None)
+        print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
+
+
+def main():
+    init()
     model = nn.Linear(4, 4)
     model.requires_grad_(False)  # frozen for now
     fully_shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)  # every parameter, frozen or not
     opt.step()  # a step while everything is frozen: no gradients, no state
     model.weight.requires_grad_(True)  # unfrozen, not trained yet
-    before = {n: dict(opt.state.get(p, {})) for n, p in model.named_parameters()}
     got = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    after = {n: sorted(opt.state.get(p, {})) for n, p in model.named_parameters()}
-    if dist.get_rank() == 0:
-        print(f"optimizer state before: {before}")
-        print(f"get_optimizer_state_dict returned state for {sorted(got['state'])}: "
-              f"{ {k: {s: (v.tolist() if v.dim() == 0 else tuple(v.shape)) for s, v in st.items()} for k, st in got['state'].items()} }")
-        print(f"optimizer state after: {after}")
-        print("expected: no state returned, the optimizer's state unchanged (empty)")
-    dist.destroy_process_group()
+    after = {n: sorted(opt.state.get(p, {})) for n, p in model.named_parameters() if opt.state.get(p)}
+    bad = f"it returned state for {sorted(got['state'])} and left the optimizer with {after}" if got["state"] or after else None
+    finish(bad and f"get_optimizer_state_dict on an optimizer without state initialized it: {bad}, expected no state and the optimizer unchanged",
+           "get_optimizer_state_dict returned no state and left the optimizer without state")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Finding dcp-ignore-frozen-params-keeps-aliases (torch 2.13.0).
+"""Finding: dcp-ignore-frozen-params-keeps-aliases
 
 get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
 must leave out every frozen parameter (StateDictOptions docstring: "the
@@ -7,8 +7,8 @@ that the model holds under two names (a tied weight, a shared module) is
 removed under the name model.named_parameters() yields first only; its other
 names stay in the state dict. Same under FSDP1 and FSDP2.
 
-Run: python dcp-ignore-frozen-params-keeps-aliases.py   (one gloo rank), or
-     torchrun --nproc-per-node 2 dcp-ignore-frozen-params-keeps-aliases.py
+Run: python dcp-ignore-frozen-params-keeps-aliases.py
+Run: torchrun --nproc-per-node 2 dcp-ignore-frozen-params-keeps-aliases.py
 """
 
 import os
@@ -21,6 +21,27 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 
+def init():
+    """torchrun sets RANK; a plain `python` run is one gloo rank on a free port."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+
+
+def finish(deviation, as_specified):
+    """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, deviation)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        found = next((d for d in seen if d), None)
+        print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
+
+
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -29,26 +50,16 @@ class Model(nn.Module):
         self.proj.weight.requires_grad_(False)
         self.head_weight = self.proj.weight  # tied: the same frozen Parameter under a second name
 
-    def forward(self, x):
-        return self.proj(x) * self.scale
-
 
 def main():
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    init()
     model = Model()
     frozen = sorted(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
     fully_shard(model)
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
     kept = sorted(k for k in sd if k in frozen)
-    if dist.get_rank() == 0:
-        print(f"frozen parameter names: {frozen}")
-        print(f"expected: none of them in the state dict; got: {kept}")
-    dist.destroy_process_group()
+    finish(kept and f"get_model_state_dict(ignore_frozen_params=True) kept the frozen {kept} (frozen names: {frozen}), expected none of them",
+           f"no frozen name ({frozen}) is in the state dict")
 
 
 if __name__ == "__main__":

@@ -1,25 +1,51 @@
-# fsdp-conformance reproduction: FROZEN-ERROR
-# found with torch 2.13.0+cpu
-# [FROZEN-ERROR] ValueError names module block1.block2.adapter1.norm2, expected block1.proj0
-# (form 2, build_parent: the thorough profile's case: a shared module's parent unit credited with its parameters)
-# run: python repro.py   or   torchrun --nproc-per-node 2 repro.py
+"""fsdp-conformance reproduction: FROZEN-ERROR
 
-import functools
+Found with torch 2.13.0+cpu.
+
+Expected (the oracle, from the FSDP spec):
+  ValueError naming block1.proj0: trainable ['block1.proj0.bias'], frozen ['block1.proj0.weight']
+
+Finding: fsdp1-frozen-check-shared-module-order
+Run: python fsdp1-frozen-check-shared-module-order.py
+Run: torchrun --nproc-per-node 2 fsdp1-frozen-check-shared-module-order.py
+"""
+
+import ast
 import os
+import re
 import socket
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
-from torch.distributed.fsdp.wrap import (
-    CustomPolicy,
-    ModuleWrapPolicy,
-    lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+BACKEND = os.environ.get("FSDP_REPRO_BACKEND", "gloo")  # nccl: every rank on its GPU (cuda:LOCAL_RANK)
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if BACKEND == "nccl" else torch.device("cpu")
+
+
+def init():
+    """torchrun sets RANK; a plain `python` run is one rank on a free port."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(BACKEND)
+
+
+def finish(deviation, as_specified):
+    """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, deviation)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        found = next((d for d in seen if d), None)
+        print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
 
 
 class ModelDict(nn.ModuleDict):
@@ -43,6 +69,14 @@ class MLPSeq(nn.Sequential):
 
 
 class Adapter(nn.Module):
+    pass
+
+
+class ModelSeq(nn.Sequential):
+    pass
+
+
+class LayerDict(nn.ModuleDict):
     pass
 
 
@@ -77,107 +111,50 @@ def build():
     m11.weight.requires_grad_(False)
     m0.add_module('shared0', m3)  # shared module
     policy = ModuleWrapPolicy({nn.Module})
-    return m0, policy, dict(use_orig_params=False)
+    return m0, policy
 
 
-EXPECTED = "Expected (the oracle, from the FSDP spec):\n  ValueError naming block1.proj0: trainable ['block1.proj0.bias'], frozen ['block1.proj0.weight']"
+def first_names(model):
+    """id(module or parameter) -> its first name in the unwrapped model, and
+    each of its names -> the first (FSDP and torch's messages may use any)."""
+    first, alias = {}, {}
+    for name, obj in [*model.named_modules(remove_duplicate=False), *model.named_parameters(remove_duplicate=False)]:
+        alias[name] = first.setdefault(id(obj), name)
+    return first, alias
 
 
-
-class ModelSeq(nn.Sequential):
-    pass
-
-
-class LayerDict(nn.ModuleDict):
-    pass
-
-
-def build_parent():
-    """Second form (the thorough profile, torch 2.13.0): the shared Linear is
-    first registered inside the Attention unit (attention1.shared0), last at
-    the root ('4'). The simulation visits it at '4', after attention1, so it
-    credits attention1 (frozen weight) with the Linear's trainable weight:
-    attention1 reported as mixed, while the unit that mixes is the root
-    ('3.weight' trainable, the LayerNorm frozen)."""
-    torch.manual_seed(0)
-    m0 = ModelSeq()
-    for i in range(3):
-        m0.add_module(str(i), nn.Linear(1, 1, bias=False))
-    m4 = Block()
-    m0.add_module('3', m4)
-    m4.register_parameter('weight', nn.Parameter(torch.randn(1, 1)))
-    m5 = LayerDict()
-    m4.add_module('layerdict0', m5)
-    m6 = nn.LayerNorm(1)
-    m5.add_module('norm0', m6)
-    m6.weight.requires_grad_(False)
-    m6.bias.requires_grad_(False)
-    m7 = Attention()
-    m5.add_module('attention1', m7)
-    m7.register_parameter('weight', nn.Parameter(torch.randn(1, 1)))
-    m7.weight.requires_grad_(False)
-    m8 = nn.Linear(1, 1, bias=False)
-    m0.add_module('4', m8)
-    m7.add_module('shared0', m8)  # shared module: first registered here
-    return m0, ModuleWrapPolicy({nn.Linear, Attention}), dict(use_orig_params=False)
+def frozen_message(text, alias):
+    """torch's frozen-parameter error or warning, parsed: (module, trainable,
+    frozen, total numel, trainable numel), first names; None for another text."""
+    m = re.match(r"(.*?) has both parameters with requires_grad=True and False\.(.*)requires_grad=True:\n(\[.*?\])\n"
+                 r".*requires_grad=False:\n(\[.*?\])\s*$", text, re.S)
+    if m is None:
+        return None
+    n = re.search(r"\((\d+) numel instead of (\d+) numel", m[2])
+    trainable, frozen = (sorted(alias.get(f, f) for f in ast.literal_eval(s)) for s in (m[3], m[4]))
+    return (alias.get(m[1], m[1]), trainable, frozen, *(map(int, n.groups()) if n else (None, None)))
 
 
-EXPECTED_PARENT = "Expected (the oracle, from the FSDP spec):\n  ValueError naming <root>: trainable ['3.weight'], frozen ['3.layerdict0.norm0.weight', '3.layerdict0.norm0.bias']"
-
-
-def show_pre_wrap_simulation(build=build):
-    """What torch's helpers behind _validate_frozen_params say each unit will manage."""
-    from torch.distributed.fsdp._wrap_utils import _get_managed_param_to_fqn, _get_post_order_named_modules
-
-    model, policy, kwargs = build()
-    if not hasattr(policy, "_run_policy"):
-        return  # callable policies are not simulated by torch
-    ignored = {p for m in kwargs.get("ignored_modules", []) for p in m.parameters()} | set(kwargs.get("ignored_states", []))
-    targets = set(policy._run_policy(model, set(kwargs.get("ignored_modules", [])), {})) | {model}
-    visited = set()
-    for name, module in _get_post_order_named_modules(model):
-        if module in targets:
-            managed = _get_managed_param_to_fqn(module, ignored, visited, name)
-            print(f"pre-wrap simulation: unit {name or '<root>'!r} would manage {list(managed.values())}")
+EXPECTED_ERROR = ('block1.proj0', ['block1.proj0.bias'], ['block1.proj0.weight'])  # the ValueError's (module, trainable, frozen): the first mixed unit in post-order
 
 
 def main():
-    if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    for form, (build_fn, expected) in enumerate(((build, EXPECTED), (build_parent, EXPECTED_PARENT))):
-        if dist.get_rank() == 0:
-            print(f"--- form {form + 1}")
-        one(build_fn, expected)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def one(build, expected):
-    if dist.get_rank() == 0:
-        show_pre_wrap_simulation(build)
-    model, policy, kwargs = build()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            fsdp = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), **kwargs)
-        except Exception as e:
-            fsdp = None
-            print(f"FSDP raised {type(e).__name__}: {e}")
-    for w in caught:
-        print(f"{w.category.__name__}: {w.message}")
-    if fsdp is not None and dist.get_rank() == 0:
-        for name, unit in fsdp.named_modules():
-            if isinstance(unit, FSDP):
-                name = name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
-                fqns = list(unit._handle.flat_param._fqns) if unit._handle else []
-                print(f"FSDP unit {name or '<root>'!r} manages {fqns}")
-        print("state_dict keys:", [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()])
-    if dist.get_rank() == 0:
-        print(expected)
+    init()
+    model, policy = build()
+    first, alias = first_names(model)
+    try:
+        FSDP(model, auto_wrap_policy=policy, device_id=DEVICE, use_orig_params=False)
+        error = None
+    except Exception as e:
+        error = e
+    wrong = []
+    got = None if error is None else frozen_message(str(error), alias)
+    if not isinstance(error, ValueError) or got is None or got[:3] != EXPECTED_ERROR:
+        what = 'no error' if error is None else f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        got_text = '' if got is None else f" (naming {got[0] or '<root>'}: trainable {got[1]}, frozen {got[2]})"
+        wrong.append(f"FSDP gave {what}{got_text}, expected a ValueError naming {EXPECTED_ERROR[0] or '<root>'} "
+                     f"with trainable {EXPECTED_ERROR[1]} and frozen {EXPECTED_ERROR[2]}")
+    finish('; '.join(wrong) or None, 'FSDP raised the ValueError naming block1.proj0 and its trainable and frozen parameters')
 
 
 if __name__ == "__main__":

@@ -1,23 +1,52 @@
-# fsdp-conformance reproduction: a Parameter tied across two FSDP units is flattened into both (use_orig_params=False)
-# found with torch 2.13.0+cpu
-# run: python repro.py   or   torchrun --nproc-per-node 2 repro.py
+"""fsdp-conformance reproduction: a Parameter tied across two FSDP units is flattened into both (use_orig_params=False)
 
-import functools
+Found with torch 2.13.0+cpu.
+
+Expected (the oracle, from the FSDP spec):
+  FSDP unit 'a' manages ['a.l.weight', 'a.l.bias']
+  FSDP unit 'b' manages ['b.l.bias']
+  FSDP unit '<root>' manages ['scale', 'z.weight', 'z.bias']
+  an error: tied a.l.weight would live in unit a, below the common ancestor <root>
+
+Finding: fsdp1-tied-param-flattened-twice
+Run: python fsdp1-tied-param-flattened-twice.py
+Run: torchrun --nproc-per-node 2 fsdp1-tied-param-flattened-twice.py
+"""
+
 import os
 import socket
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
-from torch.distributed.fsdp.wrap import (
-    CustomPolicy,
-    ModuleWrapPolicy,
-    lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+BACKEND = os.environ.get("FSDP_REPRO_BACKEND", "gloo")  # nccl: every rank on its GPU (cuda:LOCAL_RANK)
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if BACKEND == "nccl" else torch.device("cpu")
+
+
+def init():
+    """torchrun sets RANK; a plain `python` run is one rank on a free port."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(BACKEND)
+
+
+def finish(deviation, as_specified):
+    """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, deviation)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        found = next((d for d in seen if d), None)
+        print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
 
 
 class M(nn.Module):
@@ -48,59 +77,83 @@ def build():
     m0.add_module('z', m5)
     setattr(m4, 'weight', m2.weight)  # tied parameter
     policy = ModuleWrapPolicy({A})
-    return m0, policy, dict(use_orig_params=False)
+    return m0, policy
 
 
-EXPECTED = "Expected (the oracle, from the FSDP spec):\n  FSDP unit 'a' manages ['a.l.weight', 'a.l.bias']\n  FSDP unit 'b' manages ['b.l.bias']\n  FSDP unit '<root>' manages ['scale', 'z.weight', 'z.bias']\n  an error: tied a.l.weight would live in unit a, below the common ancestor <root>"
+def first_names(model):
+    """id(module or parameter) -> its first name in the unwrapped model, and
+    each of its names -> the first (FSDP and torch's messages may use any)."""
+    first, alias = {}, {}
+    for name, obj in [*model.named_modules(remove_duplicate=False), *model.named_parameters(remove_duplicate=False)]:
+        alias[name] = first.setdefault(id(obj), name)
+    return first, alias
 
 
-
-def show_pre_wrap_simulation():
-    """What torch's helpers behind _validate_frozen_params say each unit will manage."""
+def simulate(model, policy, first):
+    """What torch's pre-wrap check (_validate_frozen_params) takes each unit to manage."""
     from torch.distributed.fsdp._wrap_utils import _get_managed_param_to_fqn, _get_post_order_named_modules
 
-    model, policy, kwargs = build()
-    if not hasattr(policy, "_run_policy"):
-        return  # callable policies are not simulated by torch
-    ignored = {p for m in kwargs.get("ignored_modules", []) for p in m.parameters()} | set(kwargs.get("ignored_states", []))
-    targets = set(policy._run_policy(model, set(kwargs.get("ignored_modules", [])), {})) | {model}
-    visited = set()
+    targets = set(policy._run_policy(model, set(), {})) | {model}
+    visited, out = set(), {}
     for name, module in _get_post_order_named_modules(model):
         if module in targets:
-            managed = _get_managed_param_to_fqn(module, ignored, visited, name)
-            print(f"pre-wrap simulation: unit {name or '<root>'!r} would manage {list(managed.values())}")
+            out[first[id(module)]] = sorted(first[id(p)] for p in _get_managed_param_to_fqn(module, set(), visited, name))
+    return out
+
+
+def units(fsdp, first, alias):
+    """(unit path, the first names of the parameters it manages), in creation order."""
+    out = []
+    for unit in FSDP.fsdp_modules(fsdp):
+        path = first[id(unit.module)]
+        fqns = unit._handle.flat_param._fqns if unit._handle else ()
+        out.append((path, sorted(alias[f"{path}.{f}" if path else f] for f in fqns)))
+    return out
+
+
+EXPECTED_UNITS = {'a': ['a.l.bias', 'a.l.weight'], 'b': ['b.l.bias'], '': ['scale', 'z.bias', 'z.weight']}  # unit path: the parameters it manages
+TIES_BELOW_LCA = [('a.l.weight', 'a', '')]  # (tied parameter, its unit, its users' common ancestor): FSDP must reject these
 
 
 def main():
-    if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    if dist.get_rank() == 0:
-        show_pre_wrap_simulation()
-    model, policy, kwargs = build()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            fsdp = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), **kwargs)
-        except Exception as e:
-            fsdp = None
-            print(f"FSDP raised {type(e).__name__}: {e}")
-    for w in caught:
-        print(f"{w.category.__name__}: {w.message}")
-    if fsdp is not None and dist.get_rank() == 0:
-        for name, unit in fsdp.named_modules():
-            if isinstance(unit, FSDP):
-                name = name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
-                fqns = list(unit._handle.flat_param._fqns) if unit._handle else []
-                print(f"FSDP unit {name or '<root>'!r} manages {fqns}")
-        print("state_dict keys:", [k.replace("_fsdp_wrapped_module.", "") for k in fsdp.state_dict()])
-    if dist.get_rank() == 0:
-        print(EXPECTED)
-    dist.barrier()
-    dist.destroy_process_group()
+    init()
+    model, policy = build()
+    first, alias = first_names(model)
+    sim = simulate(model, policy, first)
+    try:
+        fsdp = FSDP(model, auto_wrap_policy=policy, device_id=DEVICE, use_orig_params=False)
+        error = None
+    except Exception as e:
+        fsdp, error = None, e
+    wrong = []
+    if error is not None and any(w in str(error).lower() for w in ('shared', 'tied', 'tying')):
+        return finish(None, f"FSDP rejected the tie below its users' common ancestor: {str(error).splitlines()[0]}")
+    if error is not None:
+        return finish(f"FSDP raised {type(error).__name__}: {str(error).splitlines()[0]} (expected it to wrap)", None)
+    mine = units(fsdp, first, alias)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if any(u != mine for u in everyone):  # (then state_dict's collectives would not match: stop here)
+        return finish(f"the ranks built different FSDP units: {everyone}", None)
+    got = {}
+    for path, managed in mine:
+        got.setdefault(path, []).append(managed)
+    for path in sorted(EXPECTED_UNITS.keys() | got.keys()):
+        if path not in got or path not in EXPECTED_UNITS or len(got[path]) > 1:
+            n = len(got.get(path, ()))
+            wrong.append(f"module {path or '<root>'} is wrapped by {n} FSDP unit(s), expected {int(path in EXPECTED_UNITS)}")
+        elif got[path][0] != EXPECTED_UNITS[path]:
+            wrong.append(f"unit {path or '<root>'} manages {got[path][0]}, expected {EXPECTED_UNITS[path]}")
+    managed = [f for _, fqns in mine for f in fqns]
+    for f in sorted({f for f in managed if managed.count(f) > 1}):
+        wrong.append(f"parameter {f} is managed by {managed.count(f)} units, expected 1")
+    for path, fqns in sorted(sim.items()):
+        if path in got and fqns != got[path][0]:
+            wrong.append(f"torch's pre-wrap simulation gives unit {path or '<root>'} {fqns}, the wrap {got[path][0]}")
+    for fqn, unit, lca in TIES_BELOW_LCA:
+        wrong.append(f"tied {fqn} lives in unit {unit or '<root>'}, below its users' common ancestor {lca or '<root>'}, "
+                     "and FSDP accepted it (expected an error)")
+    finish('; '.join(wrong) or None, 'FSDP wrapped the model with the expected units, each unit managing the expected parameters, each parameter managed once, ties managed once and kept, the same units on every rank')
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Finding load-state-dict-assign-unties (torch 2.13.0).
+"""Finding: load-state-dict-assign-unties
 
 nn.Module.load_state_dict(state_dict, assign=True) -- the load FSDP2's
 meta-device recipe uses (DTensors laid out as the model's, assign=True), and
@@ -8,18 +8,38 @@ names that shared one Parameter (tied weights: an LM head and its embedding)
 no longer do, and model.parameters() has one more entry per tie. Expected:
 tied names still share one Parameter, the parameter count unchanged.
 
-Run: python load-state-dict-assign-unties.py   (one gloo rank), or
-     torchrun --nproc-per-node 2 load-state-dict-assign-unties.py
+Run: python load-state-dict-assign-unties.py
+Run: torchrun --nproc-per-node 2 load-state-dict-assign-unties.py
 """
 
 import os
 import socket
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
+
+
+def init():
+    """torchrun sets RANK; a plain `python` run is one gloo rank on a free port."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+
+
+def finish(deviation, as_specified):
+    """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, deviation)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        found = next((d for d in seen if d), None)
+        print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
 
 
 class LM(nn.Module):
@@ -29,34 +49,19 @@ class LM(nn.Module):
         self.head = nn.Linear(3, 5, bias=False)
         self.head.weight = self.embed.weight  # tied
 
-    def forward(self, x):
-        return self.head(self.embed(x))
-
-
-def report(what, model):
-    tied = model.head.weight is model.embed.weight
-    n = len(list(model.parameters()))
-    if dist.get_rank() == 0:
-        print(f"{what}: tied {tied}, {n} parameters (expected: tied True, 1 parameter)")
-
 
 def main():
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    init()
     full = {k: v.clone() for k, v in LM().state_dict().items()}
     plain = LM()
     plain.load_state_dict(full, assign=True)
-    report("plain module, load_state_dict(assign=True)", plain)
     model = LM()
     fully_shard(model)
-    sharded = {k: distribute_tensor(full[k], v.device_mesh, v.placements) for k, v in model.state_dict().items()}
-    model.load_state_dict(sharded, assign=True)
-    report("fully_shard, load_state_dict(DTensor state dict, assign=True)", model)
-    dist.destroy_process_group()
+    model.load_state_dict({k: distribute_tensor(full[k], v.device_mesh, v.placements) for k, v in model.state_dict().items()}, assign=True)
+    untied = [what for what, m in (("a plain module", plain), ("a fully_shard module (DTensor state dict)", model))
+              if m.head.weight is not m.embed.weight]
+    finish(untied and f"load_state_dict(assign=True) untied head.weight and embed.weight in {' and '.join(untied)} (expected one Parameter)",
+           "load_state_dict(assign=True) kept the tie")
 
 
 if __name__ == "__main__":

@@ -269,7 +269,7 @@ def test_a_case_of_an_api_without_a_torch_only_generator_replays_through_the_sui
     script = repro.suite_script(spec, ["[WRAP-UNITS] something"], "WRAP-UNITS")
     compile(script, "repro.py", "exec")
     assert "from conformance.cli import main" in script and "INVARIANT = 'WRAP-UNITS'" in script
-    assert repro_script(spec, [], "WRAP-UNITS").startswith("# fsdp-conformance reproduction: WRAP-UNITS\n")
+    assert repro_script(spec, [], "WRAP-UNITS").startswith('"""fsdp-conformance reproduction: WRAP-UNITS\n')
     assert area_of("WRAP-UNITS").repro is fsdp1_script and area_of("PARITY").repro is repro.suite_script
 
 

@@ -11,32 +11,40 @@ import dataclasses
 import textwrap
 
 from conformance.areas.common.fsdp2_oracle import shard_order
-from conformance.areas.common.repro import FSDP2_RUNTIME, class_code, model_lines, policy_code
+from conformance.areas.common.repro import (
+    FSDP2_RUNTIME,
+    HARNESS,
+    assemble,
+    class_code,
+    from_import,
+    header,
+    model_lines,
+    policy_code,
+    policy_imports,
+)
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, WrapPlan
 from conformance.case.tree import walk
 
-_IMPORTS = '''
-import functools
-import os
-import shutil
-import socket
-import sys
-import tempfile
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
-)
-from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType, fully_shard
-from torch.distributed.fsdp.wrap import (
-    CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
-)
-'''
+def _imports(spec: CaseSpec) -> str:
+    """What the script uses: the phases' own imports and the two plans' (fully_shard, an FSDP1 policy)."""
+    plans = [spec.plan, spec.ckpt.load_plan or spec.plan]
+    pol = [policy_imports(_with_plan(spec, p)) for p in plans if p.api == "fsdp1"]
+    plain = sorted({i for imps, _ in pol for i in imps if not i.startswith("from")})
+    froms = sorted({i for imps, _ in pol for i in imps if i.startswith("from")})
+    fsdp = ["FullStateDictConfig", "FullyShardedDataParallel as FSDP", "StateDictType"] + (["fully_shard"] if any(p.api == "fsdp2" for p in plans) else [])
+    fsdp += sorted({n for _, names in pol for n in names})
+    return "\n".join([
+        *sorted({"import functools", "import os", "import shutil", "import socket", "import sys", "import tempfile", *plain}), "",
+        "import torch", "import torch.distributed as dist", "import torch.distributed.checkpoint as dcp", "import torch.nn as nn",
+        "import torch.nn.functional as F",
+        *from_import("torch.distributed.checkpoint.state_dict", ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict",
+                                                               "get_state_dict", "set_model_state_dict", "set_state_dict"]),
+        *from_import("torch.distributed.fsdp", fsdp),
+        *froms,
+    ])
+
 
 _MAIN = '''
 def full(t):
@@ -79,9 +87,15 @@ def full_state_dict():
             got = {k.replace("_fsdp_wrapped_module.", ""): v for k, v in model.state_dict().items()}
     else:
         got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=OFFLOAD, ignore_frozen_params=IGNORE_FROZEN))
-    show("keys", sorted(got))
-    show("the unwrapped model's keys", sorted(want))
-    show("values that differ", sorted(k for k, v in got.items() if k in want and not torch.equal(full(v), want[k])))
+    if RANK0_ONLY and FULL_SD == "fsdp1-full" and dist.get_rank() > 0:
+        want = {}
+    if IGNORE_FROZEN:
+        want = {k: v for k, v in want.items() if k not in FROZEN_NAMES}
+    if sorted(got) != sorted(want):
+        WRONG.append(f"[rank {dist.get_rank()}] the full state dict has keys {sorted(got)}, expected {sorted(want)}")
+    differ = sorted(k for k, v in got.items() if k in want and not torch.equal(full(v), want[k]))
+    if differ:
+        WRONG.append(f"[rank {dist.get_rank()}] the full state dict's values of {differ} differ from the unwrapped model's")
 
 
 def ties_kept():
@@ -119,8 +133,10 @@ def ties_kept():
             set_model_state_dict(model, src, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast))
     for group in TIED:
         objs = {id(model.get_parameter(n)) if SAVE_PLAN[0] == "fsdp2" else id(functools.reduce(getattr, n.split("."), model)) for n in group}
-        show(f"tied names {group} share one Parameter", len(objs) == 1)
-    show("parameters before / after", (n_before, len(list(model.parameters()))))
+        if len(objs) > 1:
+            WRONG.append(f"after the load ({LOAD_PATH}) the tied names {list(group)} are {len(objs)} Parameters, expected one")
+    if len(list(model.parameters())) != n_before:
+        WRONG.append(f"the model has {len(list(model.parameters()))} parameters after the load, {n_before} before")
 
 
 def save(path):
@@ -154,17 +170,20 @@ def load(path):
         dcp.load(state, checkpoint_id=os.path.join(path, "ckpt"))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except BaseException as e:  # CheckpointException is a BaseException
-        show("the load raised", f"{type(e).__name__}: {first_failure(e)}")
+        WRONG.append(f"[rank {dist.get_rank()}] the load raised {type(e).__name__}: {first_failure(e)}")
         return
     opts = StateDictOptions(full_state_dict=True)
     saved = torch.load(os.path.join(path, "saved.pt"), weights_only=False)
     got_model, got_optim = get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)
-    show("model values that differ from the saved", sorted(k for k in saved["model"] if k not in got_model or not torch.equal(got_model[k], saved["model"][k])))
-    show("optimizer state saved for", sorted(saved["optim"]["state"]))
-    show("optimizer state after the load for", sorted(got_optim["state"]))
+    differ = sorted(k for k in saved["model"] if k not in got_model or not torch.equal(got_model[k], saved["model"][k]))
+    if differ:
+        WRONG.append(f"[rank {dist.get_rank()}] after the load the model values of {differ} differ from the saved")
+    if sorted(got_optim["state"]) != sorted(saved["optim"]["state"]):
+        WRONG.append(f"[rank {dist.get_rank()}] optimizer state saved for {sorted(saved['optim']['state'])}, after the load for {sorted(got_optim['state'])}")
     changed = [f"{f}.{k}" for f, st in saved["optim"]["state"].items() if f in got_optim["state"]
                for k, v in st.items() if not torch.equal(torch.as_tensor(got_optim["state"][f].get(k, float("nan"))), torch.as_tensor(v))]
-    show("optimizer state that differs from the saved", changed)
+    if changed:
+        WRONG.append(f"[rank {dist.get_rank()}] the loaded optimizer state of {changed} differs from the saved")
 
 
 def first_failure(e):
@@ -178,15 +197,6 @@ def first_failure(e):
     return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
 
 
-def init():
-    if "RANK" not in os.environ:  # plain `python`: a one-process gloo group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-
-
 def note_world(phase):
     """The deviation may depend on the case's world sizes (one rank: FSDP1
     switches to NO_SHARD and keeps whole parameters): say so when this run
@@ -197,20 +207,14 @@ def note_world(phase):
              "(what depends on the sharding may not show: see the run line at the top)")
 
 
+WRONG = []  # what differs from the spec, on this rank
+
+
 def main():
     init()
-    try:
-        run_case()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    # every rank leaves here: a barrier, then exit without tearing the group
-    # down (gloo's teardown can abort a rank now and then: "terminate called
-    # without an active exception")
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_case()
+    finish("; ".join(WRONG) or None, {"full": "the full state dict has the unwrapped model's keys and values",
+                                      "ties": "the tied names still share one Parameter after the load"}.get(PHASE, "the load restored the saved model and optimizer state"))
 
 
 def run_case():
@@ -251,7 +255,7 @@ def _wrap_code(spec: CaseSpec, var: dict[str, str]) -> str:
             case = _with_plan(spec, plan)
             pol = policy_code(case, {p: f"mods[{p!r}]" for p in var})
             out.append(textwrap.indent(pol, "        "))
-            out.append(f"        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device('cpu'), use_orig_params={plan.use_orig_params}, param_init_fn=param_init_fn)")
+            out.append(f"        return FSDP(model, auto_wrap_policy=policy, device_id=DEVICE, use_orig_params={plan.use_orig_params}, param_init_fn=param_init_fn)")
         else:
             for grp in shard_order(_with_plan(spec, plan), ModelGraph(spec)):
                 target = "[" + ", ".join(f"mods[{m!r}]" for m in grp.modules) + "]" if len(grp.modules) > 1 else f"mods[{grp.modules[0]!r}]"
@@ -266,18 +270,19 @@ def _with_plan(spec: CaseSpec, plan: WrapPlan) -> CaseSpec:
     return dataclasses.replace(spec, plan=plan, ckpt=None)
 
 
-def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
-    import torch
-
+def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "", *, modes=None, finding: str = "",
+                name: str = "repro.py") -> str:
+    """A torch-only script for the case's checkpoint phase: it compares what
+    it gets with what the spec says and prints the verdict."""
     ck = spec.ckpt
     phase = PHASE.get(title, "roundtrip")
-    head = [f"# fsdp-conformance reproduction (checkpoint){': ' + title if title else ''}", f"# found with torch {torch.__version__}"]
-    head += [f"# {v}" for v in violations or ()]
-    if phase == "roundtrip":
-        head.append(f"# run: torchrun --nproc-per-node {ck.save_world} repro.py save DIR && torchrun --nproc-per-node {ck.load_world} repro.py load DIR")
-        head.append("#      (or python repro.py / torchrun ... repro.py: both phases in one world size)")
-    else:
-        head.append(f"# run: torchrun --nproc-per-node {ck.save_world} repro.py   (or python repro.py: one rank)")
+    if modes is None:  # both phases in one world size: the case's save world, or one rank
+        modes = ((f"torchrun --nproc-per-node {ck.save_world} repro.py", True, ""), ("python repro.py", True, ""))
+    expected = {"full": "Expected: the full state dict has the unwrapped model's keys (rank 0 only with rank0_only) and values.",
+                "ties": "Expected: tied names still share one Parameter after the load, the parameter count unchanged."}.get(
+        phase, "Expected: the load restores the saved model values and optimizer state (a world-size change: "
+               f"torchrun --nproc-per-node {ck.save_world} repro.py save DIR, then --nproc-per-node {ck.load_world} repro.py load DIR).")
+    doc = header(f"(checkpoint) {title}".rstrip(), violations, expected, modes, finding, name)
     lines, var = model_lines(spec)
     lines[0] = "torch.manual_seed(seed)"
     graph = ModelGraph(spec)
@@ -309,7 +314,7 @@ def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "")
         f"FULL_SD, OFFLOAD, RANK0_ONLY, IGNORE_FROZEN = {ck.full_sd!r}, {ck.offload}, {ck.rank0_only}, {ck.ignore_frozen}",
         f"LOAD_PATH = {ck.load_path!r}",
         f"SAVE_WORLD, LOAD_WORLD = {ck.save_world}, {ck.load_world}  # the case's world sizes",
+        f"FROZEN_NAMES = {sorted({a for _, pid in graph.named_parameters() if not graph.requires_grad(pid) for a in graph.aliases(pid)})!r}",
     ]) + "\n"
     classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
-    parts = ["\n".join(head), _IMPORTS, FSDP2_RUNTIME, classes, build, _wrap_code(spec, var), consts, _MAIN]
-    return "\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n"
+    return assemble(doc, _imports(spec), [HARNESS, FSDP2_RUNTIME, classes, build, _wrap_code(spec, var), consts, _MAIN])

@@ -8,36 +8,83 @@ import torch
 from conformance.case.spec import CaseSpec, CustomWrap, LambdaWrap, ModuleWrap, SizeBasedWrap, TransformerWrap
 from conformance.case.tree import walk
 
-# The backend and device a repro script runs on, chosen by an environment
-# variable so that the same script runs on CPU (gloo, the default) and on GPUs.
-DEVICE_CODE = '''
-# FSDP_REPRO_BACKEND=nccl: every rank on its GPU (cuda:LOCAL_RANK); default gloo, on CPU
-BACKEND = os.environ.get("FSDP_REPRO_BACKEND", "gloo")
+# The harness every generated script shares (the convention: conformance/run/repros.py):
+# the backend and device, chosen by an environment variable so that the same
+# script runs on CPU (gloo, the default) and on GPUs; the process group for
+# `python` or torchrun; and the verdict line rank 0 prints last.
+HARNESS = '''
+BACKEND = os.environ.get("FSDP_REPRO_BACKEND", "gloo")  # nccl: every rank on its GPU (cuda:LOCAL_RANK)
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if BACKEND == "nccl" else torch.device("cpu")
 
 
-def init_group():
-    if "RANK" not in os.environ:  # plain `python`: a one-process group
+def init():
+    """torchrun sets RANK; a plain `python` run is one rank on a free port."""
+    if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
     if DEVICE.type == "cuda":
         torch.cuda.set_device(DEVICE)
     dist.init_process_group(BACKEND)
 
 
-def end_group():
-    """Every rank leaves here: a barrier, then exit without tearing the group
-    down (gloo's teardown can abort a rank now and then: "terminate called
-    without an active exception")."""
-    import sys
-
+def finish(deviation, as_specified):
+    """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, deviation)
+    rank = dist.get_rank()
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    dist.destroy_process_group()
+    if rank == 0:
+        found = next((d for d in seen if d), None)
+        print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
 '''
+
+# The modes a generated script offers unless its generator is told otherwise:
+# (command, shown, why not), the script named repro.py.
+DEFAULT_MODES = (("python repro.py", True, ""), ("torchrun --nproc-per-node 2 repro.py", True, ""))
+
+
+def header(title: str, violations: list | None = None, expected: str = "", modes=DEFAULT_MODES, finding: str = "",
+           name: str = "repro.py") -> str:
+    """The script's docstring: what it reproduces, what the spec expects, and
+    its modes (``Run:`` / ``Not shown by:`` lines, the script named ``name``)."""
+    lines = [f"fsdp-conformance reproduction{': ' + title if title else ''}", "", f"Found with torch {torch.__version__}."]
+    lines += [f"Seen: {v}" for v in violations or ()]
+    if expected:
+        lines += ["", expected]
+    lines.append("")
+    if finding:
+        lines.append(f"Finding: {finding}")
+    for cmd, shown, why in modes:
+        cmd = cmd.replace("repro.py", name)
+        lines.append(f"Run: {cmd}" if shown else f"Not shown by: {cmd}: {why}")
+    text = "\n".join(lines).replace('"""', "'''").replace("\\", "/")
+    return f'"""{text}\n"""'
+
+
+def from_import(module: str, names) -> list[str]:
+    """``from module import ...`` lines as ruff's isort writes them: the
+    plain names (constants, classes, functions) on one line, wrapped one per
+    line past 140 characters, each ``X as Y`` on its own line, the lines in
+    the order of their first names."""
+    def key(n):
+        return 0 if n.isupper() else 1 if n[0].isupper() else 2, n
+
+    plain = sorted({n for n in names if " as " not in n}, key=key)
+    lines = [(key(n), f"from {module} import {n}") for n in {n for n in names if " as " in n}]
+    if plain:
+        line = f"from {module} import {', '.join(plain)}"
+        lines.append((key(plain[0]), line if len(line) <= 140 else f"from {module} import (\n" + "".join(f"    {n},\n" for n in plain) + ")"))
+    return [line for _, line in sorted(lines)]
+
+
+def assemble(doc: str, imports: str, parts: list[str]) -> str:
+    """A script as ruff's isort and pyflakes want it: the docstring, the
+    imports, then the parts two blank lines apart."""
+    body = "\n\n\n".join(p.strip("\n") for p in parts if p.strip())
+    return f"{doc}\n\n{imports.strip()}\n\n{body}\n"
+
 
 _TORCH = {"Module": "nn.Module", "Sequential": "nn.Sequential", "ModuleList": "nn.ModuleList", "ModuleDict": "nn.ModuleDict"}
 
@@ -93,21 +140,18 @@ def class_code(spec: CaseSpec) -> str:
     return "\n\n".join(out)
 
 
-def suite_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
+def suite_script(spec: CaseSpec, violations: list | None = None, title: str = "", *, modes=None, finding: str = "",
+                 name: str = "repro.py") -> str:
     """A script that replays the case with fsdp-conformance installed (for an
     API that has no torch-only generator yet): checks ``title``'s invariant,
-    or every invariant of the case's API, on the fake tier or $BACKEND."""
-    head = [
-        f"# fsdp-conformance reproduction{': ' + title if title else ''} ({spec.plan.api})",
-        f"# found with torch {torch.__version__}",
-        f"# no torch-only generator for API {spec.plan.api!r} yet: this script replays the case through fsdp-conformance",
-    ]
-    head += [f"# {v}" for v in violations or ()]
-    head.append("# run: python repro.py   (BACKEND=gloo WORLD_SIZE=2 python repro.py for a rank pool)")
+    or every invariant of the case's API, on the fake tier or $BACKEND; its
+    verdict is the check's exit status."""
+    doc = header(f"{title} ({spec.plan.api})" if title else f"({spec.plan.api})", violations,
+                 f"No torch-only generator for API {spec.plan.api!r} yet: this script replays the case through fsdp-conformance "
+                 "(BACKEND=gloo WORLD_SIZE=2 python repro.py for a rank pool).", modes or (("python repro.py", True, ""),), finding, name)
     inv = title if title and title.upper() == title and " " not in title else ""
     body = f'''
 import os
-import sys
 import tempfile
 
 from conformance.cli import main
@@ -119,9 +163,11 @@ if __name__ == "__main__":
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(CASE)
     args = ["check", f.name, "--backend", os.environ.get("BACKEND", "fake"), "--world-size", os.environ.get("WORLD_SIZE", "4")]
-    sys.exit(main(args + (["--invariant", INVARIANT] if INVARIANT else [])))
+    rc = main(args + (["--invariant", INVARIANT] if INVARIANT else []))
+    print(f"DEVIATION: fsdp-conformance check reports a violation (exit status {{rc}})" if rc else
+          "AS SPECIFIED: fsdp-conformance check reports no violation", flush=True)
 '''
-    return "\n".join(head) + "\n" + body
+    return doc + "\n" + body
 
 
 def policy_code(spec: CaseSpec, var: dict[str, str]) -> str:
@@ -147,6 +193,20 @@ def policy_code(spec: CaseSpec, var: dict[str, str]) -> str:
         f"targets = {targets}\nkwargs = {kw_code}\n"
         "policy = CustomPolicy(lambda m: kwargs.get(id(m), True) if any(m is t for t in targets) else False)"
     )
+
+
+def policy_imports(spec: CaseSpec) -> tuple[list[str], list[str]]:
+    """What policy_code's statement needs: import lines, and the names it
+    takes from torch.distributed.fsdp (ShardingStrategy for a CustomPolicy's kwargs)."""
+    pol = spec.plan.policy
+    if pol is None:
+        return [], []
+    name = {ModuleWrap: "ModuleWrapPolicy", TransformerWrap: "transformer_auto_wrap_policy", SizeBasedWrap: "size_based_auto_wrap_policy",
+            LambdaWrap: "lambda_auto_wrap_policy", CustomWrap: "CustomPolicy"}[type(pol)]
+    out = ["import functools"] if isinstance(pol, (TransformerWrap, SizeBasedWrap, LambdaWrap)) else []
+    out.append(f"from torch.distributed.fsdp.wrap import {name}")
+    strategy = isinstance(pol, CustomWrap) and any(k == "sharding_strategy" for _, kw in pol.kwargs for k, _ in kw)
+    return out, ["ShardingStrategy"] if strategy else []
 
 
 # The case's forward and helpers, as conformance/build.py defines them.

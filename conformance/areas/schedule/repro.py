@@ -8,7 +8,7 @@ from __future__ import annotations
 import textwrap
 
 from conformance.areas.common.fsdp2_oracle import shard_order
-from conformance.areas.common.repro import DEVICE_CODE, class_code, model_lines, policy_code
+from conformance.areas.common.repro import HARNESS, assemble, class_code, from_import, header, model_lines, policy_code, policy_imports
 from conformance.areas.schedule.oracle import predict_schedule
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
@@ -93,8 +93,9 @@ def rel(a, b):
 
 
 def main():
-    init_group()
+    init()
     rank, world = dist.get_rank(), dist.get_world_size()
+    wrong = []
     model, mods = build()
     model.to(DEVICE)
     ref = copy.deepcopy(model)  # fp32 single-process training
@@ -146,15 +147,23 @@ def main():
                     if loss.requires_grad:
                         loss.backward()
             except Exception as e:
-                print(f"[rank {rank}] step {si} microbatch {k}: {type(e).__name__}: {str(e).splitlines()[0]}")
-                end_group()
+                return finish(f"[rank {rank}] step {si} microbatch {k} raised {type(e).__name__}: {str(e).splitlines()[0]}", None)
             ref_fn = ref.encode if (si, k, FIRST_METHOD) == (0, 0, True) else ref
             losses = [(ref_fn(data(si, k, r)) ** 2).sum() for r in range(world)]
             total = sum(losses) / world
             if total.requires_grad:
                 total.backward()
-            print(f"[rank {rank}] step {si} microbatch {k} (sync {sync}): output {out.dtype}, loss off by {rel(loss, losses[rank]):.3g}, "
-                  f"reductions {sorted(set(rec.seen))}; forward saw {dict((p or '<root>', v) for p, v in seen.items())}")
+            where = f"[rank {rank}] step {si} microbatch {k}"
+            if OUTPUT_DTYPE is not None and str(out.dtype) != OUTPUT_DTYPE:
+                wrong.append(f"{where}: output {out.dtype}, expected {OUTPUT_DTYPE}")
+            if rel(loss, losses[rank]) > TOLERANCE:
+                wrong.append(f"{where}: loss off by {rel(loss, losses[rank]):.3g} from fp32 training")
+            if sync and world > 1 and any(not r.endswith(REDUCE_DTYPE) for r in rec.seen):
+                wrong.append(f"{where}: gradients reduced as {sorted(set(rec.seen))}, expected in {REDUCE_DTYPE}")
+            for path, (_, dtypes) in seen.items():
+                for n, dt in dtypes.items():
+                    if f"{path}.{n}".lstrip(".") in MANAGED and str(dt) != COMPUTE_DTYPE:
+                        wrong.append(f"{where}: {path}.{n} is {dt} inside forward, expected {COMPUTE_DTYPE}")
         set_skip(())
         if API == "fsdp2":
             grads = {n: read_attr(inner, n).grad for n in names}
@@ -167,23 +176,30 @@ def main():
             grads = {}
         for n in names:
             r = read_attr(ref, n)
-            if n in grads:
+            if n in grads and n not in frozen:
                 g = grads[n]
-                print(f"[rank {rank}] step {si}: {n} grad {None if g is None else g.dtype}"
-                      f"{' (frozen)' if n in frozen else ''}, off by {rel(g, r.grad if r.grad is not None else torch.zeros_like(r)):.3g}")
+                if g is not None and str(g.dtype) != GRAD_DTYPE:
+                    wrong.append(f"[rank {rank}] step {si}: {n}.grad is {g.dtype}, expected {GRAD_DTYPE}")
+                if (off := rel(g, r.grad if r.grad is not None else torch.zeros_like(r))) > TOLERANCE:
+                    wrong.append(f"[rank {rank}] step {si}: {n}.grad off by {off:.3g} from fp32 training")
         if KEEP_LOW_PRECISION_GRADS:
             for p in fsdp.parameters():
                 if p.grad is not None:
-                    print(f"[rank {rank}] step {si}: a gradient FSDP keeps: {p.grad.dtype} (parameter {p.dtype})")
+                    if str(p.grad.dtype) != GRAD_DTYPE:
+                        wrong.append(f"[rank {rank}] step {si}: a gradient FSDP keeps is {p.grad.dtype}, expected {GRAD_DTYPE}")
                     p.grad = p.grad.to(p.dtype)
         opt.step()
         ropt.step()
         after = full_values()
         for n in names:
-            print(f"[rank {rank}] step {si}: {n} after the step off by {rel(after[n], read_attr(ref, n)):.3g}"
-                  f"{' (frozen, unchanged: ' + str(torch.equal(after[n], start[n])) + ')' if n in frozen else ''}")
-    print(f"[rank {rank}] buffers after training: {[(n, b.dtype) for n, b in inner.named_buffers()]}")
-    end_group()
+            if n in frozen and not torch.equal(after[n], start[n]):
+                wrong.append(f"[rank {rank}] step {si}: the frozen {n} changed")
+            elif COMPARE_PARAMS and (off := rel(after[n], read_attr(ref, n))) > TOLERANCE:
+                wrong.append(f"[rank {rank}] step {si}: {n} after the step off by {off:.3g} from fp32 training")
+    wrong += [f"[rank {rank}] buffer {n} is {b.dtype} after training, expected {BUFFER_DTYPE}" for n, b in inner.named_buffers()
+              if str(b.dtype) != BUFFER_DTYPE]
+    finish("; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "") or None,
+           "dtypes, gradients and updates as the policy and fp32 single-process training say")
 
 
 if __name__ == "__main__":
@@ -195,35 +211,33 @@ def _dt(name: str | None) -> str:
     return "None" if name is None else f"torch.{name}"
 
 
-def schedule_script(spec: CaseSpec, violations: list | None = None, title: str = "") -> str:
-    import torch
-
+def schedule_script(spec: CaseSpec, violations: list | None = None, title: str = "", *, modes=None, finding: str = "",
+                    name: str = "repro.py") -> str:
+    """A torch-only script that trains the case under FSDP next to fp32
+    single-process training, compares dtypes, gradients and updates with the
+    oracle's prediction and prints the verdict."""
     s = spec.schedule
     api = spec.plan.api
     pred = predict_schedule(spec)
-    head = [f"# fsdp-conformance reproduction ({api} training schedule){': ' + title if title else ''}", f"# found with torch {torch.__version__}"]
-    head += [f"# {v}" for v in violations or ()]
-    head += [
-        f"# expected: forward in {pred.compute_dtype}, reduction in {pred.reduce_dtype}, gradients in {pred.grad_dtype}, "
-        f"buffers {pred.buffer_dtype}{', output ' + pred.output_dtype if pred.output_dtype else ''}; "
-        f"gradients and updates as fp32 single-process training within {pred.tolerance:g} (relative)",
-        "# run: torchrun --nproc-per-node 2 repro.py   (or python repro.py: one rank)",
-    ]
-    imports = [
-        "import contextlib", "import copy", "import os", "import socket", "",
-        "import torch", "import torch.distributed as dist", "import torch.nn as nn",
-        "from torch.utils._python_dispatch import TorchDispatchMode",
-    ]
+    expected = (f"Expected (the oracle): forward in {pred.compute_dtype}, reduction in {pred.reduce_dtype}, gradients in {pred.grad_dtype}, "
+                f"buffers {pred.buffer_dtype}{', output ' + pred.output_dtype if pred.output_dtype else ''}; "
+                f"gradients and updates as fp32 single-process training within {pred.tolerance:g} (relative).")
+    if modes is None:  # the reduction dtype needs two ranks to show
+        modes = (("torchrun --nproc-per-node 2 repro.py", True, ""), ("python repro.py", True, ""))
+    doc = header(f"({api} training schedule) {title}".rstrip(), violations, expected, modes, finding, name)
+    imports = ["import contextlib", "import copy", "import os", "import socket"]
+    pol_imports, fsdp_names = policy_imports(spec) if api == "fsdp1" else ([], [])
+    imports += [i for i in pol_imports if not i.startswith("from")]
+    imports += ["", "import torch", "import torch.distributed as dist", "import torch.nn as nn"]
     pr = s.precision
     if api == "fsdp1":
-        imports += [
-            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy",
-            "from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy",
-            "import functools",
-        ]
-    else:
-        imports += ["from torch.distributed.device_mesh import init_device_mesh",
-                    "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method"]
+        names = ["FullyShardedDataParallel as FSDP", *(["MixedPrecision"] if pr is not None else []), *fsdp_names]
+        imports += from_import("torch.distributed.fsdp", names) + [i for i in pol_imports if i.startswith("from")]
+    else:  # (FSDP: the FSDP1 branches of the shared code name it)
+        names = ["FullyShardedDataParallel as FSDP", *(["MixedPrecisionPolicy"] if pr is not None else []), "fully_shard",
+                 *(["register_fsdp_forward_method"] if s.first >= 0 else [])]
+        imports += ["from torch.distributed.device_mesh import init_device_mesh", *from_import("torch.distributed.fsdp", names)]
+    imports.append("from torch.utils._python_dispatch import TorchDispatchMode")
     lines, var = model_lines(spec)
     # the suite's own initial values (conformance.case.build): the same generator,
     # order and scale, so that the script computes the very numbers the
@@ -285,10 +299,14 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
         f"FIRST_METHOD = {s.first >= 0}  # the very first microbatch calls the registered encode()\n"
         f"# per step: (frozen FQNs, per microbatch the modules it skips, sync on every microbatch)\n"
         f"SCHEDULE = {steps!r}\n"
+        f"# the oracle's prediction\n"
+        f"COMPUTE_DTYPE, REDUCE_DTYPE, GRAD_DTYPE = 'torch.{pred.compute_dtype}', '{pred.reduce_dtype}', 'torch.{pred.grad_dtype}'\n"
+        f"BUFFER_DTYPE, OUTPUT_DTYPE = 'torch.{pred.buffer_dtype}', {repr('torch.' + pred.output_dtype) if pred.output_dtype else None}\n"
+        f"TOLERANCE, COMPARE_PARAMS = {pred.tolerance!r}, {pred.compare_params}\n"
+        f"MANAGED = {sorted(pred.trainable)!r}  # parameters FSDP casts for forward\n"
     )
     classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
     if s.first >= 0:
         root_cls = spec.tree.cls
         classes = classes.replace(f"class {root_cls}(", f"class {root_cls}(", 1) + f"\n\n{root_cls}.encode = encode\n"
-    parts = ["\n".join(head), "\n".join(imports), DEVICE_CODE, _RUNTIME, classes, build, wrap, consts, _MAIN]
-    return "\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n"
+    return assemble(doc, "\n".join(imports), [HARNESS, _RUNTIME, classes, build, wrap, consts, _MAIN])
