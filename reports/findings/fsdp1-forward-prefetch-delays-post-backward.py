@@ -16,8 +16,11 @@ This overlaps the current reduce-scatter and the next gradient computation";
 forward_prefetch concerns the forward only. Iteration 0 (no forward
 prefetching yet) shows the promised order.
 
-Run: python fsdp1-forward-prefetch-delays-post-backward.py   (a fake world of 2, structure only), or
-     torchrun --nproc-per-node 2 fsdp1-forward-prefetch-delays-post-backward.py   (gloo)
+A plain `python` run is a fake world of 2 (structure only); torchrun runs gloo.
+
+Finding: fsdp1-forward-prefetch-delays-post-backward
+Run: python fsdp1-forward-prefetch-delays-post-backward.py
+Run: torchrun --nproc-per-node 2 fsdp1-forward-prefetch-delays-post-backward.py
 """
 
 import os
@@ -69,19 +72,30 @@ def main():
                 sharding_strategy=ShardingStrategy.FULL_SHARD, backward_prefetch=BackwardPrefetch.BACKWARD_POST,
                 forward_prefetch=True, device_id=torch.device("cpu"))
     x = torch.randn(2, 4, requires_grad=True)
+    logs = []
     for it in range(2):
         out = fsdp(x)
         LOG.clear()
         with Collectives(by_numel):
             out.sum().backward()
+        logs.append(list(LOG))
         if dist.get_rank() == 0:
             print(f"iteration {it} backward: {LOG}")
-    if dist.get_rank() == 0:
-        print("expected in every iteration (BACKWARD_POST): each layer's reduce-scatter and the previous layer's all-gather"
-              " right after its gradients are computed, before the previous layer's gradient computation")
+    deviation = None
+    for it, log in enumerate(logs):
+        # BACKWARD_POST: layer k's post-backward hook (its reduce-scatter, and the prefetch of layer k-1) runs
+        # right after layer k's gradient computation, before layer k-1's
+        for k in range(len(layers) - 1, 0, -1):
+            rs, previous_done = f"reduce-scatter layer{k}", f"layer{k - 1} gradients computed"
+            if log.index(rs) > log.index(previous_done):
+                deviation = deviation or (f"iteration {it}: layer{k}'s post-backward hook ({rs!r}) runs after {previous_done!r},"
+                                          f" so BACKWARD_POST prefetches nothing: {log}")
     dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"DEVIATION: {deviation}" if deviation else
+              "AS SPECIFIED: in every iteration each layer's post-backward hook (reduce-scatter, BACKWARD_POST prefetch)"
+              " runs before the previous layer's gradient computation", flush=True)
     os._exit(0)
-
 
 if __name__ == "__main__":
     main()

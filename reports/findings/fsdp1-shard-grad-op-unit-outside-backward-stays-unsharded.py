@@ -14,8 +14,11 @@ computation"): the unit's parameters freed once the backward is done, and
 all-gathered again in the next forward, as FULL_SHARD and the other units
 are.
 
-Run: python fsdp1-shard-grad-op-unit-outside-backward-stays-unsharded.py   (a fake world of 2, structure only), or
-     torchrun --nproc-per-node 2 fsdp1-shard-grad-op-unit-outside-backward-stays-unsharded.py   (gloo)
+A plain `python` run is a fake world of 2 (structure only); torchrun runs gloo.
+
+Finding: fsdp1-shard-grad-op-unit-outside-backward-stays-unsharded
+Run: python fsdp1-shard-grad-op-unit-outside-backward-stays-unsharded.py
+Run: torchrun --nproc-per-node 2 fsdp1-shard-grad-op-unit-outside-backward-stays-unsharded.py
 """
 
 import os
@@ -69,6 +72,7 @@ def main():
     x = torch.randn(2, 4)
     world = dist.get_world_size()
     padded = {"frozen": -(-20 // world) * world, "head": -(-30 // world) * world}  # the flat parameters, padded
+    deviation = None
     for it in range(3):
         with AllGathers() as ag:
             out = fsdp(x)
@@ -76,9 +80,15 @@ def main():
         seen = {name: ag.numels.count(n) for name, n in padded.items()}
         print(f"[rank {dist.get_rank()}] iteration {it}: forward all-gathers per unit {seen}"
               f" (expected 1 each: SHARD_GRAD_OP shards the parameters outside computation)")
+        missing = [name for name, n in seen.items() if n != 1]
+        if missing and deviation is None:
+            deviation = (f"iteration {it}: the forward all-gathers {missing} {[seen[m] for m in missing]} time(s), not once:"
+                         " the unit outside the backward was never resharded")
     dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"DEVIATION: {deviation}" if deviation else
+              "AS SPECIFIED: every unit is all-gathered once in each forward (resharded after each backward)", flush=True)
     os._exit(0)
-
 
 if __name__ == "__main__":
     main()
