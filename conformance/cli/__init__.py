@@ -1,4 +1,4 @@
-"""fsdp-conformance: run | hunt | model | compare | check | repro | bench | selfcheck | change.
+"""fsdp-conformance: run | hunt | model | compare | check | repro | finding | bench | selfcheck | change.
 
 Exit status: 0 when every invariant holds (KNOWN and FIXED included), 1 on a
 violation (or a regression, for compare), 2 on bad input or an environment
@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from conformance.cli import bench, change, check, compare, hunt, model, repro, run, selfcheck
+from conformance.cli import bench, change, check, compare, finding, hunt, model, repro, run, selfcheck
 from conformance.cli.errors import Parser, UsageError
 
-COMMANDS = (run, hunt, model, compare, check, repro, bench, selfcheck, change)
+COMMANDS = (run, hunt, model, compare, check, repro, finding, bench, selfcheck, change)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"fsdp-conformance: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into head and the like: not an error of ours
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("fsdp-conformance: interrupted", file=sys.stderr)
         return 130

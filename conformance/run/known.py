@@ -80,6 +80,7 @@ class KnownFailure:
     summary: str
     repro: str
     cls: str = "bug"  # one of CLASSES
+    title: str = ""  # as a GitHub issue's: [API] what goes wrong
     evidence: str = ""
     evidence_source: str = ""
     root_cause: RootCause | None = None
@@ -140,8 +141,8 @@ def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
                 raise KnownFailuresError(f"{path}: finding {fid}: class {entry['class']!r} is not one of {', '.join(CLASSES)}")
             if entry["root_cause"] not in roots:
                 raise KnownFailuresError(f"{path}: finding {fid}: root_cause {entry['root_cause']!r} has no [[root_cause]]")
-            if not entry["evidence"].strip() or not entry["upstream_searched"]:
-                raise KnownFailuresError(f"{path}: finding {fid}: evidence and upstream_searched must not be empty")
+            if not entry["evidence"].strip() or not entry["upstream_searched"] or not entry["title"].strip():
+                raise KnownFailuresError(f"{path}: finding {fid}: title, evidence and upstream_searched must not be empty")
             out.append(
                 KnownFailure(
                     id=fid,
@@ -150,6 +151,7 @@ def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
                     summary=entry["summary"].strip(),
                     repro=entry["repro"],
                     cls=entry["class"],
+                    title=entry["title"].strip(),
                     evidence=entry["evidence"].strip(),
                     evidence_source=entry.get("evidence_source", "").strip(),
                     root_cause=roots[entry["root_cause"]],

@@ -72,6 +72,7 @@ source = "-"
 
 [[finding]]
 id = "synthetic-dropped-unit"
+title = "[FSDP1] synthetic"
 torch = ">=2.0"
 class = "bug"
 evidence = "a self-test of the corpus"
@@ -138,6 +139,7 @@ def test_a_known_finding_turns_fixed_when_its_deviation_is_patched_away(tmp_path
 MASKING = SYNTHETIC + """
 [[finding]]
 id = "synthetic-masked"
+title = "[FSDP1] synthetic"
 torch = ">=2.0"
 class = "bug"
 evidence = "a self-test of the corpus"
