@@ -12,7 +12,9 @@ release in a virtual environment of its own, and the page that compares them
 Per release: a venv under --venv-root, `pip install torch==X` (releases before
 2.13 are CUDA wheels from PyPI: a few GB; they run on CPU), the suite installed
 into it with torch pinned (pip must not replace it; checked), the two tiers,
-then the venv is deleted. Each tier writes reports/matrix/torch-X-<backend>-w<W>.json;
+then every finding's repro in every mode its header offers (the `repros` tier:
+torch-X-repros.json, the measured ranges), then the venv is deleted. Each tier
+writes reports/matrix/torch-X-<backend>-w<W>.json;
 a release that cannot be installed, or a tier that cannot run, writes
 torch-X-<what>.notrun.json with one line why, and the matrix goes on. A
 release's earlier files are replaced when it is run again.
@@ -40,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 # the latest patch release of each minor release, oldest first
 RELEASES = ["2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1"]
 TIERS = (("fake", 4), ("gloo", 2))
+REPROS = "repros"  # the tier that runs every committed repro (reports/findings/*.py) in every mode its header offers
 ANY_RELEASE_ENV = "FSDP_CONFORMANCE_KNOWN_ANY_RELEASE"  # = conformance.run.known.ANY_RELEASE_ENV
 
 
@@ -131,6 +134,16 @@ def run_tier(py: str, backend: str, world: int, workers: int, log: Path, timeout
     return data
 
 
+def run_repros(py: str, version: str, workers: int, timeout: float) -> dict:
+    """Every finding's repro on this release (its venv's python): the
+    measured ranges of known_failures.toml come from these files."""
+    from conformance.run import repros
+
+    scripts = sorted((ROOT / "reports" / "findings").glob("*.py"))
+    return {"schema": repros.REPROS_SCHEMA, "release": version.split("+")[0], "torch": version,
+            "findings": repros.measure(scripts, python=py, timeout=timeout, workers=workers)}
+
+
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
@@ -200,6 +213,12 @@ def run_release(release: str, args) -> None:
             record_notrun(out, release, "install", str(e))
             return
         print(f"{release}: torch {version} installed", flush=True)
+        if REPROS in args.tiers:
+            data = run_repros(str(venv / "bin" / "python"), version, args.workers, args.repro_timeout)
+            _write_json(out / f"torch-{release}-{REPROS}.json", data)
+            shown = [f["verdict"] for f in data["findings"].values()]
+            print(f"  {release} repros: {shown.count('DEVIATION')} show their deviation, {shown.count('AS SPECIFIED')} as specified,"
+                  f" {shown.count('no verdict')} no verdict", flush=True)
         for backend, world in tiers:
             what = f"{backend}-w{world}"
             try:
@@ -250,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=sys.executable, help="the interpreter the venvs are made from")
     p.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", "2")))
     p.add_argument("--examples", type=int, help="Hypothesis examples per test instead of the ci profile's (a quicker, smaller matrix)")
-    p.add_argument("--tiers", default="fake,gloo", help="the tiers to run (default fake,gloo); the other tiers' files stay")
+    p.add_argument("--tiers", default="fake,gloo,repros",
+                   help="the tiers to run (default fake,gloo,repros: the findings' repros); the other tiers' files stay")
+    p.add_argument("--repro-timeout", type=float, default=240, help="seconds per repro mode")
     p.add_argument("--deadline", type=float, help="seconds before a pool example is a HANG (default: the suite's)")
     p.add_argument("--install-timeout", type=float, default=1800)
     p.add_argument("--run-timeout", type=float, default=2400, help="seconds per tier")
@@ -260,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only make the venvs (kept), for a --keep-venvs run going on at the same time or later")
     args = p.parse_args(argv)
     args.tiers = [t for t in args.tiers.split(",") if t]
-    if not args.tiers or set(args.tiers) - {b for b, _ in TIERS}:
-        p.error(f"--tiers takes {','.join(b for b, _ in TIERS)}, got {','.join(args.tiers) or 'nothing'}")
+    if not args.tiers or set(args.tiers) - {b for b, _ in TIERS} - {REPROS}:
+        p.error(f"--tiers takes {','.join(b for b, _ in TIERS)},{REPROS}, got {','.join(args.tiers) or 'nothing'}")
     if args.releases and args.newest:
         p.error("give releases or --newest, not both")
     if args.newest is not None and args.newest < 1:

@@ -25,6 +25,7 @@ from conformance.report.data import VERDICTS
 from conformance.report.html import _ENV
 from conformance.report.markdown import MARK, table_cell
 from conformance.run import known as known_mod
+from conformance.run.repros import REPROS_SCHEMA
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "reports" / "matrix"
 NOTRUN_SUFFIX = ".notrun.json"
@@ -71,6 +72,7 @@ class Matrix:
     reports: dict[tuple[str, str], dict]  # (release, tier) -> report
     notrun: dict[str, dict[str, str]]  # release -> {what: one-line reason}
     known: list[known_mod.KnownFailure]
+    repros: dict[str, dict] = field(default_factory=dict)  # release -> {finding id: {"verdict", "runs"}} (ci/matrix.py's repros tier)
 
     def run(self, release: str) -> bool:
         return any(r == release for r, _ in self.reports)
@@ -84,7 +86,7 @@ def load(directory: Path, known: list[known_mod.KnownFailure] | None = None) -> 
     directory = Path(directory)
     if not directory.is_dir():
         raise MatrixError(f"{directory}: no such directory")
-    reports, notrun = {}, {}
+    reports, notrun, repro_runs = {}, {}, {}
     for p in sorted(directory.glob("*.json")):
         try:
             data = json.loads(p.read_text())
@@ -94,9 +96,39 @@ def load(directory: Path, known: list[known_mod.KnownFailure] | None = None) -> 
             notrun.setdefault(data["release"], {})[data.get("what", "release")] = data["reason"]
         elif data.get("schema") == "fsdp-conformance-report":
             reports[(release_of(data["torch"]["version"]), tier_key(data))] = data
-    releases = sorted({r for r, _ in reports} | set(notrun), key=_order)
+        elif data.get("schema") == REPROS_SCHEMA:
+            repro_runs[data["release"]] = data["findings"]
+    releases = sorted({r for r, _ in reports} | set(notrun) | set(repro_runs), key=_order)
     tiers = sorted({t for _, t in reports})
-    return Matrix(releases, tiers, reports, notrun, known_mod.load() if known is None else known)
+    return Matrix(releases, tiers, reports, notrun, known_mod.load() if known is None else known, repro_runs)
+
+
+# a release's repro verdict -> its mark on the page
+REPRO_MARK = {"DEVIATION": "D", "AS SPECIFIED": "s", "no verdict": "?"}
+
+
+def measured_ranges(m: Matrix, releases: list[str] | None = None) -> list[dict]:
+    """Per finding, what its repro showed on each release where it ran, and
+    how far that measures known_failures.toml's range: ``first`` / ``last``
+    the oldest and newest release that showed the deviation; a bound is
+    measured when the release beside it ran and did not show it (or there
+    is no release beside it: the oldest or newest of ``releases``, the
+    matrix's release list); ``disagrees``: the releases whose verdict the
+    range contradicts (DEVIATION outside it, AS SPECIFIED inside it)."""
+    ladder = sorted(set(releases or ()) | set(m.releases), key=_order)
+    out = []
+    for k in m.known:
+        cells = {r: m.repros[r][k.id]["verdict"] for r in ladder if r in m.repros and k.id in m.repros[r]}
+        shown = [r for r in ladder if cells.get(r) == "DEVIATION"]
+        row = {"id": k.id, "known": k, "range": str(k.torch), "cells": cells, "first": shown[0] if shown else None,
+               "last": shown[-1] if shown else None, "lower_measured": False, "upper_measured": False,
+               "disagrees": [r for r, v in cells.items() if v != "no verdict" and (v == "DEVIATION") != known_mod.in_range(r, k.torch)]}
+        if shown:
+            lo, hi = ladder.index(shown[0]), ladder.index(shown[-1])
+            row["lower_measured"] = lo == 0 or cells.get(ladder[lo - 1]) == "AS SPECIFIED"
+            row["upper_measured"] = hi == len(ladder) - 1 or cells.get(ladder[hi + 1]) == "AS SPECIFIED"
+        out.append(row)
+    return out
 
 
 def identify(finding: dict, known: list[known_mod.KnownFailure]) -> known_mod.KnownFailure | None:
@@ -171,7 +203,8 @@ def analyse(m: Matrix) -> dict:
     areas: dict[str, list] = {}
     for (inv, api), row in rows.items():
         areas.setdefault(row["area"], []).append({"id": inv, "api": api, **row})
-    return {"rows": rows, "areas": list(areas.items()), "counts": counts, "findings": findings, "unseen": unseen}
+    return {"rows": rows, "areas": list(areas.items()), "counts": counts, "findings": findings, "unseen": unseen,
+            "measured": measured_ranges(m)}
 
 
 def run_label(rep: dict) -> str:
@@ -237,6 +270,7 @@ def render_markdown(m: Matrix, a: dict) -> str:
         lines.append(f"| {table_cell(f['id'])} | {', '.join(f['invariants'])} | {f['first']} | {f['last']} | {', '.join(f['gaps']) or '-'} | {rng} |")
     if a["unseen"]:
         lines += ["", "Known failures seen in no release run: " + ", ".join(f"`{k.id}` (`{k.torch}`)" for k in a["unseen"])]
+    lines += _repro_section(m, a)
     skips = {}
     for _, invs in a["areas"]:
         for inv in invs:
@@ -249,6 +283,25 @@ def render_markdown(m: Matrix, a: dict) -> str:
         for (inv, api, reason), rels in sorted(skips.items()):
             lines.append(f"| {inv} | {api} | {', '.join(sorted(set(rels), key=_order))} | {table_cell(reason)} |")
     return "\n".join(lines) + "\n"
+
+
+def _repro_section(m: Matrix, a: dict) -> list[str]:
+    rel = [r for r in m.releases if r in m.repros]
+    lines = ["", "## Findings: measured ranges (each repro, every mode, per release)", ""]
+    if not rel:
+        return lines + ["No release has run the findings' repros yet (`ci/matrix.py --tiers repros`): every range in"
+                        " `known_failures.toml` is unmeasured here."]
+    lines += ["D: the repro showed its deviation; s: as specified; ?: no verdict (it could not run there); blank: not run."
+              " A bound marked *unmeasured* has no run on the release beside it that came out as specified.", "",
+              "| finding | known_failures.toml range | " + " | ".join(rel) + " | measured first | measured last | disagrees |",
+              "| --- | --- | " + " | ".join("---" for _ in rel) + " | --- | --- | --- |"]
+    for f in a["measured"]:
+        cells = [REPRO_MARK.get(f["cells"].get(r, ""), "") for r in rel]
+        first = f"{f['first']}{'' if f['lower_measured'] else ' *unmeasured*'}" if f["first"] else "-"
+        last = f"{f['last']}{'' if f['upper_measured'] else ' *unmeasured*'}" if f["last"] else "-"
+        lines.append(f"| {table_cell(f['id'])} | `{f['range']}` | " + " | ".join(cells) + f" | {first} | {last} | "
+                     + (f"**{', '.join(f['disagrees'])}**" if f["disagrees"] else "-") + " |")
+    return lines
 
 
 def render_html(m: Matrix, a: dict) -> str:

@@ -167,3 +167,41 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+REPROS_SCHEMA = "fsdp-conformance-repros"
+
+
+def release_verdict(runs: list[dict]) -> str:
+    """One release's verdict over a script's modes: DEVIATION when a shown
+    mode showed it; AS SPECIFIED when every shown mode gave that; otherwise
+    "no verdict" (an error, a timeout, a script this release cannot run)."""
+    shown = [r for r in runs if r["shown"]]
+    if any(r["verdict"] == "DEVIATION" for r in shown):
+        return "DEVIATION"
+    if shown and all(r["verdict"] == "AS SPECIFIED" for r in shown):
+        return "AS SPECIFIED"
+    return "no verdict"
+
+
+def measure(paths: list[Path], *, python: str = sys.executable, timeout: float = 240, workers: int = 2) -> dict:
+    """Every script at ``paths`` in every mode its header offers, with
+    ``python`` (a release's venv): ``{finding id: [run, ...]}``, each run a
+    dict (command, shown, verdict, line, returncode, timed_out, tail) and the
+    release verdict of each finding (release_verdict)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(p, m) for p in paths for m in modes(p)]
+
+    def one(job):
+        path, mode = job
+        res = run(path, mode, timeout=timeout, python=python)
+        return finding(path) or Path(path).stem, {"command": mode.command, "shown": mode.shown, "verdict": res.verdict, "line": res.line,
+                                                  "returncode": res.returncode, "timed_out": res.timed_out,
+                                                  "tail": "\n".join(res.output.strip().splitlines()[-8:])}
+
+    out: dict[str, list[dict]] = {}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for fid, r in pool.map(one, jobs):
+            out.setdefault(fid, []).append(r)
+    return {fid: {"verdict": release_verdict(runs), "runs": runs} for fid, runs in out.items()}

@@ -114,3 +114,15 @@ def test_repro_shows_its_finding(path, mode):
     else:
         want = "DEVIATION" if in_range(torch.__version__, k.torch) else "AS SPECIFIED"
     assert res.verdict == want, f"{mode.command} on torch {torch.__version__} (finding's range {k.torch}): {res.line}\n{tail}"
+
+
+def test_measure_runs_every_mode_and_gives_one_release_verdict_per_finding(tmp_path):
+    shows = tmp_path / "shows.py"
+    shows.write_text('"""Finding: shows\n\nRun: python shows.py\nNot shown by: python shows.py quiet: nothing to see\n"""\n'
+                     'import sys\nprint("AS SPECIFIED: quiet" if "quiet" in sys.argv else "DEVIATION: it did X")\n')
+    broken = tmp_path / "broken.py"
+    broken.write_text('"""Finding: broken\n\nRun: python broken.py\n"""\nraise SystemExit(3)\n')
+    got = repros.measure([shows, broken], workers=2)
+    assert got["shows"]["verdict"] == "DEVIATION" and [r["verdict"] for r in got["shows"]["runs"]] == ["DEVIATION", "AS SPECIFIED"]
+    assert got["broken"]["verdict"] == "no verdict" and got["broken"]["runs"][0]["returncode"] == 3
+    assert repros.release_verdict([{"shown": True, "verdict": "AS SPECIFIED"}, {"shown": False, "verdict": "DEVIATION"}]) == "AS SPECIFIED"

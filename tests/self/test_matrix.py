@@ -251,3 +251,34 @@ def test_the_bare_already_wrapped_assertion_of_older_torch_gets_its_words(tmp_pa
     assert error_tags(obs) == {"error:already-wrapped"}
     assert error_text(AssertionError()) == "AssertionError without a message"  # any other bare assertion
     assert error_text(ValueError("named")) == "named"
+
+
+def _repros(release: str, verdicts: dict[str, str]) -> dict:
+    return {"schema": "fsdp-conformance-repros", "release": release, "torch": f"{release}+cpu",
+            "findings": {fid: {"verdict": v, "runs": [{"command": f"python {fid}.py", "shown": True, "verdict": v}]}
+                         for fid, v in verdicts.items()}}
+
+
+def test_the_repros_tier_measures_each_range_and_marks_the_bounds_it_could_not(matrix_dir):
+    # tie-twice: >=2.13 in known_failures; its repro shows it on 2.13.0 and, against the range, on 2.4.1 too;
+    # never-seen (>=2.4): as specified on 2.13.0 (the range says it should show), no verdict on 2.4.1
+    (matrix_dir / "torch-2.4.1-repros.json").write_text(json.dumps(_repros("2.4.1", {"tie-twice": "DEVIATION", "never-seen": "no verdict"})))
+    (matrix_dir / "torch-2.13.0-repros.json").write_text(json.dumps(_repros("2.13.0", {"tie-twice": "DEVIATION", "never-seen": "AS SPECIFIED"})))
+    m = matrix.load(matrix_dir, KNOWN)
+    rows = {r["id"]: r for r in matrix.measured_ranges(m)}
+    tie, never = rows["tie-twice"], rows["never-seen"]
+    assert (tie["first"], tie["last"], tie["disagrees"]) == ("2.4.1", "2.13.0", ["2.4.1"])
+    assert tie["lower_measured"] and tie["upper_measured"]  # the oldest and newest release of the matrix
+    assert never["first"] is None and never["disagrees"] == ["2.13.0"]
+    # 2.6.0 (not run) lies between: a finding first shown on 2.13.0 has an unmeasured lower bound
+    (matrix_dir / "torch-2.4.1-repros.json").unlink()
+    (matrix_dir / "torch-2.6.0-repros.json").write_text(json.dumps(_repros("2.6.0", {"tie-twice": "no verdict"})))
+    tie = {r["id"]: r for r in matrix.measured_ranges(matrix.load(matrix_dir, KNOWN))}["tie-twice"]
+    assert tie["first"] == "2.13.0" and not tie["lower_measured"] and tie["disagrees"] == []
+    md = matrix.render_markdown(m := matrix.load(matrix_dir, KNOWN), matrix.analyse(m))
+    assert "## Findings: measured ranges" in md and "| tie-twice | `>=2.13` | ? | D | 2.13.0 *unmeasured* | 2.13.0 | - |" in md
+
+
+def test_without_repro_runs_the_page_says_every_range_is_unmeasured(matrix_dir):
+    m = matrix.load(matrix_dir, KNOWN)
+    assert "every range in `known_failures.toml` is unmeasured here" in matrix.render_markdown(m, matrix.analyse(m))
