@@ -8,7 +8,7 @@ import sys
 
 from hypothesis import HealthCheck, Phase, given, settings
 
-from strategies import case_specs
+from conformance.strategies import case_specs
 
 
 def draw(examples: int) -> list[str]:

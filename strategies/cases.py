@@ -11,11 +11,11 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.case.spec import CaseSpec
-from strategies._common import TreeIndex, check_bool, check_int, check_strategy, ints, pick
-from strategies.freeze import FREEZE_KINDS, apply_freeze_mask, draw_freeze_mask
-from strategies.policies import OBJECT_POLICIES, PlanChoices, check_policy_kinds, draw_plan
-from strategies.ties import SHARED_KINDS, TIE_KINDS, draw_shared, draw_ties
-from strategies.trees import module_trees
+from conformance.strategies._common import TreeIndex, check_bool, check_int, check_strategy, ints, pick
+from conformance.strategies.freeze import FREEZE_KINDS, apply_freeze_mask, draw_freeze_mask
+from conformance.strategies.policies import OBJECT_POLICIES, PlanChoices, check_policy_kinds, draw_plan
+from conformance.strategies.ties import SHARED_KINDS, TIE_KINDS, draw_shared, draw_ties
+from conformance.strategies.trees import module_trees
 
 _SEEDS = ints(2**32 - 1)
 _EXTRAS = {

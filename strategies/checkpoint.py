@@ -17,10 +17,10 @@ from conformance.areas.checkpoint.oracle import predict_ckpt
 from conformance.areas.common.training_oracle import predict_training
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CKPT_OPTIMIZERS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan
-from strategies._common import check_int, ints, maybe, pick, pick_subset
-from strategies.cases import case_specs
-from strategies.groups import draw_groups, fsdp2_case_specs
-from strategies.training import fsdp1_trainable
+from conformance.strategies._common import check_int, ints, maybe, pick, pick_subset
+from conformance.strategies.cases import case_specs
+from conformance.strategies.groups import draw_groups, fsdp2_case_specs
+from conformance.strategies.training import fsdp1_trainable
 
 KINDS = ("full", "ties", "reshard", "optim")
 # The base pool's world size first (cheapest), then the driver (1), then 3:

@@ -12,10 +12,10 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.case.spec import CLIP_FRACTIONS, NORM_TYPES, CaseSpec, ClipPlan
 from conformance.case.tree import walk
-from strategies._common import check_bool, maybe, pick
-from strategies.cases import case_specs
-from strategies.groups import fsdp2_case_specs
-from strategies.training import fsdp1_trainable
+from conformance.strategies._common import check_bool, maybe, pick
+from conformance.strategies.cases import case_specs
+from conformance.strategies.groups import fsdp2_case_specs
+from conformance.strategies.training import fsdp1_trainable
 
 _NORMS = st.sampled_from(NORM_TYPES)
 _FRACTIONS = st.sampled_from(CLIP_FRACTIONS)

@@ -18,9 +18,9 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
 from conformance.case.spec import FSDP1_BACKWARD_PREFETCH, FSDP1_STRATEGIES, CaseSpec, CommPlan, CustomWrap, ShardGroup, WrapPlan
-from strategies._common import ANY_TORCH, TreeIndex, check_int, ints, maybe, pick, pick_subset
-from strategies.cases import case_specs
-from strategies.training import fsdp1_trainable
+from conformance.strategies._common import ANY_TORCH, TreeIndex, check_int, ints, maybe, pick, pick_subset
+from conformance.strategies.cases import case_specs
+from conformance.strategies.training import fsdp1_trainable
 
 # reshard_after_forward per group: torch's default first; 2 reshards to
 # two ranks (a non-trivial divisor of the fake tier's four)

@@ -10,7 +10,7 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.case.spec import ModuleSpec, ParamSpec, TiedParam
 from conformance.case.tree import join
-from strategies._common import TreeIndex, check_kinds, check_tree, ints, pick, pick_subset
+from conformance.strategies._common import TreeIndex, check_kinds, check_tree, ints, pick, pick_subset
 
 # Simplest first. "adapters": only parameters under a module named lora* or
 # adapter* are trainable (LoRA-like); "biases": only parameters named bias;

@@ -19,9 +19,9 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, CustomWrap, ModuleWrap
-from strategies._common import check_strategy, pick, pick_subset
-from strategies.cases import case_specs
-from strategies.freeze import apply_freeze_mask
+from conformance.strategies._common import check_strategy, pick, pick_subset
+from conformance.strategies.cases import case_specs
+from conformance.strategies.freeze import apply_freeze_mask
 
 
 @st.composite

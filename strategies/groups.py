@@ -14,9 +14,9 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, ShardGroup, WrapPlan
-from strategies._common import ANY_TORCH, TreeIndex, check_bool, check_int, maybe, pick, pick_subset
-from strategies.cases import case_specs
-from strategies.methods import draw_calls, draw_methods, draw_sibling_methods
+from conformance.strategies._common import ANY_TORCH, TreeIndex, check_bool, check_int, maybe, pick, pick_subset
+from conformance.strategies.cases import case_specs
+from conformance.strategies.methods import draw_calls, draw_methods, draw_sibling_methods
 
 RESHARD = (None, True, False)  # simplest (torch's default) first
 

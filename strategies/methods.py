@@ -12,7 +12,7 @@ from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import METHOD_NAMES, CaseSpec, ForwardMethod, MethodCall, MethodStep
 from conformance.case.tree import join
-from strategies._common import ANY_TORCH, TreeIndex, ints, maybe, pick
+from conformance.strategies._common import ANY_TORCH, TreeIndex, ints, maybe, pick
 
 # Step kinds, simplest first; "param" twice so that direct reads are common.
 STEP_OPS = ("param", "child", "param", "forward", "call")

@@ -24,7 +24,7 @@ from conformance.case.spec import (
     WrapPlan,
 )
 from conformance.case.tree import join
-from strategies._common import TreeIndex, check_bool, check_kinds, check_strategy, maybe, pick, pick_subset
+from conformance.strategies._common import TreeIndex, check_bool, check_kinds, check_strategy, maybe, pick, pick_subset
 
 # None (no auto-wrap policy) first: the simplest plan.
 POLICY_KINDS = (None, ModuleWrap, CustomWrap, SizeBasedWrap, LambdaWrap, TransformerWrap)

@@ -20,9 +20,9 @@ from conformance.areas.schedule.oracle import used_params
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import SCHEDULE_OPTIMIZERS, CaseSpec, ForwardMethod, MethodStep, Microbatch, Precision, Schedule, ScheduleStep
 from conformance.case.tree import walk
-from strategies._common import check_bool, check_int, ints, maybe, pick, pick_subset
-from strategies.cases import case_specs
-from strategies.groups import fsdp2_case_specs
+from conformance.strategies._common import check_bool, check_int, ints, maybe, pick, pick_subset
+from conformance.strategies.cases import case_specs
+from conformance.strategies.groups import fsdp2_case_specs
 
 LOW = ("bfloat16", "float16")
 REDUCE = (None, "float32", "bfloat16", "float16")  # None: param_dtype's
@@ -108,7 +108,7 @@ def schedule_specs(
     if api == "fsdp2":
         cases = fsdp2_case_specs(max_modules=max_modules, max_depth=max_depth, methods=False)
     else:
-        from strategies.training import fsdp1_trainable
+        from conformance.strategies.training import fsdp1_trainable
 
         cases = case_specs(max_modules=max_modules, max_depth=max_depth, allow_ignored=False, allow_shared=False).filter(fsdp1_trainable)
     return _schedule_specs(cases.filter(_trainable), max_steps, max_microbatches, precision)

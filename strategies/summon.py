@@ -12,10 +12,10 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import METHOD_NAMES, CaseSpec, ForwardMethod, MethodCall, MethodStep
-from strategies._common import TreeIndex, ints, maybe, pick
-from strategies.cases import case_specs
-from strategies.methods import param_targets
-from strategies.training import fsdp1_trainable
+from conformance.strategies._common import TreeIndex, ints, maybe, pick
+from conformance.strategies.cases import case_specs
+from conformance.strategies.methods import param_targets
+from conformance.strategies.training import fsdp1_trainable
 
 
 def summon_specs(*, max_modules: int = 10, max_depth: int = 3) -> SearchStrategy[CaseSpec]:

@@ -48,9 +48,9 @@ from conformance.case.spec import (
     WrapPlan,
 )
 from conformance.case.target import TargetError, base_graph, cached_target
-from strategies._common import check_kinds, check_strategy, ints, maybe, pick, pick_subset
-from strategies.policies import APIS, POLICY_KINDS
-from strategies.schedule import draw_precision
+from conformance.strategies._common import check_kinds, check_strategy, ints, maybe, pick, pick_subset
+from conformance.strategies.policies import APIS, POLICY_KINDS
+from conformance.strategies.schedule import draw_precision
 
 # "random" right after "none": a failure shrinks to one frozen parameter
 MODEL_FREEZE_KINDS = ("none", "random", "patterns", "bitfit", "factory")

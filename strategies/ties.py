@@ -11,7 +11,7 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.case.spec import ModuleSpec, SharedModule, TiedParam
 from conformance.case.tree import join
-from strategies._common import TreeIndex, check_int, check_kinds, check_tree, maybe, pick
+from conformance.strategies._common import TreeIndex, check_int, check_kinds, check_tree, maybe, pick
 
 # Where the second registration of a shared module is, relative to the first,
 # simplest first: in the same parent (self.a is self.b); in a sibling of the

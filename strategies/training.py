@@ -14,9 +14,9 @@ from conformance.areas.common.fsdp1_oracle import fsdp1_case_tags, predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import OPTIMIZERS, CaseSpec, TrainPlan
-from strategies._common import check_bool, check_int
-from strategies.cases import case_specs
-from strategies.groups import fsdp2_case_specs
+from conformance.strategies._common import check_bool, check_int
+from conformance.strategies.cases import case_specs
+from conformance.strategies.groups import fsdp2_case_specs
 
 # FSDP2's gradient reduction settings a plan may draw: (force_sum,
 # divide_factor). A divide factor goes with force_sum: without it FSDP2

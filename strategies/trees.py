@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from conformance.case.spec import BufferSpec, ClassSpec, ModuleSpec, ParamSpec
-from strategies._common import check_int, ints, pick
+from conformance.strategies._common import check_int, ints, pick
 
 # Readable class names, taken in order; a container class gets a suffix.
 CLASS_NAMES = (

@@ -27,7 +27,7 @@ from conformance.areas import AREAS, area_of, select
 from conformance.case.target import check_target
 from conformance.run.runner import plan_scenarios
 from conformance.run.session import InvariantFailed, Session
-from strategies.targets import model_cases, natural_model_cases
+from conformance.strategies.targets import model_cases, natural_model_cases
 
 # Invariants no model case is checked on: their area says why (Area.model_cases).
 NOT_FOR_MODELS = tuple(inv.id for area in AREAS if area.model_cases for inv in area.invariants)
@@ -35,7 +35,7 @@ TIERS = ("fake", "gloo", "nccl")
 # the tier check_model and the fsdp_model marker run on by default: real
 # collectives, so that value invariants compare values
 DEFAULT_TIERS = ("gloo",)
-# What a scenario's cases carry besides the plan (strategies.targets.LIFECYCLES).
+# What a scenario's cases carry besides the plan (conformance.strategies.targets.LIFECYCLES).
 LIFECYCLE = {"ckpt-full": "full", "ckpt-ties": "ties", "ckpt-roundtrip": "roundtrip", "schedule": "schedule"}
 FAKE_TIER = "the fake tier's collectives carry no data: values and world sizes are compared on real ranks only (gloo, nccl)"
 ONE_RANK = "one in-process rank has nothing to disagree with"

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from conformance.areas.autowrap import AREA
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.run import corpus
+from conformance.strategies import case_specs
+from conformance.strategies.frozen_units import mixed_unit_cases, several_mixed_units
 from conformance.suite.budget import examples
-from strategies import case_specs
-from strategies.frozen_units import mixed_unit_cases, several_mixed_units
 
 AUTOWRAP = [inv.id for inv in AREA.invariants]
 

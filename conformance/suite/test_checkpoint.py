@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from conformance.areas.checkpoint import AREA
 from conformance.engine.worlds import Worlds
 from conformance.run import corpus
+from conformance.strategies.checkpoint import checkpoint_specs
 from conformance.suite.budget import examples
-from strategies.checkpoint import checkpoint_specs
 
 pytestmark = pytest.mark.needs_ranks  # values and world sizes: not the fake tier
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from conformance.areas.clip import AREA
 from conformance.areas.common.fsdp2_adapter import takes_ignored_params
 from conformance.run import corpus
+from conformance.strategies.clip import clip_specs
 from conformance.suite.budget import examples
-from strategies.clip import clip_specs
 
 CLIP = [inv.id for inv in AREA.invariants]
 

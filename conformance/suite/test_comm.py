@@ -13,8 +13,8 @@ from hypothesis import given, settings
 
 from conformance.areas.comm import AREA
 from conformance.run import corpus
+from conformance.strategies.comm import comm_specs
 from conformance.suite.budget import examples
-from strategies.comm import comm_specs
 
 FSDP2 = [inv.id for inv in AREA.invariants if "fsdp2" in inv.apis]
 FSDP1 = [inv.id for inv in AREA.invariants if "fsdp1" in inv.apis]

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from conformance.areas.common.fsdp2_adapter import takes_ignored_params
 from conformance.areas.fully_shard import AREA
 from conformance.run import corpus
+from conformance.strategies.groups import fsdp2_case_specs
 from conformance.suite.budget import examples
-from strategies.groups import fsdp2_case_specs
 
 FULLY_SHARD = [inv.id for inv in AREA.invariants]
 

@@ -1,7 +1,7 @@
 """Real models: every invariant that applies, on each model named with
 ``--target package.module:attr`` (skipped without one), with Hypothesis
 drawing freeze masks, wrap policies, FSDP2 groupings and registered methods
-over the model (strategies.targets), its natural configurations first (test_model_natural:
+over the model (conformance.strategies.targets), its natural configurations first (test_model_natural:
 each wrap class as a policy, each trainable pattern, FSDP2 per wrap class
 with every method registered). Results join the same report rows as
 the synthetic cases; a finding's case is the ModelCase, its repro script
@@ -44,7 +44,7 @@ def _engine(invariant_id, engine, request):
 
 @pytest.mark.parametrize("invariant_id", [inv.id for inv in model_invariants()])
 def test_model_natural(invariant_id, model_target, engine, request, conformance):
-    """The target's natural configurations (strategies.targets.natural_model_cases),
+    """The target's natural configurations (conformance.strategies.targets.natural_model_cases),
     whatever the budget: each is checked, the failures raised together."""
     inv, eng = _engine(invariant_id, engine, request)
     errors = []

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from conformance.areas.common.fsdp2_adapter import has_reduction_setters
 from conformance.areas.parity import AREA
 from conformance.run import corpus
+from conformance.strategies.training import training_specs
 from conformance.suite.budget import examples
-from strategies.training import training_specs
 
 PARITY = [inv.id for inv in AREA.invariants]
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from conformance.areas.schedule import AREA
 from conformance.run import corpus
+from conformance.strategies.schedule import schedule_specs
 from conformance.suite.budget import examples
-from strategies.schedule import schedule_specs
 
 SCHEDULE = [inv.id for inv in AREA.invariants]
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 
 from conformance.areas.summon import AREA
 from conformance.run import corpus
+from conformance.strategies.summon import summon_specs
 from conformance.suite.budget import examples
-from strategies.summon import summon_specs
 
 SUMMON = [inv.id for inv in AREA.invariants]
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from conformance.case.spec import CaseSpec
-from strategies.checkpoint import _trains_after_load, checkpoint_specs
-from strategies.training import fsdp1_trainable
+from conformance.strategies.checkpoint import _trains_after_load, checkpoint_specs
+from conformance.strategies.training import fsdp1_trainable
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
 

@@ -44,7 +44,7 @@ def test_a_bare_shared_name_is_rejected_naming_both_classes():
 
 
 def test_strategies_draw_each_class_by_its_id():
-    from strategies.targets import _model
+    from conformance.strategies.targets import _model
 
     classes = _model(TARGET).classes
     assert classes[0] == OWN  # the target's wrap class first

@@ -13,7 +13,7 @@ from conformance.case.build import build, call_args, method_callable
 from conformance.case.model_case import ModelCase
 from conformance.case.spec import WrapPlan, effective_calls
 from conformance.models.toy_target import lm_loss
-from strategies.groups import fsdp2_case_specs
+from conformance.strategies.groups import fsdp2_case_specs
 
 pytestmark = pytest.mark.selfcheck
 

@@ -57,3 +57,17 @@ def test_a_pytest_run_that_asks_nothing_of_the_suite_loads_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_plain.py")],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_strategies_are_imported_by_their_packaged_name():
+    """strategies/ ships as conformance.strategies (no top-level package in
+    the wheel); a `from strategies ...` would load every strategy module a
+    second time, under another name, in a checkout and fail in a wheel."""
+    offenders = []
+    for top in ("conformance", "strategies", "tests", "ci"):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+                offenders += [f"{p.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n == "strategies" or n.startswith("strategies.")]
+    assert not offenders, "import conformance.strategies instead:\n" + "\n".join(offenders)

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.areas.summon.oracle import predict_summon
 from conformance.case.spec import CaseSpec, ForwardMethod, MethodCall, MethodStep, ShardGroup
-from strategies.groups import fsdp2_case_specs
-from strategies.summon import summon_specs
-from strategies.training import training_specs
+from conformance.strategies.groups import fsdp2_case_specs
+from conformance.strategies.summon import summon_specs
+from conformance.strategies.training import training_specs
 from tests.self.test_faults_fsdp2 import lm
 
 pytestmark = pytest.mark.selfcheck

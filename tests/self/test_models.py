@@ -23,8 +23,8 @@ from conformance.case.graph import ModelGraph
 from conformance.case.model_case import ModelCase, case_from_json
 from conformance.case.spec import CustomWrap, ForwardMethod, ModuleWrap, ShardGroup, SpecError, TrainPlan, WrapPlan
 from conformance.run.runner import FAIL, KNOWN, PASS, UNCHECKED, evaluate, observations
-from strategies import case_specs
-from strategies.targets import model_cases
+from conformance.strategies import case_specs
+from conformance.strategies.targets import model_cases
 from tests.self.model_target_source import SOURCE
 
 pytestmark = pytest.mark.selfcheck
@@ -87,7 +87,7 @@ def test_lifecycle_model_cases_are_valid_and_promised(lifecycle, data):
     classes and modules, round-trips through JSON, and is one whose training
     FSDP promises (else its invariants would compare nothing)."""
     from conformance.case.target import check_case
-    from strategies.targets import lifecycle_fits
+    from conformance.strategies.targets import lifecycle_fits
 
     case = data.draw(model_cases(TOY, lifecycle=lifecycle))
     check_case(case)
@@ -100,7 +100,7 @@ def test_lifecycle_strategies_reach_what_they_promise():
     """The round trip loads under the other API on another world size with
     a freeze change, the target's own LoRA-like preset among the load masks;
     schedules mix precision, freeze changes and unsynced microbatches."""
-    from strategies.targets import _model
+    from conformance.strategies.targets import _model
 
     only_block1 = _model(TOY).frozen_for_trainable(lambda a: "blocks.1." in a)
     from hypothesis import Phase
@@ -144,7 +144,7 @@ def test_presets_come_from_the_target():
     """"Train only what matches" the target's trainable_patterns, and BitFit,
     are among the freeze masks drawn."""
     from conformance.case.target import base_graph
-    from strategies.targets import model_freeze_masks as freeze_masks
+    from conformance.strategies.targets import model_freeze_masks as freeze_masks
 
     params = [f for f, _ in base_graph(TOY).named_parameters()]
     only_block1 = tuple(f for f in params if not f.startswith("blocks.1."))
@@ -317,7 +317,7 @@ def test_cli_runs_a_user_target(user_dir):
     rows = {(r["invariant"], r["tier"]): r for r in report["results"]}
     sys.path.insert(0, str(user_dir))
     try:  # the natural configurations run first, then the 2 drawn
-        from strategies.targets import natural_model_cases
+        from conformance.strategies.targets import natural_model_cases
 
         natural = len(natural_model_cases("tinylm:target", ("fsdp1",)))
     finally:
@@ -336,7 +336,7 @@ def test_python_api_runs_a_user_target(user_dir, monkeypatch, fake_engine):
     import conformance
 
     monkeypatch.syspath_prepend(str(user_dir))
-    from strategies.targets import natural_model_cases
+    from conformance.strategies.targets import natural_model_cases
 
     run = conformance.check_model("tinylm:target", invariants=["FSDP2-GROUPS", "FROZEN-WARN"], examples=2,
                                   tiers=("fake",), engines={"fake": fake_engine})
@@ -491,7 +491,7 @@ def test_a_lifecycle_model_case_repro_replays_it_on_real_ranks(tmp_path):
     on gloo (the model repro rebuilds wrapping and training only) and runs
     from a directory of its own."""
     from conformance.run.repro import repro_script
-    from strategies.targets import natural_model_cases
+    from conformance.strategies.targets import natural_model_cases
 
     case = natural_model_cases(TOY, ("fsdp2",), "roundtrip")[0]
     script = tmp_path / "repro.py"

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from conformance.run import repros
 from conformance.run.repro import repro_script
-from strategies.groups import fsdp2_case_specs
+from conformance.strategies.groups import fsdp2_case_specs
 
 pytestmark = pytest.mark.selfcheck
 

@@ -9,7 +9,7 @@ from hypothesis.errors import InvalidArgument
 
 from conformance.areas.schedule.oracle import predict_schedule, used_params
 from conformance.case.spec import CaseSpec
-from strategies.schedule import schedule_specs
+from conformance.strategies.schedule import schedule_specs
 
 pytestmark = pytest.mark.selfcheck
 

@@ -27,7 +27,7 @@ from conformance.case.spec import (
     validate,
 )
 from conformance.case.tree import join, walk
-from strategies import (
+from conformance.strategies import (
     FREEZE_KINDS,
     POLICY_KINDS,
     SHARED_KINDS,

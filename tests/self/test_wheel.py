@@ -73,7 +73,9 @@ def installed(tmp_path_factory):
 
 def test_the_installed_wheel_runs_from_another_directory(installed, tmp_path):
     py, bin_dir = installed
-    where = _ok(_run([str(py), "-c", "import conformance, torch; from conformance.run import corpus; "
+    where = _ok(_run([str(py), "-c", "import importlib.util, conformance, torch; from conformance.run import corpus; "
+                      "from conformance.strategies import trees; "
+                      "assert importlib.util.find_spec('strategies') is None, 'a top-level strategies package shipped'; "
                       "print(conformance.__file__, torch.__version__, len(corpus.load()))"], cwd=tmp_path))
     module, torch_version, corpus_cases = where.split()
     assert int(corpus_cases) > 0, "the regression corpus did not ship"

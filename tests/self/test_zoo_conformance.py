@@ -17,7 +17,7 @@ pytest.importorskip("peft", reason="the zoo needs the zoo extra (pip install -e 
 from conformance import check_model  # noqa: E402
 from conformance.case.spec import ModuleWrap, TransformerWrap  # noqa: E402
 from conformance.run.session import Session  # noqa: E402
-from strategies.targets import natural_model_cases  # noqa: E402
+from conformance.strategies.targets import natural_model_cases  # noqa: E402
 
 pytestmark = [pytest.mark.selfcheck]
 
