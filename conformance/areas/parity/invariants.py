@@ -30,13 +30,17 @@ def parity_ranks_tags(spec: CaseSpec, pred: TrainingPrediction, obs: list) -> se
     group="parity",
     api="fsdp1|fsdp2",
     scenario="train",
-    statement="A few optimizer steps (SGD, Adam) under FSDP1 (either use_orig_params) or FSDP2 match single-process training: losses and final parameters within tolerance (compared while the reference stays finite and grows less than 1000x); frozen parameters unchanged with grad None.",
+    statement="A few optimizer steps (SGD, Adam) under FSDP1 (either use_orig_params) or FSDP2 match single-process training: losses and final parameters within tolerance (compared while the reference stays finite and grows less than 1000x); frozen parameters unchanged with grad None. On a case FSDP must reject but accepts (a tie below its users' common ancestor), what training does is recorded as the consequence (tag outside:<rule>), not skipped.",
     source=f"{DOC_FULLY_SHARD}; FullyShardedDataParallel docstring; DESIGN.md PARITY",
 )
 def check_training(spec: CaseSpec, pred: TrainingPrediction, obs: TrainObservation) -> list[Violation] | NotChecked:
-    if pred.applicable:
+    if pred.applicable and not pred.consequence_recorded:
         return NotChecked(f"training is not promised for this case: {pred.applicable}")
+    if pred.applicable and obs.wrap_error:
+        return NotChecked(f"outside the promise ({pred.applicable}), and FSDP rejected it at wrap: {obs.wrap_error}")
     tags = {f"api:{pred.api}", f"optim:{spec.train.optimizer if spec.train else 'SGD'}", backend_tag(obs)}
+    if pred.applicable:  # FSDP accepted a case it must reject: what training does is the consequence, recorded
+        tags |= {"outside-promise", f"outside:{pred.rule}"}
     if pred.api == "fsdp1":
         tags |= fsdp1_case_tags(spec, pred.fsdp1)
     else:
@@ -44,7 +48,8 @@ def check_training(spec: CaseSpec, pred: TrainingPrediction, obs: TrainObservati
     if pred.frozen:
         tags.add("frozen")
     if obs.wrap_error or obs.step_error:
-        return [violation("PARITY", f"training raised {obs.wrap_error or obs.step_error}", tags, "kind:raised")]
+        where = f" (outside the promise: {pred.applicable}; FSDP accepted it)" if pred.applicable else ""
+        return [violation("PARITY", f"training raised {obs.wrap_error or obs.step_error}{where}", tags, "kind:raised")]
     out = []
     frozen = set(pred.frozen)
     for fqn, none in obs.frozen_grads_none:
@@ -52,6 +57,8 @@ def check_training(spec: CaseSpec, pred: TrainingPrediction, obs: TrainObservati
             out.append(violation("PARITY", f"frozen parameter {fqn} has a gradient", tags, "kind:frozen-grad"))
     if obs.backend == "fake":
         return out or VALUES_UNCHECKED
+    if pred.applicable and not out and obs.losses_close is not False and all(p.close is not False for p in obs.params):
+        return NotChecked(f"outside the promise ({pred.applicable}): FSDP accepted it and trained as single-process training did")
     if not obs.ref_stable:
         return out or NotChecked("the single-process reference diverged: its values are not comparable")
     if obs.losses_close is False:
