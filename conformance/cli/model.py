@@ -3,8 +3,12 @@ model, in this process (rank pools are closed before it exits)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
+from collections import Counter
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,24 +86,48 @@ def cmd_model(ns) -> int:
     # `python -m` and pytest would); rank pools inherit this sys.path
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    counted: Counter = Counter()
     try:
-        run = check_model(
-            ns.target, invariants=ns.invariant, tiers=tuple(tiers), examples=examples, seed=ns.seed,
-            world_size=ns.world_size, fake_world_size=ns.fake_world_size, deadline=ns.deadline,
-            repro_dir=report_dir / "repros", progress=lambda line: print(line, flush=True),
-        )
+        with counting_warnings(counted):  # torch's warnings: counted into the report, not thousands of stderr lines
+            run = check_model(
+                ns.target, invariants=ns.invariant, tiers=tuple(tiers), examples=examples, seed=ns.seed,
+                world_size=ns.world_size, fake_world_size=ns.fake_world_size, deadline=ns.deadline,
+                repro_dir=report_dir / "repros", progress=lambda line: print(line, flush=True),
+            )
     except TargetError as e:
         raise UsageError(str(e)) from None
 
     info = [{"tier": t, "backend": t, "world_size": ns.fake_world_size if t == "fake" else ns.world_size} for t in tiers]
-    rep = model_report(run, info, ns.invariant)
+    rep = model_report(run, info, ns.invariant, profile=ns.profile or os.environ.get("FSDP_CONFORMANCE_PROFILE") or "dev", seed=ns.seed,
+                       examples=examples, started_at=started)
+    rep["torch_warnings"] = [{"category": c, "message": m, "where": w, "count": n} for (c, m, w), n in counted.most_common()]
     write.write_all(rep, report_dir)
     print(run.summary())
+    if counted:
+        top = counted.most_common(1)[0]
+        print(f"warnings: {sum(counted.values())} ({len(counted)} distinct; the most frequent, {top[1]}x: {top[0][0]}: {top[0][1][:100]})"
+              " in report.json torch_warnings")
     print(f"report: {report_dir / 'report.json'} (+ summary.md, junit.xml, report.html)")
     return 0 if run.ok and not rep["summary"]["failed"] else 1
 
 
-def model_report(run: ModelRun, tiers_info: list[dict], selection: list[str] | None = None) -> dict:
+@contextlib.contextmanager
+def counting_warnings(counts: Counter):
+    """Every warning raised in the block counted by (category, first line,
+    file:line) instead of printed (an adapter's own catch_warnings still
+    records what it checks)."""
+    def count(message, category, filename, lineno, file=None, line=None):
+        counts[(category.__name__, str(message).strip().splitlines()[0][:300] if str(message).strip() else "", f"{filename}:{lineno}")] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = count
+        yield counts
+
+
+def model_report(run: ModelRun, tiers_info: list[dict], selection: list[str] | None = None, *, profile: str | None = None,
+                 seed: int | None = None, examples: int | None = None, started_at: str | None = None) -> dict:
     """The report dict (same schema and rows as `fsdp-conformance run`'s)."""
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
 
@@ -109,7 +137,9 @@ def model_report(run: ModelRun, tiers_info: list[dict], selection: list[str] | N
         partials=[run.session.to_dict()],
         tests=run.skip_records(),  # the invariants not checked on a model, with the reason
         run={"tiers": tiers_info, "target": run.target, "selection": selection or selected, "selected": selected,
-             "profile": None, "seed": None},
+             "profile": profile, "seed": seed, "examples": examples},
         status="complete",
+        started_at=started_at,
+        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         wall_seconds=run.seconds,
     )

@@ -53,9 +53,17 @@ def render(report: dict, report_dir: Path | None = None) -> str:
             except OSError:
                 text = None
         findings.append({**f, "anchor": _anchor(f["id"]), "repro_text": text, "known": known.get(f.get("known_failure"))})
+    # the known failures this run exercised (matched, fixed, masked, unmatched, unchecked); the
+    # others (not selected, another torch's) by name only
+    ran = [k for k in report.get("known_failures", []) if k.get("status") not in ("not-run", "other-torch")]
+    not_ran = [k for k in report.get("known_failures", []) if k not in ran]
+    target = (report.get("run") or {}).get("target")
     return _ENV.get_template("report.html.j2").render(
         report=report,
-        title=markdown.headline(report),
+        heading=f"fsdp-conformance model report: {target}" if target else "fsdp-conformance report",
+        title=(f"{target}: " if target else "") + markdown.headline(report),
+        known_ran=ran,
+        known_not_ran=not_ran,
         headline=markdown.headline(report),
         verdicts=VERDICTS,
         columns=columns,

@@ -91,3 +91,31 @@ def test_run_target_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, monkeyp
     rc = cli.main(["run", "--tiers", "fake", "--target", "no_such_module:target", "--report-dir", str(tmp_path)])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "target 'no_such_module:target': cannot import" in lines[0], lines
+
+
+def test_the_model_command_report_is_complete_and_counts_warnings(tmp_path):
+    """`fsdp-conformance model`: the report names the target in its title and
+    heading, gives its profile, budget and start time (not None), lists only
+    the known failures the run exercised, and counts the warnings torch
+    raised instead of printing each (a noisy target warns every forward)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rep"
+    proc = subprocess.run([sys.executable, "-m", "conformance.cli", "model", "tests.self.warning_target:target", "--backend", "fake",
+                           "--examples", "2", "--invariant", "FWD-NOOP", "--invariant", "WRAP-UNITS", "--report-dir", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["run"]["profile"] == "dev" and rep["run"]["examples"] == 2 and rep["started_at"] and rep["finished_at"], rep["run"]
+    page = (out / "report.html").read_text()
+    assert "<h1>fsdp-conformance model report: tests.self.warning_target:target</h1>" in page
+    assert "<title>tests.self.warning_target:target: fsdp-conformance" in page and "started None" not in page
+    table = page.split("<h2>Known failures</h2>")[1].split("</table>")[0]
+    exercised = [k for k in rep["known_failures"] if k["status"] not in ("not-run", "other-torch")]
+    assert table.count("<tr><td><code>") == len(exercised) < len(rep["known_failures"])
+    assert "Not exercised by this run" in page
+    (w,) = [w for w in rep["torch_warnings"] if w["message"] == "WarningLM.forward: a deliberate warning per call"]
+    assert w["category"] == "UserWarning" and w["count"] >= 4, w  # every forward's, counted
+    assert "deliberate warning" not in proc.stderr, proc.stderr[-2000:]  # not printed one by one
+    assert f"warnings: {sum(x['count'] for x in rep['torch_warnings'])} (" in proc.stdout
