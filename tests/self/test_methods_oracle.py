@@ -141,3 +141,28 @@ def test_list_group_after_a_method_that_runs_it_in_part():
     assert pred.groups[gi].modules == ("block", "note")
     assert [c.sharded_after[gi] for c in pred.calls] == [True, True]
     assert not any(c.root_group_partial for c in pred.calls)
+
+
+def test_a_backward_through_another_groups_parameter_is_outside_every_gradient_check(fake_engine):
+    """Seed 12 (ci profile): a registered root method reads proj3.weight (proj3
+    its own group, reshard_after_forward=False) directly; torch's backward then
+    raises setStorage (a torch-only repro with the backward shows it). Spec
+    source 004 promises gradients only through a parameter's own module's
+    forward: FWD-PARITY already treated it as not promised, FSDP2-FROZEN
+    reported it as FAIL. Both must agree: not checked, with the reason."""
+    from conformance.case.spec import ClassSpec, ModuleSpec, ParamSpec, SharedModule, WrapPlan
+    from conformance.run.runner import UNCHECKED, check_case
+
+    lin = [ModuleSpec(f"proj{i}", "Linear", params=(ParamSpec("weight", (1, 1), False),)) for i in range(4)]
+    lin[0] = ModuleSpec("proj0", "Linear", params=(ParamSpec("weight", (1, 1), False), ParamSpec("bias", (1,), True)))
+    spec = CaseSpec(
+        tree=ModuleSpec("", "Model", params=(ParamSpec("scale", (1,), False),), children=tuple(lin)),
+        classes=(ClassSpec("Model", "Module"),), shared=(SharedModule("", "shared0", "proj0"),),
+        plan=WrapPlan("fsdp2", groups=(ShardGroup(("proj3",), reshard_after_forward=False),)),
+        methods=(ForwardMethod("", "generate", (MethodStep("forward", ""), MethodStep("param", "proj3.weight")), register=True),),
+        calls=(MethodCall(-1, 1), MethodCall(0, 3)),
+    )
+    assert not predict_fsdp2(spec, "2.13.0").backward_promised
+    for inv in ("FSDP2-FROZEN", "FWD-PARITY"):
+        res = check_case(inv, spec, fake_engine)
+        assert res.verdict == UNCHECKED, res.describe()
