@@ -287,7 +287,9 @@ def render_markdown(m: Matrix, a: dict) -> str:
 
 def _repro_section(m: Matrix, a: dict) -> list[str]:
     rel = [r for r in m.releases if r in m.repros]
-    lines = ["", "## Findings: measured ranges (each repro, every mode, per release)", ""]
+    roots = {k.root_cause.id if k.root_cause else k.id for k in m.known}
+    lines = ["", "## Findings: measured ranges (each repro, every mode, per release)", "",
+             f"{len(m.known)} findings, forms of {len(roots)} root causes (`conformance/known_failures.toml`).", ""]
     if not rel:
         return lines + ["No release has run the findings' repros yet (`ci/matrix.py --tiers repros`): every range in"
                         " `known_failures.toml` is unmeasured here."]

@@ -194,3 +194,25 @@ def forms(known: list[KnownFailure]) -> dict[str, list[KnownFailure]]:
     for k in known:
         out.setdefault(k.root_cause.id if k.root_cause else k.id, []).append(k)
     return out
+
+
+def findings_summary(known: list[KnownFailure] | None = None) -> str:
+    """The README's findings block (Markdown): the findings by class, the
+    root causes they are forms of, and the upstream links recorded; made
+    from known_failures.toml, checked against the README by a test."""
+    known = load() if known is None else known
+    by_class = {c: [k for k in known if k.cls == c] for c in CLASSES}
+    roots: dict[str, list[KnownFailure]] = {}
+    for k in known:
+        roots.setdefault(k.root_cause.id if k.root_cause else k.id, []).append(k)
+    several = {r: ks for r, ks in roots.items() if len(ks) > 1}
+    links = {u.url for k in known for u in k.upstream}
+    lines = [f"{len(known)} findings in `conformance/known_failures.toml`: "
+             + ", ".join(f"{len(ks)} {c}" for c, ks in by_class.items() if ks)
+             + f" ({sum(len(by_class[c]) for c in PROMISE_CLASSES)} break a promise FSDP makes, documented or implied);"
+             f" forms of {len(roots)} root causes, {len(several)} of them with several forms;"
+             f" {len(links)} upstream issues and PRs linked, {sum(1 for k in known if not k.upstream)} findings with none found.",
+             "", "| root cause | its forms |", "| --- | --- |"]
+    for r, ks in sorted(several.items(), key=lambda x: (-len(x[1]), x[0])):
+        lines.append(f"| `{r}` | " + ", ".join(f"`{k.id}` ({k.cls})" for k in ks) + " |")
+    return "\n".join(lines) + "\n"
