@@ -19,7 +19,7 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.common.comm_oracle import param_shapes, timeline
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.case.spec import CaseSpec, MicrobatchPlan, MicrobatchStep, ModuleSpec
-from strategies._common import ANY_TORCH, check_bool, check_int, ints, maybe, pick
+from strategies._common import ANY_TORCH, check_bool, check_int, maybe, pick
 from strategies.cases import case_specs
 from strategies.comm import RESHARD, draw_groups
 
@@ -43,7 +43,7 @@ def _draw_step(draw: Any, modules: list[str], *, first: bool, last: bool) -> Mic
 @st.composite
 def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_microbatches: int, cpu_offload: bool) -> CaseSpec:
     spec = draw(base)
-    if not timeline(spec, frozenset(f for f, (_, rg) in param_shapes(spec).items() if rg))[1] and maybe(draw, 3):
+    if not timeline(spec, frozenset(f for f, (_, rg) in param_shapes(spec).items() if rg))[1] and draw(st.sampled_from((True, True, True, False))):
         # nothing trains: no backward, so no accumulation to check; mostly
         # the same tree with every parameter trainable instead
         spec = dataclasses.replace(spec, tree=_trainable(spec.tree))
@@ -54,7 +54,8 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
                and any(len(shapes[f]) >= 2 for f in g.managed)]
     shard_dim1 = tuple(m for m in dim1_ok if maybe(draw, 1))
     modules = [g.modules[0] for g in spec.plan.groups if g.modules != ("",)] + [""]
-    n = 1 + draw(ints(max_microbatches - 1))
+    # mostly several microbatches (accumulation is the point); one sometimes
+    n = draw(st.sampled_from((*range(2, max_microbatches + 1), 1)))  # shrinks to 2
     steps = tuple(_draw_step(draw, modules, first=k == 0, last=k == n - 1) for k in range(n))
     if shard_dim1:
         event("microbatch: Shard(1)")

@@ -256,11 +256,14 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
             return math.prod(shape)  # Shard(1), even
         return padded_numel(shape, world)
 
+    notes: set[str] = set()
+    if any(m in groups and not isinstance(groups[m][3], bool) and any(len(params[f][0]) >= 2 for f in groups[m][1])
+           for m in c.shard_dim1):
+        notes.add("int-reshard-of-shard-dim1")  # a Shard(1) matrix resharded to the int world after forward
     full = {m: sum(numel(m, f) for f in groups[m][1]) for m in groups}
     grads = {m: sum(numel(m, f) for f in groups[m][2]) for m in groups}
     state = {m: "sharded" for m in groups}  # sharded | unsharded | post (resharded to the int world)
     post_ranks = {m: world for m in groups}  # the world a "post" group is sharded over
-    notes: set[str] = set()
     pending = {m: False for m in groups}  # an all-gather issued, not yet waited for
     raf_now = {m: groups[m][3] for m in groups}
     post_order: list[str] = []  # cleared by the last backward's final callback
