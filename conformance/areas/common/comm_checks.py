@@ -19,16 +19,19 @@ def collective_key(c) -> tuple:
 def compare_collectives(inv: str, exp: Expected, obs, tags: set[str]) -> list[Violation]:
     """Each iteration's collectives against the oracle's, per (phase, op,
     group): the count, then numel, ranks and dtype (the iteration that
-    raised, if any, is left to kind:raised)."""
+    raised, if any: only its extra collectives; the rest is left to kind:raised)."""
     out: list[Violation] = []
     for i, (want, got) in enumerate(zip(exp.iterations, obs.iterations)):
-        if obs.error and i == len(obs.iterations) - 1:
-            continue  # the iteration that raised: its collectives stop early (kind:raised says so)
+        # the iteration that raised stops early (kind:raised says so): only
+        # what it issued beyond the promise counts there
+        raised_here = bool(obs.error) and i == len(obs.iterations) - 1
         w = Counter(collective_key(c) for c in want.collectives)
         g = Counter(collective_key(c) for c in got.collectives)
         for key in sorted(set(w) | set(g)):
             phase, op, group = key
             where = f"iteration {i} {phase}: group {group or '<root>'}"
+            if raised_here and g[key] <= w[key]:
+                continue
             if w[key] != g[key]:
                 kind = "kind:extra" if g[key] > w[key] else "kind:missing"
                 why = {f"reason:{c.reason}" for c in want.collectives if collective_key(c) == key and c.reason}
