@@ -33,6 +33,21 @@ def _shardable(index: TreeIndex, path: str) -> bool:
     return path != "" and index.modules[path].cls not in TORCH_CONTAINERS
 
 
+def draw_groups(draw: Any, spec: CaseSpec, choices: tuple, max_groups: int) -> CaseSpec:
+    """Up to ``max_groups`` single-module FSDP2 groups, reshard_after_forward
+    from ``choices`` each, sometimes the root's own setting; groups FSDP2
+    does not promise to run (a torch container, a module never called) dropped."""
+    index = TreeIndex(spec.tree, spec.classes)
+    groups = [ShardGroup((p,), pick(draw, choices)) for p in
+              pick_subset(draw, [p for p in index.paths if _shardable(index, p)], min_size=0, max_size=max_groups)]
+    if maybe(draw, 2):
+        groups.append(ShardGroup(("",), pick(draw, choices[1:])))
+    spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2", groups=tuple(groups)))
+    while predict_fsdp2(spec, ANY_TORCH).supported and spec.plan.groups:
+        spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, groups=spec.plan.groups[:-1]))
+    return spec
+
+
 def _draw_prefetch(draw: Any, modules: list[str], label: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     out = []
     if len(modules) < 2 or not maybe(draw, 2):
@@ -47,16 +62,8 @@ def _draw_prefetch(draw: Any, modules: list[str], label: str) -> tuple[tuple[str
 @st.composite
 def _fsdp2_comm_specs(draw: Any, base: SearchStrategy, max_groups: int, max_iterations: int) -> CaseSpec:
     spec = draw(base)
-    index = TreeIndex(spec.tree, spec.classes)
     world = 1 if maybe(draw, 1) else 0
-    choices = RESHARD if world == 0 else RESHARD[:3]
-    groups = [ShardGroup((p,), pick(draw, choices)) for p in
-              pick_subset(draw, [p for p in index.paths if _shardable(index, p)], min_size=0, max_size=max_groups)]
-    if maybe(draw, 2):
-        groups.append(ShardGroup(("",), pick(draw, choices[1:])))
-    spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2", groups=tuple(groups)))
-    while predict_fsdp2(spec, ANY_TORCH).supported and spec.plan.groups:  # drop the groups FSDP2 does not promise
-        spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, groups=spec.plan.groups[:-1]))
+    spec = draw_groups(draw, spec, RESHARD if world == 0 else RESHARD[:3], max_groups)
     modules = [g.modules[0] for g in spec.plan.groups if g.modules != ("",)] + [""]
     fwd = _draw_prefetch(draw, modules, "forward")
     bwd = _draw_prefetch(draw, modules, "backward")

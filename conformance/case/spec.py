@@ -325,6 +325,7 @@ class CaseSpec:
     schedule: Schedule | None = None  # MP-DTYPES, ACCUM
     clip: ClipPlan | None = None  # CLIP-NORM, CLIP-GRADS
     comm: CommPlan | None = None  # the communication invariants (COMM-*)
+    microbatch: MicrobatchPlan | None = None  # FSDP2's schedule APIs per microbatch (MB-*)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -510,6 +511,64 @@ def validate_comm(spec: "CaseSpec") -> None:
         raise SpecError(f"comm: sharding_strategy one of {FSDP1_STRATEGIES}, backward prefetch one of {FSDP1_BACKWARD_PREFETCH}")
 
 
+# ---- FSDP2's schedule APIs, per microbatch (MB-*) ------------------------------
+
+
+@dataclass(frozen=True)
+class MicrobatchStep:
+    """One microbatch of one optimizer step (FSDP2): the settings made on the
+    root (recurse) before it, set_requires_gradient_sync(``sync``),
+    set_requires_all_reduce(``all_reduce``),
+    set_reshard_after_backward(``reshard_after_backward``),
+    set_is_last_backward(``is_last_backward``) and, unless None,
+    set_reshard_after_forward(``reshard_after_forward``); then ``unshard``
+    (a module given to fully_shard, None: none) has its unshard() called
+    (``unshard_async``: unshard(async_op=True) and wait() on the handle) and
+    with ``reshard`` its reshard(); then forward and backward."""
+
+    sync: bool = True
+    all_reduce: bool = True
+    reshard_after_backward: bool = True
+    is_last_backward: bool = True
+    reshard_after_forward: bool | None = None
+    unshard: str | None = None
+    unshard_async: bool = False
+    reshard: bool = False
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    """Microbatches accumulating one step's gradients (data differs by rank and
+    microbatch; loss (model(x) ** 2).sum()). ``shard_dim1``: groups whose
+    fully_shard gets shard_placement_fn = Shard(1) for matrices;
+    ``cpu_offload``: every group gets CPUOffloadPolicy()."""
+
+    microbatches: tuple[MicrobatchStep, ...] = (MicrobatchStep(),)
+    shard_dim1: tuple[str, ...] = ()
+    cpu_offload: bool = False
+
+
+def validate_microbatch(spec: "CaseSpec") -> None:
+    mb = spec.microbatch
+    if mb is None:
+        return
+    if spec.plan.api != "fsdp2" or not mb.microbatches:
+        raise SpecError("microbatch: FSDP2 only, at least one microbatch")
+    last = mb.microbatches[-1]
+    if not (last.sync and last.reshard_after_backward and last.is_last_backward):
+        raise SpecError("microbatch: the last microbatch syncs gradients, reshards after backward and is the last backward")
+    group_modules = {m for g in spec.plan.groups for m in g.modules} | {""}
+    for step in mb.microbatches:
+        if step.unshard is not None and step.unshard not in group_modules:
+            raise SpecError(f"microbatch: unshard names {step.unshard!r}, not a module given to fully_shard")
+        if step.reshard and step.unshard is None:
+            raise SpecError("microbatch: reshard follows an explicit unshard")
+    if mb.microbatches[0].unshard is not None:
+        raise SpecError("microbatch: an explicit unshard comes after the first forward (lazy init runs in it)")
+    if not set(mb.shard_dim1) <= group_modules:
+        raise SpecError("microbatch: shard_dim1 names modules given to fully_shard")
+
+
 # ---- tree queries (pure) ---------------------------------------------------
 
 
@@ -638,6 +697,7 @@ def validate(spec: CaseSpec) -> None:
     validate_schedule(spec)
     validate_clip(spec)
     validate_comm(spec)
+    validate_microbatch(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -847,7 +907,7 @@ _TYPES = {
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
         CheckpointPlan,
-        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan,
+        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan, MicrobatchStep, MicrobatchPlan,
     )
 }
 

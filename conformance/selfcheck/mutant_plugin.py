@@ -17,8 +17,8 @@ RUNTIME_FILES = ("_runtime_utils.py", "_fsdp_collectives.py", "_fsdp_param.py")
 AREA_FILES = {"clip_grad.py": "clip", "fully_sharded_data_parallel.py": "clip"}
 # areas (test_<area>.py) in the order they run for a mutant of each API
 ORDER = {
-    "fsdp1": ("autowrap", "lora", "summon", "parity", "checkpoint", "schedule", "clip"),
-    "fsdp2": ("fully_shard", "parity", "checkpoint", "schedule", "clip"),
+    "fsdp1": ("autowrap", "lora", "summon", "comm", "parity", "checkpoint", "schedule", "clip"),
+    "fsdp2": ("fully_shard", "microbatch", "comm", "parity", "checkpoint", "schedule", "clip"),
     "forward_method": ("fully_shard", "parity"),
 }
 TIERS = ("fake", "gloo", "nccl")

@@ -9,6 +9,7 @@ from collections import Counter
 from conformance.areas.comm.observation import CommObservation
 from conformance.areas.comm.oracle import CommPrediction, Expected
 from conformance.areas.common.catalog import Catalog, NotChecked
+from conformance.areas.common.comm_checks import collective_key, compare_collectives, compare_events
 from conformance.areas.common.violations import violation
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
@@ -53,45 +54,12 @@ def _raised(inv: str, obs: CommObservation, tags: set[str]) -> list[Violation]:
     return [violation(inv, f"FSDP raised ({obs.error})", tags, "kind:raised")] if obs.error else []
 
 
-def _key(c) -> tuple:
-    return (c.phase, c.op, c.group)
-
-
-def _compare_counts(inv: str, exp: Expected, obs: CommObservation, tags: set[str]) -> list[Violation]:
-    out: list[Violation] = []
-    for i, (want, got) in enumerate(zip(exp.iterations, obs.iterations)):
-        w = Counter(_key(c) for c in want.collectives)
-        g = Counter(_key(c) for c in got.collectives)
-        for key in sorted(set(w) | set(g)):
-            phase, op, group = key
-            where = f"iteration {i} {phase}: group {group or '<root>'}"
-            if w[key] != g[key]:
-                kind = "kind:extra" if g[key] > w[key] else "kind:missing"
-                why = {f"reason:{c.reason}" for c in want.collectives if _key(c) == key and c.reason}
-                out.append(violation(inv, f"{where}: {g[key]} {op} where {w[key]} are promised", tags | why, kind, f"op:{op}", f"phase:{phase}"))
-                continue
-            ws = sorted((c.numel, c.ranks, c.dtype) for c in want.collectives if _key(c) == key)
-            gs = sorted((c.numel, c.ranks, c.dtype) for c in got.collectives if _key(c) == key)
-            for (wn, wr, wd), (gn, gr, gd) in zip(ws, gs):
-                if wd != gd:
-                    out.append(violation(inv, f"{where}: {op} in {gd}, promised {wd}", tags, "kind:dtype", f"op:{op}", f"phase:{phase}"))
-                if wr != gr:
-                    out.append(violation(inv, f"{where}: {op} over {gr} ranks, promised {wr}", tags, "kind:ranks", f"op:{op}", f"phase:{phase}"))
-                numel_ok = gn == wn if exp.exact_numel else (gn >= wn and gn % max(gr, 1) == 0)
-                if not numel_ok:
-                    out.append(violation(inv, f"{where}: {op} of {gn} elements, promised {wn}{'' if exp.exact_numel else ' (at least, a multiple of the ranks)'}",
-                                         tags, "kind:numel", f"op:{op}", f"phase:{phase}"))
-    if len(obs.iterations) < len(exp.iterations) and not obs.error:
-        out.append(violation(inv, f"{len(obs.iterations)} iterations observed of {len(exp.iterations)}", tags, "kind:missing-iteration"))
-    return out
-
-
 def _check_counts(inv: str, spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> list[Violation] | NotChecked:
     exp = _expected(pred, obs)
     if isinstance(exp, NotChecked):
         return exp
     tags = case_tags(spec, obs)
-    return _raised(inv, obs, tags) + _compare_counts(inv, exp, obs, tags)
+    return _raised(inv, obs, tags) + compare_collectives(inv, exp, obs, tags)
 
 
 @catalog.invariant(
@@ -120,23 +88,8 @@ def check_order(spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> l
         return exp
     tags = case_tags(spec, obs)
     out = _raised("COMM-ORDER", obs, tags)
-    for i, (want, got) in enumerate(zip(exp.iterations, obs.iterations)):
-        w = [(e.kind, e.group, e.state) for e in want.events]
-        g = [(e.kind, e.group, e.state) for e in got.events]
-        if w == g:
-            continue
-        k = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
-        wk, gk = (w[k] if k < len(w) else None), (g[k] if k < len(g) else None)
-        kind = "kind:" + (gk[0] if gk else "missing") + (f"-{gk[2].lower()}" if gk else "")
-        if obs.error and i == len(obs.iterations) - 1:
-            continue  # the iteration that raised: its events stop early (kind:raised says so)
-        out.append(violation("COMM-ORDER", f"iteration {i}: event {k} is {_fmt(gk)}, promised {_fmt(wk)} "
-                                          f"(promised {[_fmt(e) for e in w]}, seen {[_fmt(e) for e in g]})", tags, kind))
+    out += compare_events("COMM-ORDER", exp, obs, tags)
     return out
-
-
-def _fmt(e) -> str:
-    return "nothing" if e is None else f"{e[0]} {e[1] or '<root>'} ({e[2]})"
 
 
 @catalog.invariant(
@@ -167,7 +120,7 @@ def check_fsdp1_prefetch(spec: CaseSpec, pred: CommPrediction, obs: CommObservat
     out = _raised("COMM-FSDP1-PREFETCH", obs, tags)
     compared = False
     for i, (want, got) in enumerate(zip(exp.iterations, obs.iterations)):
-        if Counter(_key(c) for c in want.collectives) != Counter(_key(c) for c in got.collectives):
+        if Counter(collective_key(c) for c in want.collectives) != Counter(collective_key(c) for c in got.collectives):
             continue  # COMM-FSDP1-COUNTS reports what differs; the order of different sets means nothing
         compared = True
         # the all-gathers only: when a reduce-scatter runs is autograd's

@@ -98,6 +98,8 @@ class Expected:
     iterations: tuple[Iteration, ...] = ()
     why: str = ""
     exact_numel: bool = True
+    # the mechanisms the run goes through that a finding may name (tags, not compared)
+    notes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -254,9 +256,14 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
             return math.prod(shape)  # Shard(1), even
         return padded_numel(shape, world)
 
+    notes: set[str] = set()
+    if any(m in groups and not isinstance(groups[m][3], bool) and any(len(params[f][0]) >= 2 for f in groups[m][1])
+           for m in c.shard_dim1):
+        notes.add("int-reshard-of-shard-dim1")  # a Shard(1) matrix resharded to the int world after forward
     full = {m: sum(numel(m, f) for f in groups[m][1]) for m in groups}
     grads = {m: sum(numel(m, f) for f in groups[m][2]) for m in groups}
     state = {m: "sharded" for m in groups}  # sharded | unsharded | post (resharded to the int world)
+    post_ranks = {m: world for m in groups}  # the world a "post" group is sharded over
     pending = {m: False for m in groups}  # an all-gather issued, not yet waited for
     raf_now = {m: groups[m][3] for m in groups}
     post_order: list[str] = []  # cleared by the last backward's final callback
@@ -268,16 +275,21 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
         training = {m: "IDLE" for m in groups}
         if k.reshard_after_forward is not None:
             raf_now = {m: k.reshard_after_forward for m in groups}
+            if any(state[m] == "post" for m in groups):
+                # set_reshard_after_forward while a group is resharded to its
+                # int world (a forward with no backward since): its next
+                # all-gather still gathers the shards it holds
+                notes.add("set-reshard-after-forward-while-post-sharded")
 
         def unshard(m: str, st: str, phase: str) -> None:
             """Issue the all-gather (a prefetch stops here; the group's own
             pre-forward or pre-backward waits for it)."""
             if state[m] == "unsharded" or pending[m]:
                 return
-            label, raf = groups[m][0], raf_now[m]
+            label = groups[m][0]
             events.append(Event("unshard", label, st))
             if world > 1:
-                ranks = raf if state[m] == "post" else world
+                ranks = post_ranks[m] if state[m] == "post" else world
                 colls.append(Collective(phase, "all_gather", label, full[m], ranks, ag_dtype))
             pending[m] = True
 
@@ -293,6 +305,8 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
                 new = "sharded" if raf is True else "post"
             else:
                 new = "sharded"
+            if new == "post":
+                post_ranks[m] = raf
             if state[m] != new:
                 events.append(Event("reshard", groups[m][0], st))
                 state[m] = new
@@ -357,7 +371,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
                     indices[m].clear()
                 post_order.clear()
         out.append(Iteration(tuple(colls), tuple(events), loss))
-    return Expected(tuple(out))
+    return Expected(tuple(out), notes=frozenset(notes))
 
 
 # ---- FSDP1 -----------------------------------------------------------------

@@ -1,0 +1,29 @@
+"""FSDP2's schedule APIs drawn per microbatch (MB-COMMS, MB-GRADS,
+MB-SHARDED): gradient sync, all-reduce, reshard after backward / forward,
+is_last_backward, explicit unshard / reshard, int reshard_after_forward,
+Shard(1), CPU offload where it runs; against the oracle's collectives and
+the large batch's gradients."""
+
+from conformance.areas.common.area import Area, AreaScenario
+from conformance.areas.common.support import fsdp2_unavailable
+from conformance.areas.microbatch import invariants, repro, scenario
+from conformance.areas.microbatch.adapter import offload_unavailable
+from conformance.areas.microbatch.observation import MicrobatchObservation
+from conformance.areas.microbatch.oracle import predict_microbatch
+
+
+def _unavailable(case) -> str | None:
+    return fsdp2_unavailable() or (offload_unavailable() if case.microbatch.cpu_offload else None)
+
+
+AREA = Area(
+    name="microbatch",
+    title="FSDP2 schedule APIs per microbatch: gradient sync, resharding, explicit unshard / reshard, Shard(1), CPU offload",
+    invariants=invariants.INVARIANTS,
+    scenarios=(AreaScenario("microbatch", scenario.microbatch, MicrobatchObservation, predict_microbatch,
+                            fsdp_seconds=lambda obs: obs.seconds),),
+    applies=lambda case: getattr(case, "microbatch", None) is not None,
+    unavailable=_unavailable,
+    repro=repro.microbatch_script,
+    model_cases="a real model's forward is opaque to the oracle, which follows the suite's generic forward to predict the backward hooks",
+)

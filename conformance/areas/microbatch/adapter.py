@@ -1,0 +1,142 @@
+"""Microbatch adapter: fully_shard a built case (Shard(1) or CPU offload
+where the plan says), run one step's microbatches with the schedule
+settings drawn for each, record what FSDP2 communicates
+(conformance.areas.common.comm_adapter), and compare the accumulated
+gradients with the large batch's on a single-process reference. Reads
+FSDP2's registered parameters through public attributes only (DTensor
+placements)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from conformance.areas.common import fsdp1_adapter as a1
+from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
+from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensor
+from conformance.areas.common.fsdp2_oracle import shard_order
+from conformance.areas.common.support import fsdp2_mesh, on_rank_device, placed
+from conformance.areas.microbatch.observation import GradSeen, MicrobatchObservation, ShardSeen
+from conformance.areas.microbatch.oracle import predict_microbatch
+from conformance.case.build import BATCH, build, is_sharded, read_attr
+from conformance.case.spec import CaseSpec
+from conformance.case.target import graph_of
+
+
+def offload_unavailable() -> str | None:
+    """Why CPUOffloadPolicy cannot run here, or None: FSDP2 offloads to the
+    CPU from an accelerator (on a CPU-only machine its lazy init raises
+    "Cannot access accelerator device when none is available")."""
+    if not torch.accelerator.is_available():
+        return "CPUOffloadPolicy offloads from an accelerator; this machine has none (torch raises at lazy init)"
+    return None
+
+
+def data(spec: CaseSpec, micro: int, rank: int) -> torch.Tensor:
+    """One rank's microbatch input: differs by rank and microbatch."""
+    gen = torch.Generator().manual_seed(spec.seed * 7919 + micro * 31 + rank)
+    return 0.5 * torch.randn(BATCH, generator=gen)
+
+
+def _shard(spec: CaseSpec, built) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import Shard
+
+    fully_shard, _, _ = fsdp2_api()
+    mb = spec.microbatch
+    mesh = fsdp2_mesh()
+    for grp in shard_order(spec.plan, graph_of(spec)):
+        kwargs = {"mesh": mesh}
+        if grp.reshard_after_forward is not None:
+            kwargs["reshard_after_forward"] = grp.reshard_after_forward
+        if grp.modules[0] in mb.shard_dim1:
+            kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.dim() >= 2 else None
+        if mb.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        mods = [built.modules[p] for p in grp.modules]
+        fully_shard(mods if len(mods) > 1 else mods[0], **kwargs)
+
+
+def observe(spec: CaseSpec) -> MicrobatchObservation:
+    pred = predict_microbatch(spec)
+    mb = spec.microbatch
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = dict(api="fsdp2", rank=rank, world_size=world, backend=str(dist.get_backend()), torch_version=torch.__version__)
+    built, ref = placed(build(spec)), placed(build(spec))
+    aliases = a1.Aliases(built.model)
+    rec = Recorder()
+    t0 = time.perf_counter()
+    try:
+        _shard(spec, built)
+    except Exception as e:
+        return MicrobatchObservation(**base, error=f"fully_shard: {error_line(e)}", seconds=time.perf_counter() - t0)
+    model = built.model
+    labels = {id(m): aliases.canon_of_module.get(id(m), "?") for m in model.modules()}
+    iterations, error = [], None
+    with contextlib.ExitStack() as stack:
+        for p in fsdp2_patches(rec, labels):
+            stack.enter_context(p)
+        for k, step in enumerate(mb.microbatches):
+            try:
+                model.set_requires_gradient_sync(step.sync)
+                model.set_requires_all_reduce(step.all_reduce)
+                model.set_reshard_after_backward(step.reshard_after_backward)
+                model.set_is_last_backward(step.is_last_backward)
+                if step.reshard_after_forward is not None:
+                    model.set_reshard_after_forward(step.reshard_after_forward)
+                rec.phase = "forward"
+                with rec.mode:
+                    if step.unshard is not None:
+                        target = built.modules[step.unshard]
+                        handle = target.unshard(async_op=step.unshard_async)
+                        if handle is not None:
+                            handle.wait()
+                        if step.reshard:
+                            target.reshard()
+                    out = model(on_rank_device(data(spec, k, rank)))
+                loss = (out.float() ** 2).sum()
+                rec.phase = "backward"
+                if loss.requires_grad:
+                    with rec.mode:
+                        loss.backward()
+                iterations.append(rec.take(loss.requires_grad))
+            except Exception as e:
+                error = f"microbatch {k}: {error_line(e)}"
+                iterations.append(rec.take(True))
+                break
+    seconds = time.perf_counter() - t0
+    shards, grads = [], []
+    if error is None:
+        names = list(pred.trainable) + list(pred.frozen)
+        for f in names:
+            p = read_attr(model, f)
+            sharded = is_sharded(p) and all(type(pl).__name__ == "Shard" for pl in p.placements)
+            g = p.grad
+            shards.append(ShardSeen(f, sharded, None if g is None else is_sharded(g)))
+        if base["backend"] != "fake":
+            grads = _compare_grads(spec, model, ref, names, world)
+    return MicrobatchObservation(**base, error=error, iterations=tuple(iterations), grads=tuple(grads), shards=tuple(shards),
+                                 seconds=seconds)
+
+
+def _compare_grads(spec: CaseSpec, model, ref, names: list[str], world: int) -> list[GradSeen]:
+    """Every rank's every microbatch through the single-process reference:
+    loss_k = mean over ranks of (ref(x_{r,k}) ** 2).sum(), summed over k."""
+    for k in range(len(spec.microbatch.microbatches)):
+        total = sum((ref.model(on_rank_device(data(spec, k, r))) ** 2).sum() for r in range(world)) / world
+        if total.requires_grad:
+            total.backward()
+    out = []
+    for f in names:
+        g = read_attr(model, f).grad
+        full = None if g is None else full_tensor(g).detach().float()  # a collective: every rank runs it
+        r = read_attr(ref.model, f).grad
+        if full is None or r is None:
+            out.append(GradSeen(f, full is None, r is None, 0.0 if (full is None) == (r is None) else -1.0))
+            continue
+        err = float((full - r).abs().max() / (1.0 + r.abs().max())) if r.numel() else 0.0
+        out.append(GradSeen(f, False, False, err))
+    return out

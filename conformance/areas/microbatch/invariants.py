@@ -1,0 +1,123 @@
+"""MB-COMMS, MB-GRADS, MB-SHARDED: FSDP2's schedule APIs drawn per
+microbatch (set_requires_gradient_sync, set_requires_all_reduce,
+set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward,
+explicit unshard() / reshard(), reshard_after_forward as an int,
+shard_placement_fn) against the oracle and the large batch."""
+
+from __future__ import annotations
+
+from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
+from conformance.areas.common.comm_checks import compare_collectives, compare_events
+from conformance.areas.common.violations import backend_tag, violation
+from conformance.areas.microbatch.observation import MicrobatchObservation
+from conformance.areas.microbatch.oracle import MicrobatchPrediction
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
+
+catalog = Catalog()
+
+GRAD_RTOL = 1e-5  # fp32 throughout: summation order only
+DOCS = ("FSDPModule docstrings: set_requires_gradient_sync (\"gradient accumulation *without communication*\"), "
+        "set_requires_all_reduce, set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward, unshard / reshard, "
+        "UnshardHandle.wait; fully_shard docstring (reshard_after_forward as an int, shard_placement_fn)")
+
+
+def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> set[str]:
+    mb = spec.microbatch
+    steps = mb.microbatches
+    tags = {"api:fsdp2", f"microbatches:{min(len(steps), 3)}"}
+    for name, flag in (("no-sync", any(not s.sync for s in steps)), ("no-all-reduce", any(not s.all_reduce for s in steps)),
+                       ("no-reshard-after-backward", any(not s.reshard_after_backward for s in steps)),
+                       ("not-last-backward", any(not s.is_last_backward for s in steps)),
+                       ("set-reshard-after-forward", any(s.reshard_after_forward is not None for s in steps)),
+                       ("explicit-unshard", any(s.unshard is not None for s in steps)),
+                       ("async-unshard", any(s.unshard_async for s in steps)), ("explicit-reshard", any(s.reshard for s in steps)),
+                       ("shard-dim1", bool(mb.shard_dim1)),
+                       ("reshard:int", any(isinstance(g.reshard_after_forward, int) and not isinstance(g.reshard_after_forward, bool)
+                                           for g in spec.plan.groups))):
+        if flag:
+            tags.add(name)
+    return tags | set(pred.expect(obs.world_size).notes)
+
+
+def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violation]:
+    return [violation(inv, f"FSDP raised ({obs.error})", tags, "kind:raised")] if obs.error else []
+
+
+@catalog.invariant(
+    "MB-COMMS",
+    group="schedule_api",
+    api="fsdp2",
+    scenario="microbatch",
+    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel.",
+    source=DOCS,
+)
+def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
+    exp = pred.expect(obs.world_size)
+    if exp.why:
+        return NotChecked(exp.why)
+    tags = case_tags(spec, pred, obs)
+    return _raised("MB-COMMS", obs, tags) + compare_collectives("MB-COMMS", exp, obs, tags) + compare_events("MB-COMMS", exp, obs, tags)
+
+
+@catalog.invariant(
+    "MB-GRADS",
+    group="schedule_api",
+    api="fsdp2",
+    scenario="microbatch",
+    statement="Whatever the settings drawn per microbatch, after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none.",
+    source=DOCS,
+)
+def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
+    tags = case_tags(spec, pred, obs) | {backend_tag(obs)}
+    out = _raised("MB-GRADS", obs, tags)
+    if obs.error:
+        return out
+    if not obs.values_meaningful:
+        return VALUES_UNCHECKED
+    frozen = set(pred.frozen)
+    for g in obs.grads:
+        if g.fqn in frozen:
+            if not g.none:
+                out.append(violation("MB-GRADS", f"{g.fqn} is frozen but has a gradient", tags, "kind:frozen-grad"))
+        elif g.none != g.ref_none:
+            out.append(violation("MB-GRADS", f"{g.fqn}: gradient {'missing' if g.none else 'present'}, the large batch's {'none' if g.ref_none else 'present'}",
+                                 tags, "kind:grad-missing" if g.none else "kind:grad-extra"))
+        elif g.err > GRAD_RTOL:
+            out.append(violation("MB-GRADS", f"{g.fqn}: gradient off the large batch's by {g.err:.3g} (relative, > {GRAD_RTOL:g})", tags, "kind:grad"))
+    if not obs.grads:
+        return NotChecked("no gradient compared")
+    return out
+
+
+@catalog.invariant(
+    "MB-SHARDED",
+    group="schedule_api",
+    api="fsdp2",
+    scenario="microbatch",
+    statement="After the last backward every parameter registered on the model is fully_shard's sharded DTensor (Shard placements), and every gradient it has is a DTensor too.",
+    source="fully_shard docstring (the module's parameters are DTensors sharded on the mesh, registered back after forward / backward); set_reshard_after_backward docstring",
+)
+def check_sharded(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
+    tags = case_tags(spec, pred, obs)
+    out = _raised("MB-SHARDED", obs, tags)
+    if obs.error:
+        return out
+    exp = pred.expect(obs.world_size)
+    if exp.why:
+        return NotChecked(exp.why)
+    if not exp.iterations[-1].backward:
+        # the root keeps its parameters unsharded after forward (fully_shard:
+        # reshard_after_forward=None is False for the root) until a backward
+        return NotChecked("the last microbatch's loss requires no gradient: no backward ran")
+    for s in obs.shards:
+        if not s.sharded:
+            out.append(violation("MB-SHARDED", f"{s.fqn} is not a sharded DTensor after the last backward", tags, "kind:unsharded-param"))
+        if s.grad_sharded is False:
+            out.append(violation("MB-SHARDED", f"{s.fqn}'s gradient is not a DTensor after the last backward", tags, "kind:unsharded-grad"))
+    if not obs.shards:
+        return NotChecked("the case has no parameter")
+    return out
+
+
+INVARIANTS = tuple(catalog.invariants)

@@ -1,0 +1,87 @@
+"""Strategies for FSDP2's schedule APIs drawn per microbatch (MB-*): the
+trees of the comm strategies (frozen parameters included) under FSDP2
+groups (reshard_after_forward None / True / False / 2), sometimes Shard(1)
+for groups whose matrices allow it, and 1..N microbatches each with its own
+gradient sync, all-reduce, reshard-after-backward, is_last_backward and
+reshard_after_forward settings, explicit unshard() (sync or async, waited
+on) and reshard() of a group; the last microbatch syncs, reshards and is
+the last backward (what the APIs' documented use of them requires)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
+
+from conformance.areas.common.comm_oracle import param_shapes, timeline
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+from conformance.case.spec import CaseSpec, MicrobatchPlan, MicrobatchStep, ModuleSpec
+from strategies._common import ANY_TORCH, check_bool, check_int, maybe, pick
+from strategies.cases import case_specs
+from strategies.comm import RESHARD, draw_groups
+
+SHARD_DIM1_WORLD = 4  # Shard(1) needs dim 1 divisible by the world size: the fake tier's 4 (and so gloo's 2)
+
+
+def _draw_step(draw: Any, modules: list[str], *, first: bool, last: bool) -> MicrobatchStep:
+    raf = pick(draw, (None, True, False))
+    unshard = None if first or not maybe(draw, 2) else pick(draw, modules)
+    if last:
+        return MicrobatchStep(all_reduce=not maybe(draw, 2), reshard_after_forward=raf, unshard=unshard,
+                              unshard_async=unshard is not None and draw(st.booleans()),
+                              reshard=unshard is not None and maybe(draw, 2))
+    return MicrobatchStep(
+        sync=not maybe(draw, 1), all_reduce=not maybe(draw, 2), reshard_after_backward=not maybe(draw, 2),
+        is_last_backward=not maybe(draw, 2), reshard_after_forward=raf, unshard=unshard,
+        unshard_async=unshard is not None and draw(st.booleans()), reshard=unshard is not None and maybe(draw, 2),
+    )
+
+
+@st.composite
+def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_microbatches: int, cpu_offload: bool) -> CaseSpec:
+    spec = draw(base)
+    if not timeline(spec, frozenset(f for f, (_, rg) in param_shapes(spec).items() if rg))[1] and draw(st.sampled_from((True, True, True, False))):
+        # nothing trains: no backward, so no accumulation to check; mostly
+        # the same tree with every parameter trainable instead
+        spec = dataclasses.replace(spec, tree=_trainable(spec.tree))
+    spec = draw_groups(draw, spec, RESHARD, max_groups)
+    pred = predict_fsdp2(spec, ANY_TORCH)
+    shapes = {f"{p}.{q.name}" if p else q.name: q.shape for p, m in _walk(spec.tree) for q in m.params}
+    dim1_ok = [g.modules[0] for g in pred.groups if g.managed and all(len(shapes[f]) < 2 or shapes[f][1] % SHARD_DIM1_WORLD == 0 for f in g.managed)
+               and any(len(shapes[f]) >= 2 for f in g.managed)]
+    shard_dim1 = tuple(m for m in dim1_ok if maybe(draw, 1))
+    modules = [g.modules[0] for g in spec.plan.groups if g.modules != ("",)] + [""]
+    # mostly several microbatches (accumulation is the point); one sometimes
+    n = draw(st.sampled_from((*range(2, max_microbatches + 1), 1)))  # shrinks to 2
+    steps = tuple(_draw_step(draw, modules, first=k == 0, last=k == n - 1) for k in range(n))
+    if shard_dim1:
+        event("microbatch: Shard(1)")
+    event(f"microbatch: {n} microbatches")
+    return dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload))
+
+
+def _trainable(m: ModuleSpec) -> ModuleSpec:
+    return dataclasses.replace(m, params=tuple(dataclasses.replace(p, requires_grad=True) for p in m.params),
+                               children=tuple(_trainable(c) for c in m.children))
+
+
+def _walk(tree, path=""):
+    yield path, tree
+    for c in tree.children:
+        yield from _walk(c, f"{path}.{c.name}" if path else c.name)
+
+
+def microbatch_specs(*, max_modules: int = 8, max_depth: int = 3, max_groups: int = 4, max_microbatches: int = 4,
+                     cpu_offload: bool = False) -> SearchStrategy[CaseSpec]:
+    """FSDP2 CaseSpecs with a MicrobatchPlan (see the module docstring);
+    with ``cpu_offload`` every group gets CPUOffloadPolicy()."""
+    for name, v in (("max_modules", max_modules), ("max_groups", max_groups), ("max_microbatches", max_microbatches)):
+        check_int(v, name, min_value=1)
+    check_int(max_depth, "max_depth", min_value=0)
+    check_bool(cpu_offload, "cpu_offload")
+    base = case_specs(max_modules=max_modules, max_depth=max_depth, apis=st.just("fsdp2"), use_orig_params=st.just(False),
+                      policies=[None], allow_ties=False, allow_shared=False, allow_ignored=False)
+    return _microbatch_specs(base, max_groups, max_microbatches, cpu_offload)

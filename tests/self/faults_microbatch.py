@@ -1,0 +1,121 @@
+"""Faults injected into FSDP2's schedule APIs, as context managers, and the
+test-only scenarios that apply one around the microbatch area's observation
+inside a rank (the fake tier's in-process rank, or a pool's: a monkeypatch
+in the driver does not reach rank processes)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+from conformance.case.spec import CaseSpec
+from conformance.engine.scenarios import scenario
+
+FAULTS = {}
+
+
+def fault(name):
+    def add(fn):
+        FAULTS[name] = fn
+        return fn
+
+    return add
+
+
+def _module_cls():
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def _group_cls():
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    return _fsdp_param_group.FSDPParamGroup
+
+
+@fault("gradient-sync-ignored")
+def gradient_sync_ignored():
+    """set_requires_gradient_sync(False) does nothing: every microbatch
+    reduce-scatters."""
+    return mock.patch.object(_module_cls(), "set_requires_gradient_sync", lambda self, *a, **k: None)
+
+
+@fault("reshard-after-backward-ignored")
+def reshard_after_backward_ignored():
+    """set_reshard_after_backward(False) does nothing: the groups reshard
+    after every backward and all-gather again in the next forward."""
+    return mock.patch.object(_module_cls(), "set_reshard_after_backward", lambda self, *a, **k: None)
+
+
+@fault("reshard-after-backward-sticks")
+def reshard_after_backward_sticks():
+    """set_reshard_after_backward(True) after a False is ignored: the groups
+    stay unsharded after the last backward."""
+    cls = _module_cls()
+    orig = cls.set_reshard_after_backward
+
+    def setter(self, value, *, recurse=True):
+        if not value:
+            orig(self, value, recurse=recurse)
+
+    return mock.patch.object(cls, "set_reshard_after_backward", setter)
+
+
+@fault("explicit-unshard-ignored")
+def explicit_unshard_ignored():
+    """unshard() (sync or async) does nothing: the module all-gathers in its
+    own pre-forward instead."""
+    class Handle:
+        def wait(self):
+            return None
+
+    return mock.patch.object(_module_cls(), "unshard", lambda self, async_op=False: Handle() if async_op else None)
+
+
+@fault("shard-placement-fn-ignored")
+def shard_placement_fn_ignored():
+    """fully_shard's shard_placement_fn is dropped: every parameter is
+    Shard(0) (padded)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    cls = _fsdp_param.FSDPParam
+    orig = cls.__init__
+
+    def init(self, param, module_info, mesh_info, post_forward_mesh_info, device, shard_placement_fn, *args, **kwargs):
+        orig(self, param, module_info, mesh_info, post_forward_mesh_info, device, None, *args, **kwargs)
+
+    return mock.patch.object(cls, "__init__", init)
+
+
+@fault("unsynced-grads-dropped")
+def unsynced_grads_dropped():
+    """A backward without gradient sync drops the gradients it computed
+    instead of accumulating them for the next synced one."""
+    cls = _group_cls()
+    orig = cls.post_backward
+
+    def post_backward(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if not self.reduce_grads:
+            for fp in self.fsdp_params:
+                if hasattr(fp, "_unsharded_param"):
+                    fp.unsharded_param.grad = None
+                fp.unsharded_accumulated_grad = None
+        return out
+
+    return mock.patch.object(cls, "post_backward", post_backward)
+
+
+def _faulty(name: str):
+    def run(spec: CaseSpec) -> dict:
+        from conformance.areas.microbatch import adapter
+
+        with FAULTS[name]():
+            return adapter.observe(spec).to_dict()
+
+    run.__name__ = run.__qualname__ = f"faulty_microbatch_{name}".replace("-", "_")
+    return run
+
+
+for _name in FAULTS:
+    scenario(f"fault:microbatch:{_name}", test_only=True)(_faulty(_name))
