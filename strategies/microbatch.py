@@ -19,9 +19,9 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.common.comm_oracle import param_shapes, timeline
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.case.spec import CaseSpec, MicrobatchPlan, MicrobatchStep, ModuleSpec
-from strategies._common import ANY_TORCH, check_bool, check_int, maybe, pick
-from strategies.cases import case_specs
-from strategies.comm import RESHARD, draw_groups
+from conformance.strategies._common import ANY_TORCH, check_bool, check_int, maybe, pick
+from conformance.strategies.cases import case_specs
+from conformance.strategies.comm import RESHARD, draw_groups
 
 SHARD_DIM1_WORLD = 4  # Shard(1) needs dim 1 divisible by the world size: the fake tier's 4 (and so gloo's 2)
 

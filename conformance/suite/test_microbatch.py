@@ -14,8 +14,8 @@ from hypothesis import given, settings
 
 from conformance.areas.microbatch import AREA
 from conformance.run import corpus
+from conformance.strategies.microbatch import microbatch_specs
 from conformance.suite.budget import examples
-from strategies.microbatch import microbatch_specs
 
 MICROBATCH = [inv.id for inv in AREA.invariants]
 
