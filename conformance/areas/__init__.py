@@ -11,12 +11,13 @@ conformance.areas.common."""
 
 from __future__ import annotations
 
-from conformance.areas import autowrap, checkpoint, clip, comm, fully_shard, parity, schedule, summon
+from conformance.areas import activation_checkpointing, autowrap, checkpoint, clip, comm, fully_shard, parity, schedule, summon
 from conformance.areas.common.area import Area, AreaScenario
 from conformance.areas.common.catalog import Invariant, UnknownInvariant
 from conformance.engine import scenarios as engine_scenarios
 
-AREAS: tuple[Area, ...] = (autowrap.AREA, fully_shard.AREA, summon.AREA, parity.AREA, checkpoint.AREA, schedule.AREA, clip.AREA, comm.AREA)
+AREAS: tuple[Area, ...] = (autowrap.AREA, fully_shard.AREA, summon.AREA, parity.AREA, checkpoint.AREA, schedule.AREA, clip.AREA, comm.AREA,
+                          activation_checkpointing.AREA)
 
 # Derived indexes (not registries: every entry comes from AREAS).
 CATALOG: dict[str, Invariant] = {inv.id: inv for area in AREAS for inv in area.invariants}
