@@ -25,14 +25,22 @@ DOC_KEYS = ("checkpoint_wrapper (ActivationWrapper: its state_dict post-hook str
             "(the unwrapped module's FQNs)")
 DOC_GATHER = ("fully_shard docstring (reshard_after_forward: reshard after forward, all-gather again in backward); "
               "FullyShardedDataParallel docstring (FULL_SHARD, BACKWARD_PRE); the comm oracle "
-              "(conformance/areas/common/comm_oracle.py) over the case's units; "
-              f"{DOC_AC.split(';')[0]}: recompute runs inside the backward of the units that hold it")
+              "(conformance/areas/common/comm_oracle.py) over the case's units; torch.utils.checkpoint.checkpoint "
+              "docstring (the region is recomputed in the backward pass as needed for gradient computation: inside "
+              "the backward of the units that hold it)")
+
+
+def error_tag(text: str) -> str:
+    """The mechanism of an error, for findings to match on."""
+    if "out of bounds for storage of size 0" in text:
+        return "error:freed-storage"  # a parameter view over a flat parameter FSDP already freed
+    return "error:other"
 
 
 def _raised(inv: str, obs: ACObservation, tags: set[str], *, state_dict: bool = False) -> list[Violation] | None:
     for at, err in (("ac", obs.ac_error), ("wrap", obs.wrap_error), ("training", obs.step_error)):
         if err:
-            return [violation(inv, f"{at} raised {err}", tags, "kind:raised", f"at:{at}")]
+            return [violation(inv, f"{at} raised {err}", tags, "kind:raised", f"at:{at}", error_tag(err))]
     if state_dict and obs.state_dict_error:
         return [violation(inv, f"state_dict raised {obs.state_dict_error}", tags, "kind:state-dict-raised", "at:state-dict")]
     return None

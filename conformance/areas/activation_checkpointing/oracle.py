@@ -87,6 +87,11 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
                 tags.add("ac:around-unit" if len(inside) == len(mods) else "ac:across-unit")
             if any(below(m, t) for m in mods):
                 tags.add("ac:inside-unit")  # inside a non-root unit
+    wrapper = plan.kind in ("wrapper-non-reentrant", "wrapper-reentrant")
+    if "ac:around-unit" in tags or "ac:across-unit" in tags or ("ac:is-unit" in tags and wrapper):
+        # a unit's forward runs inside a checkpointed region (a wrapper stays
+        # outside the module FSDP wraps or shards): recompute runs its hooks
+        tags.add("ac:unit-in-region")
     if not any(tag in tags for tag in ("ac:is-unit", "ac:around-unit", "ac:across-unit", "ac:inside-unit")):
         tags.add("ac:root-unit")  # only the root unit manages it
     if training.frozen:
