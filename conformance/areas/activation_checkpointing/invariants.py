@@ -32,8 +32,8 @@ DOC_GATHER = ("fully_shard docstring (reshard_after_forward: reshard after forwa
 
 def error_tag(text: str) -> str:
     """The mechanism of an error, for findings to match on."""
-    if "out of bounds for storage of size 0" in text:
-        return "error:freed-storage"  # a parameter view over a flat parameter FSDP already freed
+    if "out of bounds for storage of size 0" in text or "but its data is not allocated yet" in text:
+        return "error:freed-storage"  # a parameter (view) over a flat parameter FSDP already freed
     return "error:other"
 
 

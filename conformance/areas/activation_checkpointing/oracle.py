@@ -30,9 +30,12 @@ import functools
 from dataclasses import dataclass
 
 from conformance.areas.common.comm_oracle import Expected, FSDP2Comm, Knobs, simulate_fsdp1, simulate_fsdp2
+from conformance.areas.common.fsdp1_oracle import SIZE_EXCLUDE_WRAP
 from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
-from conformance.case.spec import ActivationCheckpointPlan, CaseSpec, CommPlan
+from conformance.case.spec import ActivationCheckpointPlan, CaseSpec, CommPlan, CustomWrap, SizeBasedWrap
 from conformance.case.target import graph_of
+
+WRAPPERS = ("wrapper-non-reentrant", "wrapper-reentrant")  # the kinds that put a CheckpointWrapper in the tree
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,18 @@ def _expect(spec: CaseSpec, world: int) -> Expected:
     steps = (spec.activation_checkpoint or ActivationCheckpointPlan()).steps
     if spec.plan.api == "fsdp2":
         return simulate_fsdp2(spec, world, FSDP2Comm((Knobs(),) * steps), input_grad=True)
+    policy = spec.plan.policy
+    if isinstance(policy, CustomWrap) and any(k == "sharding_strategy" and v != "FULL_SHARD" for _, kw in policy.kwargs for k, v in kw):
+        # the comm oracle models one sharding strategy for every unit
+        return Expected(why="a unit with its own sharding strategy (CustomPolicy kwargs): the comm oracle models one strategy for all units")
+    plan = spec.activation_checkpoint or ActivationCheckpointPlan()
+    if isinstance(policy, SizeBasedWrap) and plan.kind in WRAPPERS:
+        g = graph_of(spec)
+        if any(g.is_torch(g.resolve_module(t), SIZE_EXCLUDE_WRAP) for t in plan.targets):
+            # size_based_auto_wrap_policy never wraps a ModuleList / ModuleDict,
+            # but may wrap the CheckpointWrapper around one: units the tree
+            # without the wrapper does not have
+            return Expected(why="checkpoint_wrapper around a ModuleList / ModuleDict under the size-based policy (the wrapper may become a unit the module could not)")
     # FSDP1's defaults: FULL_SHARD, BACKWARD_PRE, no forward prefetch, limit_all_gathers
     return simulate_fsdp1(spec, world, CommPlan(iterations=steps), input_grad=True)
 
@@ -87,7 +102,7 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
                 tags.add("ac:around-unit" if len(inside) == len(mods) else "ac:across-unit")
             if any(below(m, t) for m in mods):
                 tags.add("ac:inside-unit")  # inside a non-root unit
-    wrapper = plan.kind in ("wrapper-non-reentrant", "wrapper-reentrant")
+    wrapper = plan.kind in WRAPPERS
     if "ac:around-unit" in tags or "ac:across-unit" in tags or ("ac:is-unit" in tags and wrapper):
         # a unit's forward runs inside a checkpointed region (a wrapper stays
         # outside the module FSDP wraps or shards): recompute runs its hooks
