@@ -137,6 +137,19 @@ def _final(spec: CaseSpec, model: nn.Module, inner: nn.Module, names: list[str],
     return values, none
 
 
+def _plain_error(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, steps: int, rank: int, world: int) -> str | None:
+    """Whether the same FSDP training without AC raises too (then the
+    failure is FSDP's, not checkpointing's)."""
+    error = None
+    try:
+        _train(spec, model, x0, steps, rank, world, None)
+    except Exception as e:
+        error = error_line(e)
+    if any_rank_failed(error is not None):
+        return error or "another rank's training without AC raised"
+    return None
+
+
 def observe(spec: CaseSpec) -> ACObservation:
     plan = spec.activation_checkpoint or ActivationCheckpointPlan()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -172,16 +185,16 @@ def observe(spec: CaseSpec) -> ACObservation:
     except Exception as e:
         error = error_line(e)
     if any_rank_failed(error is not None):
-        return ACObservation(**base, step_error=error or "another rank's training raised")
+        return ACObservation(**base, step_error=error or "another rank's training raised", plain_error=_plain_error(spec, plain_model, x0, plan.steps, rank, world))
     fsdp_seconds = time.perf_counter() - t0
-    plain_gathers = None
+    plain_gathers, plain_error = None, None
     try:
         plain_labels = plain_aliases.canon_of_module if fsdp2 else None
         plain_gathers = tuple(_train(spec, plain_model, x0, plan.steps, rank, world, plain_labels)[1])
-    except Exception:  # noqa: BLE001 - without AC it is another area's failure: only the count is lost
-        plain_gathers = None
-    if any_rank_failed(plain_gathers is None):
-        plain_gathers = None
+    except Exception as e:  # without AC it is FSDP's own failure (other areas'): recorded, not AC's
+        plain_error = error_line(e)
+    if any_rank_failed(plain_error is not None):
+        plain_gathers, plain_error = None, plain_error or "another rank's training without AC raised"
     ref_losses, _ = _train(spec, ref.model, x0, plan.steps, rank, world, None, reference=True)
     final, grads_none = _final(spec, model, built.model, names, frozen)
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
@@ -202,6 +215,6 @@ def observe(spec: CaseSpec) -> ACObservation:
         **base, state_dict_error=error, losses=tuple(losses), ref_losses=tuple(ref_losses),
         losses_close=bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=TRAIN_RTOL, atol=TRAIN_ATOL)),
         params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), ref_stable=stable(ref_losses, ref.model),
-        state_dict_keys=keys, gathers=tuple(gathers), plain_gathers=plain_gathers,
+        state_dict_keys=keys, gathers=tuple(gathers), plain_gathers=plain_gathers, plain_error=plain_error,
         seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds,
     )

@@ -34,10 +34,16 @@ def error_tag(text: str) -> str:
     """The mechanism of an error, for findings to match on."""
     if "out of bounds for storage of size 0" in text or "but its data is not allocated yet" in text:
         return "error:freed-storage"  # a parameter (view) over a flat parameter FSDP already freed
+    if "encountered during backward but not found in storage" in text:
+        return "error:sac-op-mismatch"  # selective AC's cache saw another op sequence in the recompute
     return "error:other"
 
 
-def _raised(inv: str, obs: ACObservation, tags: set[str], *, state_dict: bool = False) -> list[Violation] | None:
+def _raised(inv: str, obs: ACObservation, tags: set[str], *, state_dict: bool = False) -> list[Violation] | NotChecked | None:
+    if obs.plain_error and (obs.step_error or (state_dict and obs.state_dict_error)):
+        # FSDP fails without checkpointing too: the failure is not AC's
+        # (the PARITY and comm areas check FSDP itself)
+        return NotChecked(f"the same FSDP training without AC raised too ({obs.plain_error}): not checkpointing's failure")
     for at, err in (("ac", obs.ac_error), ("wrap", obs.wrap_error), ("training", obs.step_error)):
         if err:
             return [violation(inv, f"{at} raised {err}", tags, "kind:raised", f"at:{at}", error_tag(err))]
@@ -59,7 +65,7 @@ def check_parity(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> list
         return NotChecked(f"training is not promised for this case: {pred.applicable}")
     tags = set(pred.tags) | {backend_tag(obs)}
     raised = _raised("AC-PARITY", obs, tags)
-    if raised:
+    if raised is not None:
         return raised
     out = []
     for fqn, none in obs.frozen_grads_none:
@@ -93,7 +99,7 @@ def check_state_dict(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> 
         return NotChecked(f"training is not promised for this case: {pred.applicable}")
     tags = set(pred.tags)
     raised = _raised("AC-STATE-DICT", obs, tags, state_dict=True)
-    if raised:
+    if raised is not None:
         return raised
     got, want = set(obs.state_dict_keys), set(obs.plain_keys)
     if got == want:
@@ -120,8 +126,10 @@ def check_allgather(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> l
         return NotChecked(f"training is not promised for this case: {pred.applicable}")
     tags = set(pred.tags)
     raised = _raised("AC-ALLGATHER", obs, tags)
-    if raised:
+    if raised is not None:
         return raised
+    if obs.plain_error:
+        return NotChecked(f"the same FSDP training without AC raised ({obs.plain_error}): the unit structure is not realized")
     exp = pred.expect(obs.world_size)
     if exp.why:
         return NotChecked(f"the comm oracle promises no collectives for this case: {exp.why}")

@@ -34,6 +34,7 @@ class ACObservation(Record):
     gathers: tuple[tuple[int, str, str, int], ...] = ()
     # the same FSDP run of the case without AC (None: it raised)
     plain_gathers: tuple[tuple[int, str, str, int], ...] | None = None
+    plain_error: str | None = None  # the same FSDP training without AC raised (FSDP's failure, not AC's)
     seconds: float = 0.0
     fsdp_seconds: float = 0.0
 
