@@ -25,7 +25,7 @@ from conformance.case.spec import (
     TiedParam,
     WrapPlan,
 )
-from conformance.run.runner import FAIL, PASS, evaluate, observations
+from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from tests.self import faults_activation_checkpointing  # noqa: F401  (registers the fault scenarios in the driver)
 
 pytestmark = pytest.mark.selfcheck
@@ -116,3 +116,19 @@ def test_the_oracle_tags_where_ac_sits():
     assert "ac:is-unit" in predict_ac(CASES["fsdp2-is-unit-reentrant"]()).tags
     assert {"ac:inside-unit", "ac:frozen-inside", "frozen"} <= predict_ac(CASES["fsdp2-inside-selective-frozen"]()).tags
     assert "tie" in predict_ac(CASES["fsdp2-composable-tie"]()).tags
+
+
+@pytest.mark.gloo
+def test_fsdp1_nested_units_recompute_gathers_are_counted_per_unit(pool):
+    """AC around nested FSDP1 units (outer and outer.block, a reentrant
+    checkpoint_wrapper on outer): the recompute re-gathers each of them once
+    more in backward (fsdp1-ac-around-unit-regathers), and AC-ALLGATHER names
+    both units, not only a per-phase total; head, outside the region, is
+    gathered as the unit structure implies."""
+    plan = WrapPlan(api="fsdp1", policy=CustomWrap(("outer", "outer.block", "head")))
+    spec = model(plan, ActivationCheckpointPlan("wrapper-reentrant", ("outer",)))
+    res = run("AC-ALLGATHER", spec, pool)
+    assert res.verdict == KNOWN and {f for _, f in res.known} == {"fsdp1-ac-around-unit-regathers"}, res.describe()
+    extra = {v.message.split(":")[0] for v, _ in res.known if "kind:extra-gathers" in v.tags}
+    assert extra == {"step 0 backward unit outer", "step 0 backward unit outer.block",
+                     "step 1 backward unit outer", "step 1 backward unit outer.block"}, res.describe()

@@ -13,6 +13,7 @@ import functools
 import re
 import time
 from collections import Counter
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -79,21 +80,51 @@ def _wrap(spec: CaseSpec, built: Built) -> nn.Module:
     return built.model
 
 
+def fsdp1_patches(rec: Recorder, units: dict[int, str]):
+    """FSDP1's _unshard, owning the collectives it issues by the unit whose
+    flat parameter it all-gathers (``units``: id(handle) -> canonical path;
+    a prefetch unshards another unit's): every FSDP1 parameter all-gather,
+    in forward, backward or a recomputed forward, goes through it."""
+    from torch.distributed.fsdp import _runtime_utils as ru
+
+    orig = ru._unshard
+
+    def _unshard(state, handle, *args, **kwargs):
+        with rec.owning(units.get(id(handle), "?")):
+            return orig(state, handle, *args, **kwargs)
+
+    return (mock.patch.object(ru, "_unshard", _unshard),)
+
+
+def fsdp1_units(model: nn.Module, aliases) -> dict[int, str]:
+    """id(handle) -> the canonical path of the module FSDP1 wraps (the
+    checkpointed module where FSDP1 wrapped its CheckpointWrapper)."""
+    out = {}
+    for u in FSDP.fsdp_modules(model):
+        if getattr(u, "_handle", None) is not None:
+            inner = u.module
+            inner = inner.__dict__.get("_modules", {}).get("_checkpoint_wrapped_module", inner)
+            out[id(u._handle)] = aliases.canon_of_module.get(id(inner), "?")
+    return out
+
+
 def _gathers(rec: Recorder, step: int, api: str) -> list[tuple[int, str, str, int]]:
     seen = rec.take(True)
-    c = Counter((x.phase, x.group.split(", ")[0] if api == "fsdp2" else "*") for x in seen.collectives if x.op == "all_gather")
+    c = Counter((x.phase, x.group.split(", ")[0] if api == "fsdp2" else x.group) for x in seen.collectives if x.op == "all_gather")
     return [(step, phase, group, n) for (phase, group), n in sorted(c.items())]
 
 
 def _train(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, steps: int, rank: int, world: int, labels: dict[int, str] | None,
            *, reference: bool = False) -> tuple[list[float], list[tuple[int, str, str, int]]]:
     """SGD steps (every parameter that trains); each step's parameter
-    all-gathers (``labels``: FSDP2's module ids -> canonical paths; None:
-    counted per phase)."""
+    all-gathers by group or unit (``labels``: FSDP2's module ids, FSDP1's
+    handle ids -> canonical paths; None: not attributed)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer("SGD", trainable, LR) if trainable else None
     rec = Recorder()
-    patches = fsdp2_patches(rec, labels) if labels is not None and not reference else ()
+    patches = ()
+    if labels is not None and not reference:
+        patches = fsdp2_patches(rec, labels) if spec.plan.api == "fsdp2" else fsdp1_patches(rec, labels)
     losses, gathers = [], []
     with contextlib.ExitStack() as stack:
         for p in patches:
@@ -177,7 +208,7 @@ def observe(spec: CaseSpec) -> ACObservation:
     if any_rank_failed(error is not None):
         return ACObservation(**base, wrap_error=error or "another rank's wrapping raised")
     fsdp2 = spec.plan.api == "fsdp2"
-    labels = aliases.canon_of_module if fsdp2 else None
+    labels = aliases.canon_of_module if fsdp2 else fsdp1_units(model, aliases)
     losses: list[float] = []
     gathers: list = []
     try:
@@ -189,7 +220,7 @@ def observe(spec: CaseSpec) -> ACObservation:
     fsdp_seconds = time.perf_counter() - t0
     plain_gathers, plain_error = None, None
     try:
-        plain_labels = plain_aliases.canon_of_module if fsdp2 else None
+        plain_labels = plain_aliases.canon_of_module if fsdp2 else fsdp1_units(plain_model, plain_aliases)
         plain_gathers = tuple(_train(spec, plain_model, x0, plan.steps, rank, world, plain_labels)[1])
     except Exception as e:  # without AC it is FSDP's own failure (other areas'): recorded, not AC's
         plain_error = error_line(e)

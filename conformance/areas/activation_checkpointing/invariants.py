@@ -118,7 +118,7 @@ def _counts(rows) -> Counter:
     group="activation_checkpointing",
     api="fsdp1|fsdp2",
     scenario="activation-checkpointing",
-    statement="Recomputing checkpointed regions in backward all-gathers no more than the unit structure implies: every step's parameter all-gathers, per phase (and per FSDP2 group), are those the comm oracle predicts for the case without AC (a non-root unit gathered in forward and once more for its backward; FSDP1 with its default FULL_SHARD and BACKWARD_PRE), with AC inside, around, across or on the units.",
+    statement="Recomputing checkpointed regions in backward all-gathers no more than the unit structure implies: every step's parameter all-gathers, per phase and per FSDP2 group / FSDP1 unit (nested units each), are those the comm oracle predicts for the case without AC (a non-root unit gathered in forward and once more for its backward; FSDP1 with its default FULL_SHARD and BACKWARD_PRE), with AC inside, around, across or on the units.",
     source=DOC_GATHER,
 )
 def check_allgather(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> list[Violation] | NotChecked:
@@ -137,7 +137,7 @@ def check_allgather(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> l
     for i, it in enumerate(exp.iterations):
         for c in it.collectives:
             if c.op == "all_gather":
-                want[(i, c.phase, c.group.split(", ")[0] if spec.plan.api == "fsdp2" else "*")] += 1
+                want[(i, c.phase, c.group.split(", ")[0])] += 1
     got = _counts(obs.gathers)
     if got == want:
         return []
@@ -151,7 +151,7 @@ def check_allgather(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> l
             step, phase, group = key
             kind = "kind:extra-gathers" if got[key] > want[key] else "kind:missing-gathers"
             without = "" if plain is None else f", {plain[key]} without AC"
-            where = "" if group == "*" else f" group {group or '<root>'}"
+            where = f" {'group' if spec.plan.api == 'fsdp2' else 'unit'} {group or '<root>'}"
             out.append(violation("AC-ALLGATHER", f"step {step} {phase}{where}: {got[key]} all-gathers with AC where the unit "
                                  f"structure implies {want[key]}{without}", tags, kind, f"phase:{phase}"))
     return out

@@ -29,8 +29,8 @@ class ACObservation(Record):
     state_dict_keys: tuple[str, ...] = ()  # model.state_dict() after training, with AC
     plain_keys: tuple[str, ...] = ()  # the same model's keys without FSDP and AC
     # the parameter all-gathers each step issued, as (step, phase, group,
-    # count): phase forward | backward; group the FSDP2 group's modules
-    # (", "-joined) that issued them, "*" for FSDP1 (counted per phase only)
+    # count): phase forward | backward; group the FSDP2 group's first module
+    # or the FSDP1 unit whose flat parameter was gathered (canonical paths)
     gathers: tuple[tuple[int, str, str, int], ...] = ()
     # the same FSDP run of the case without AC (None: it raised)
     plain_gathers: tuple[tuple[int, str, str, int], ...] | None = None
