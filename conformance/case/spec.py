@@ -310,6 +310,49 @@ def validate_clip(spec: "CaseSpec") -> None:
         raise SpecError(f"clip plan {c!r}: subset names no module")
 
 
+# ---- activation checkpointing (activation_checkpointing area) ----------------
+
+# How a target module's forward is checkpointed: torch.distributed.algorithms.
+# _checkpoint.checkpoint_wrapper (NO_REENTRANT / REENTRANT) replacing the module
+# in its parent; torch.utils.checkpoint.checkpoint(forward, use_reentrant=False)
+# around its forward; the same with context_fn=create_selective_checkpoint_contexts
+# (selective AC: tanh outputs saved, the rest recomputed); the composable
+# torch.distributed._composable.checkpoint(module) (FSDP2 only: the composable API).
+AC_KINDS = ("wrapper-non-reentrant", "wrapper-reentrant", "utils-checkpoint", "selective", "composable")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointPlan:
+    """Checkpoint the modules at ``targets`` (non-root, none inside another)
+    the ``kind`` way, applied before FSDP wraps or shards the model (as
+    torchtitan does), then ``steps`` SGD steps of loss =
+    (model(x_rank) ** 2).sum() on data that differs by rank, x requiring grad
+    (the reentrant variant needs a checkpointed input that does)."""
+
+    kind: str = "wrapper-non-reentrant"
+    targets: tuple[str, ...] = ()
+    steps: int = 2
+
+
+def validate_activation_checkpoint(spec: "CaseSpec") -> None:
+    a = spec.activation_checkpoint
+    if a is None:
+        return
+    if a.kind not in AC_KINDS or not 1 <= a.steps <= 3:
+        raise SpecError(f"activation checkpoint plan {a!r}: kind one of {AC_KINDS}, 1..3 steps")
+    if a.kind == "composable" and spec.plan.api != "fsdp2":
+        raise SpecError("activation checkpoint plan: the composable checkpoint goes with FSDP2")
+    paths = {p for p, _ in walk(spec.tree)}
+    if not a.targets or any(t == "" or t not in paths for t in a.targets) or len(set(a.targets)) != len(a.targets):
+        raise SpecError(f"activation checkpoint plan {a!r}: targets must be distinct non-root module paths")
+    if any(x != y and y.startswith(x + ".") for x in a.targets for y in a.targets):
+        raise SpecError(f"activation checkpoint plan {a!r}: a target inside another")
+    if spec.shared or spec.plan.ignored_modules or spec.plan.ignored_params:
+        # a wrapper replaces a module by path: a shared module's other name and
+        # ignored modules or parameters named by path would not follow it
+        raise SpecError("activation checkpoint plan: no shared modules, ignored modules or ignored parameters")
+
+
 @dataclass(frozen=True)
 class CaseSpec:
     tree: ModuleSpec
@@ -326,6 +369,7 @@ class CaseSpec:
     clip: ClipPlan | None = None  # CLIP-NORM, CLIP-GRADS
     comm: CommPlan | None = None  # the communication invariants (COMM-*)
     microbatch: MicrobatchPlan | None = None  # FSDP2's schedule APIs per microbatch (MB-*)
+    activation_checkpoint: ActivationCheckpointPlan | None = None  # AC-PARITY, AC-STATE-DICT, AC-ALLGATHER
 
     def __post_init__(self) -> None:
         validate(self)
@@ -698,6 +742,7 @@ def validate(spec: CaseSpec) -> None:
     validate_clip(spec)
     validate_comm(spec)
     validate_microbatch(spec)
+    validate_activation_checkpoint(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -907,7 +952,7 @@ _TYPES = {
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
         CheckpointPlan,
-        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan, MicrobatchStep, MicrobatchPlan,
+        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan, MicrobatchStep, MicrobatchPlan, ActivationCheckpointPlan,
     )
 }
 

@@ -110,14 +110,19 @@ class Step:
     tensor: int = -1  # exit: which tensor the output is (a module returning its last child's output shares it)
 
 
-def timeline(spec: CaseSpec, grad: frozenset[str]) -> tuple[tuple[Step, ...], bool]:
+def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> tuple[tuple[Step, ...], bool]:
     """The forward's module entries and exits in order, each with whether
     the tensor there requires grad (``grad``: the FQNs of the parameters
-    autograd differentiates), and whether the loss does."""
+    autograd differentiates; ``input_grad``: the model's input requires
+    grad too), and whether the loss does."""
     steps: list[Step] = []
 
+    tied = {}
+    for t in spec.ties:  # the generic forward adds a tied parameter as its own (conformance.case.build)
+        tied.setdefault(t.module, []).append(t.name)
+
     def _trainable_own(m: ModuleSpec, path: str) -> bool:
-        return any(join(path, p.name) in grad for p in m.params)
+        return any(join(path, n) in grad for n in [p.name for p in m.params] + tied.get(path, []))
     count = [0]
 
     def new() -> int:
@@ -147,7 +152,7 @@ def timeline(spec: CaseSpec, grad: frozenset[str]) -> tuple[tuple[Step, ...], bo
         steps.append(Step("exit", path, y, t))
         return y, t
 
-    loss, _ = call(spec.tree, "", False, 0)
+    loss, _ = call(spec.tree, "", input_grad, 0)
     return tuple(steps), loss
 
 
@@ -179,6 +184,8 @@ def param_shapes(spec: CaseSpec) -> dict[str, tuple[tuple[int, ...], bool]]:
             walk(c, join(path, c.name))
 
     walk(spec.tree, "")
+    for t in spec.ties:  # a tied name is the very Parameter at its source (conformance.case.build)
+        out[join(t.module, t.name)] = out[t.source]
     return out
 
 
@@ -223,9 +230,10 @@ class FSDP2Comm:
 # ---- FSDP2 -----------------------------------------------------------------
 
 
-def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
+def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = False) -> Expected:
     """FSDP2's collectives and events, iteration by iteration (the suite's
-    generic forward, loss (out ** 2).sum(), a backward when it requires grad)."""
+    generic forward, loss (out ** 2).sum(), a backward when it requires grad;
+    ``input_grad``: the model's input requires grad)."""
     pred = predict_fsdp2(spec, ANY_TORCH)
     if pred.supported:
         return Expected(why=pred.supported)
@@ -242,7 +250,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
                 return Expected(why=f"reshard_after_forward={raf} is not a non-trivial divisor of the world size {world}")
         groups[g.modules[0]] = (", ".join(g.modules), g.managed, g.trainable, raf)
     states = {g.modules[0] for g in pred.groups}  # every module given to fully_shard, with parameters or not
-    steps, loss = timeline(spec, frozenset(f for f, (_, rg) in params.items() if rg))
+    steps, loss = timeline(spec, frozenset(f for f, (_, rg) in params.items() if rg), input_grad)
     order = [s.path for s in steps if s.kind == "enter" and s.path in groups]  # pre-order: all_states' order
     fwd_prefetch = {m: [t for t in ts if t in groups] for m, ts in c.forward_prefetch}
     bwd_prefetch = {m: [t for t in ts if t in groups] for m, ts in c.backward_prefetch}
@@ -377,8 +385,9 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm) -> Expected:
 # ---- FSDP1 -----------------------------------------------------------------
 
 
-def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan) -> Expected:
-    """FSDP1's collectives iteration by iteration, each with the hook that issues it."""
+def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = False) -> Expected:
+    """FSDP1's collectives iteration by iteration, each with the hook that
+    issues it (``input_grad``: the model's input requires grad)."""
     pred = predict_fsdp1(spec)
     if pred.error is not None:
         return Expected(why="FSDP1 rejects the case (FROZEN-ERROR)")
@@ -400,7 +409,7 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan) -> Expected:
     # "the gradient memory usage will be higher than expected (<total> numel
     # instead of <trainable> numel before sharding via reduce-scatter)")
     grad = frozenset(f for u in pred.units if u.trainable for f in u.managed)
-    steps, loss = timeline(spec, grad)
+    steps, loss = timeline(spec, grad, input_grad)
     state = {p: "sharded" if sharded else "unsharded" for p in units}
     pre_order: list[str] = []  # recorded on the first iteration
     late: dict[str, str] = {}  # units resharded by the final callback, and how they got there

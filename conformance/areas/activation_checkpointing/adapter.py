@@ -1,0 +1,251 @@
+"""AC-PARITY, AC-STATE-DICT, AC-ALLGATHER: activation checkpointing applied
+to a case's modules before FSDP1 wraps or FSDP2 shards it (torchtitan's
+order), a few SGD steps on data that differs by rank against
+single-process training without AC, the state dict's keys, and the
+parameter all-gathers of every step (and of the same FSDP run without AC).
+The only code of the area that calls FSDP, the checkpointing APIs and
+torch.distributed."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import time
+from collections import Counter
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from conformance.areas.activation_checkpointing.observation import ACObservation
+from conformance.areas.common import fsdp1_adapter as a1
+from conformance.areas.common import fsdp2_adapter as a2
+from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
+from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
+from conformance.areas.common.observation import GradObservation
+from conformance.areas.common.ranks import any_rank_failed
+from conformance.areas.common.support import placed
+from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
+from conformance.case.build import Built, build, read_attr
+from conformance.case.spec import ActivationCheckpointPlan, CaseSpec
+
+WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+LR = 0.05
+
+
+def _save_tanh(ctx, op, *args, **kwargs):
+    """Selective AC's policy: keep tanh's outputs, recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.tanh.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(plan: ActivationCheckpointPlan, built: Built) -> None:
+    """Checkpoint each target the plan's way, before FSDP. ``built.modules``
+    keeps the inner modules (FSDP's plan still names them)."""
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    for path in plan.targets:
+        m = built.modules[path]
+        if plan.kind in ("wrapper-non-reentrant", "wrapper-reentrant"):
+            impl = CheckpointImpl.REENTRANT if plan.kind == "wrapper-reentrant" else CheckpointImpl.NO_REENTRANT
+            parent, _, name = path.rpartition(".")
+            holder = built.modules[parent]
+            holder._modules[name] = checkpoint_wrapper(holder._modules[name], checkpoint_impl=impl)
+        elif plan.kind == "composable":
+            composable_checkpoint(m)
+        else:
+            kwargs: dict = {"use_reentrant": False}
+            if plan.kind == "selective":
+                kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_tanh)
+            m.forward = functools.partial(checkpoint, m.forward, **kwargs)
+
+
+def _batches(x0: torch.Tensor, step: int, world: int) -> list[torch.Tensor]:
+    """One batch per rank and step, each different (requiring grad: the
+    reentrant variant computes no parameter gradient for a region none of
+    whose inputs requires grad, the torch.utils.checkpoint docstring says)."""
+    return [(x0 * (1.0 + 0.25 * step) * (1.0 + 0.5 * r)).requires_grad_(True) for r in range(world)]
+
+
+def _wrap(spec: CaseSpec, built: Built) -> nn.Module:
+    if spec.plan.api == "fsdp1":
+        return a1.wrap(spec, built)
+    a2.shard(spec, built)
+    return built.model
+
+
+def fsdp1_patches(rec: Recorder, units: dict[int, str]):
+    """FSDP1's _unshard, owning the collectives it issues by the unit whose
+    flat parameter it all-gathers (``units``: id(handle) -> canonical path;
+    a prefetch unshards another unit's): every FSDP1 parameter all-gather,
+    in forward, backward or a recomputed forward, goes through it."""
+    from torch.distributed.fsdp import _runtime_utils as ru
+
+    orig = ru._unshard
+
+    def _unshard(state, handle, *args, **kwargs):
+        with rec.owning(units.get(id(handle), "?")):
+            return orig(state, handle, *args, **kwargs)
+
+    return (mock.patch.object(ru, "_unshard", _unshard),)
+
+
+def fsdp1_units(model: nn.Module, aliases) -> dict[int, str]:
+    """id(handle) -> the canonical path of the module FSDP1 wraps (the
+    checkpointed module where FSDP1 wrapped its CheckpointWrapper)."""
+    out = {}
+    for u in FSDP.fsdp_modules(model):
+        if getattr(u, "_handle", None) is not None:
+            inner = u.module
+            inner = inner.__dict__.get("_modules", {}).get("_checkpoint_wrapped_module", inner)
+            out[id(u._handle)] = aliases.canon_of_module.get(id(inner), "?")
+    return out
+
+
+def _gathers(rec: Recorder, step: int, api: str) -> list[tuple[int, str, str, int]]:
+    seen = rec.take(True)
+    c = Counter((x.phase, x.group.split(", ")[0] if api == "fsdp2" else x.group) for x in seen.collectives if x.op == "all_gather")
+    return [(step, phase, group, n) for (phase, group), n in sorted(c.items())]
+
+
+def _train(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, steps: int, rank: int, world: int, labels: dict[int, str] | None,
+           *, reference: bool = False) -> tuple[list[float], list[tuple[int, str, str, int]]]:
+    """SGD steps (every parameter that trains); each step's parameter
+    all-gathers by group or unit (``labels``: FSDP2's module ids, FSDP1's
+    handle ids -> canonical paths; None: not attributed)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer("SGD", trainable, LR) if trainable else None
+    rec = Recorder()
+    patches = ()
+    if labels is not None and not reference:
+        patches = fsdp2_patches(rec, labels) if spec.plan.api == "fsdp2" else fsdp1_patches(rec, labels)
+    losses, gathers = [], []
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        for step in range(steps):
+            xs = _batches(x0, step, world)
+            if reference:
+                loss, per_rank = reference_loss(model, xs)
+                mine = per_rank[rank]
+            else:
+                rec.phase = "forward"
+                with rec.mode:
+                    loss = mine = (model(xs[rank]).float() ** 2).sum()
+            rec.phase = "backward"
+            with rec.mode if not reference else contextlib.nullcontext():
+                loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(float(mine.detach()))
+            if not reference:
+                gathers += _gathers(rec, step, spec.plan.api)
+    return losses, gathers
+
+
+def _clean(name: str) -> str:
+    return a1.clean(name).replace(WRAPPER_PREFIX, "")
+
+
+def _final(spec: CaseSpec, model: nn.Module, inner: nn.Module, names: list[str], frozen: set[str]):
+    """{FQN: full value} for every alias, and {frozen FQN: grad is None}."""
+    if spec.plan.api == "fsdp1":
+        with FSDP.summon_full_params(model, writeback=False):
+            values = {f: read_attr(model, f).detach().clone() for f in names}
+        none = {}
+        if spec.plan.use_orig_params:  # with False, FSDP's parameters are flat: no per-parameter grad
+            none = {_clean(f): p.grad is None for f, p in model.named_parameters() if _clean(f) in frozen}
+        return values, none
+    values = {f: full_tensor(read_attr(inner, f).detach()) for f in names}
+    none = {f: read_attr(inner, f).grad is None for f in names if f in frozen}
+    return values, none
+
+
+def _plain_error(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, steps: int, rank: int, world: int) -> str | None:
+    """Whether the same FSDP training without AC raises too (then the
+    failure is FSDP's, not checkpointing's)."""
+    error = None
+    try:
+        _train(spec, model, x0, steps, rank, world, None)
+    except Exception as e:
+        error = error_line(e)
+    if any_rank_failed(error is not None):
+        return error or "another rank's training without AC raised"
+    return None
+
+
+def observe(spec: CaseSpec) -> ACObservation:
+    plan = spec.activation_checkpoint or ActivationCheckpointPlan()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = dict(api=spec.plan.api, rank=rank, world_size=world, backend=str(dist.get_backend()), torch_version=torch.__version__)
+    built, ref, plain = placed(build(spec)), placed(build(spec)), placed(build(spec))
+    aliases, plain_aliases = a1.Aliases(built.model), a1.Aliases(plain.model)
+    names = list(aliases.param_canon)
+    base["plain_keys"] = tuple(sorted(ref.model.state_dict()))
+    frozen = {f for f, p in ref.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
+    x0 = built.example_input()
+    t0 = time.perf_counter()
+    error = None
+    try:
+        apply_ac(plan, built)
+    except Exception as e:
+        error = error_line(e)
+    if any_rank_failed(error is not None):
+        return ACObservation(**base, ac_error=error or "another rank's checkpointing raised")
+    try:
+        model = _wrap(spec, built)
+        plain_model = _wrap(spec, plain)
+    except Exception as e:
+        error = error_line(e)
+    if any_rank_failed(error is not None):
+        return ACObservation(**base, wrap_error=error or "another rank's wrapping raised")
+    fsdp2 = spec.plan.api == "fsdp2"
+    labels = aliases.canon_of_module if fsdp2 else fsdp1_units(model, aliases)
+    losses: list[float] = []
+    gathers: list = []
+    try:
+        losses, gathers = _train(spec, model, x0, plan.steps, rank, world, labels)
+    except Exception as e:
+        error = error_line(e)
+    if any_rank_failed(error is not None):
+        return ACObservation(**base, step_error=error or "another rank's training raised", plain_error=_plain_error(spec, plain_model, x0, plan.steps, rank, world))
+    fsdp_seconds = time.perf_counter() - t0
+    plain_gathers, plain_error = None, None
+    try:
+        plain_labels = plain_aliases.canon_of_module if fsdp2 else fsdp1_units(plain_model, plain_aliases)
+        plain_gathers = tuple(_train(spec, plain_model, x0, plan.steps, rank, world, plain_labels)[1])
+    except Exception as e:  # without AC it is FSDP's own failure (other areas'): recorded, not AC's
+        plain_error = error_line(e)
+    if any_rank_failed(plain_error is not None):
+        plain_gathers, plain_error = None, plain_error or "another rank's training without AC raised"
+    ref_losses, _ = _train(spec, ref.model, x0, plan.steps, rank, world, None, reference=True)
+    final, grads_none = _final(spec, model, built.model, names, frozen)
+    refs = dict(ref.model.named_parameters(remove_duplicate=False))
+    params = []
+    for fqn, value in final.items():
+        want = refs[fqn].detach()
+        close = bool(torch.allclose(value, want, rtol=TRAIN_RTOL, atol=TRAIN_ATOL))
+        diff = float((value - want).abs().max()) if want.numel() else 0.0
+        params.append(GradObservation(fqn, False, False, close, diff, bool(torch.equal(value, initial[fqn]))))
+    keys: tuple[str, ...] = ()
+    try:
+        keys = tuple(sorted(model.state_dict()))
+    except Exception as e:
+        error = re.sub(r"\brank=\d+", "rank=<r>", error_line(e))  # FSDP1's assertion names the rank
+    if any_rank_failed(error is not None):
+        error = error or "another rank's state_dict raised"
+    return ACObservation(
+        **base, state_dict_error=error, losses=tuple(losses), ref_losses=tuple(ref_losses),
+        losses_close=bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=TRAIN_RTOL, atol=TRAIN_ATOL)),
+        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), ref_stable=stable(ref_losses, ref.model),
+        state_dict_keys=keys, gathers=tuple(gathers), plain_gathers=plain_gathers, plain_error=plain_error,
+        seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds,
+    )

@@ -1,0 +1,160 @@
+"""AC-PARITY, AC-STATE-DICT, AC-ALLGATHER: activation checkpointing
+(checkpoint_wrapper, torch.utils.checkpoint, selective AC, the composable
+checkpoint) inside, around and across FSDP1 units and FSDP2 groups."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from conformance.areas.activation_checkpointing.observation import ACObservation
+from conformance.areas.activation_checkpointing.oracle import ACPrediction
+from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
+from conformance.areas.common.violations import backend_tag, violation
+from conformance.case.spec import CaseSpec
+from conformance.case.violation import Violation
+
+catalog = Catalog()
+
+DOC_AC = ("torch.utils.checkpoint.checkpoint docstring (tensors of the checkpointed function are not kept alive but "
+          "recomputed by re-invoking it in the backward pass as needed for gradient computation; use_reentrant=True "
+          "needs an input that requires grad); checkpoint_wrapper docstring (all calls of the wrapped module "
+          "checkpoint); create_selective_checkpoint_contexts docstring (the policy chooses which ops are recomputed); "
+          "torch.distributed._composable.checkpoint docstring (the composable form of the same)")
+DOC_KEYS = ("checkpoint_wrapper (ActivationWrapper: its state_dict post-hook strips _checkpoint_wrapped_module., its "
+            "load_state_dict pre-hook adds it back); FullyShardedDataParallel.state_dict / fully_shard's state_dict "
+            "(the unwrapped module's FQNs)")
+DOC_GATHER = ("fully_shard docstring (reshard_after_forward: reshard after forward, all-gather again in backward); "
+              "FullyShardedDataParallel docstring (FULL_SHARD, BACKWARD_PRE); the comm oracle "
+              "(conformance/areas/common/comm_oracle.py) over the case's units; torch.utils.checkpoint.checkpoint "
+              "docstring (the region is recomputed in the backward pass as needed for gradient computation: inside "
+              "the backward of the units that hold it)")
+
+
+def error_tag(text: str) -> str:
+    """The mechanism of an error, for findings to match on."""
+    if "out of bounds for storage of size 0" in text or "but its data is not allocated yet" in text:
+        return "error:freed-storage"  # a parameter (view) over a flat parameter FSDP already freed
+    if "encountered during backward but not found in storage" in text:
+        return "error:sac-op-mismatch"  # selective AC's cache saw another op sequence in the recompute
+    return "error:other"
+
+
+def _raised(inv: str, obs: ACObservation, tags: set[str], *, state_dict: bool = False) -> list[Violation] | NotChecked | None:
+    if obs.plain_error and (obs.step_error or (state_dict and obs.state_dict_error)):
+        # FSDP fails without checkpointing too: the failure is not AC's
+        # (the PARITY and comm areas check FSDP itself)
+        return NotChecked(f"the same FSDP training without AC raised too ({obs.plain_error}): not checkpointing's failure")
+    for at, err in (("ac", obs.ac_error), ("wrap", obs.wrap_error), ("training", obs.step_error)):
+        if err:
+            return [violation(inv, f"{at} raised {err}", tags, "kind:raised", f"at:{at}", error_tag(err))]
+    if state_dict and obs.state_dict_error:
+        return [violation(inv, f"state_dict raised {obs.state_dict_error}", tags, "kind:state-dict-raised", "at:state-dict")]
+    return None
+
+
+@catalog.invariant(
+    "AC-PARITY",
+    group="activation_checkpointing",
+    api="fsdp1|fsdp2",
+    scenario="activation-checkpointing",
+    statement="With activation checkpointing (checkpoint_wrapper reentrant or not, torch.utils.checkpoint, selective AC, FSDP2's composable checkpoint) on modules inside, around or across FSDP1 units / FSDP2 groups, with ties and frozen parameters, 1..2 SGD steps on data that differs by rank match single-process training of the model without AC: every step's loss and every parameter after the steps (the gradients and optimizer steps, read through them) within PARITY's tolerance; frozen parameters unchanged with grad None.",
+    source=f"{DOC_AC}; DESIGN.md PARITY",
+)
+def check_parity(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> list[Violation] | NotChecked:
+    if pred.applicable:
+        return NotChecked(f"training is not promised for this case: {pred.applicable}")
+    tags = set(pred.tags) | {backend_tag(obs)}
+    raised = _raised("AC-PARITY", obs, tags)
+    if raised is not None:
+        return raised
+    out = []
+    for fqn, none in obs.frozen_grads_none:
+        if not none:
+            out.append(violation("AC-PARITY", f"frozen parameter {fqn} has a gradient", tags, "kind:frozen-grad"))
+    if obs.backend == "fake":
+        return out or VALUES_UNCHECKED
+    if not obs.ref_stable:
+        return out or NotChecked("the single-process reference diverged: its values are not comparable")
+    if obs.losses_close is False:
+        out.append(violation("AC-PARITY", f"losses {list(obs.losses)} differ from single-process {list(obs.ref_losses)}", tags, "kind:loss"))
+    frozen = set(pred.training.frozen)
+    for p in obs.params:
+        if p.fqn in frozen and not p.unchanged:
+            out.append(violation("AC-PARITY", f"frozen parameter {p.fqn} changed", tags, "kind:frozen-changed"))
+        elif p.close is False:
+            out.append(violation("AC-PARITY", f"{p.fqn} after training differs from single-process by {p.max_diff:.3g}", tags, "kind:param"))
+    return out
+
+
+@catalog.invariant(
+    "AC-STATE-DICT",
+    group="activation_checkpointing",
+    api="fsdp1|fsdp2",
+    scenario="activation-checkpointing",
+    statement="After training with activation checkpointing under FSDP, model.state_dict() raises nothing and its keys are the unwrapped model's: no _checkpoint_wrapped_module (or FSDP) prefix, none missing, none added.",
+    source=DOC_KEYS,
+)
+def check_state_dict(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> list[Violation] | NotChecked:
+    if pred.applicable:
+        return NotChecked(f"training is not promised for this case: {pred.applicable}")
+    tags = set(pred.tags)
+    raised = _raised("AC-STATE-DICT", obs, tags, state_dict=True)
+    if raised is not None:
+        return raised
+    got, want = set(obs.state_dict_keys), set(obs.plain_keys)
+    if got == want:
+        return []
+    extra, missing = sorted(got - want), sorted(want - got)
+    kind = "kind:wrapper-prefix" if any("_checkpoint_wrapped_module" in k for k in extra) else "kind:keys"
+    return [violation("AC-STATE-DICT", f"state dict keys differ: extra {extra[:6]}, missing {missing[:6]}", tags, kind)]
+
+
+def _counts(rows) -> Counter:
+    return Counter({(step, phase, group): n for step, phase, group, n in rows})
+
+
+@catalog.invariant(
+    "AC-ALLGATHER",
+    group="activation_checkpointing",
+    api="fsdp1|fsdp2",
+    scenario="activation-checkpointing",
+    statement="Recomputing checkpointed regions in backward all-gathers no more than the unit structure implies: every step's parameter all-gathers, per phase and per FSDP2 group / FSDP1 unit (nested units each), are those the comm oracle predicts for the case without AC (a non-root unit gathered in forward and once more for its backward; FSDP1 with its default FULL_SHARD and BACKWARD_PRE), with AC inside, around, across or on the units.",
+    source=DOC_GATHER,
+)
+def check_allgather(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> list[Violation] | NotChecked:
+    if pred.applicable:
+        return NotChecked(f"training is not promised for this case: {pred.applicable}")
+    tags = set(pred.tags)
+    raised = _raised("AC-ALLGATHER", obs, tags)
+    if raised is not None:
+        return raised
+    if obs.plain_error:
+        return NotChecked(f"the same FSDP training without AC raised ({obs.plain_error}): the unit structure is not realized")
+    exp = pred.expect(obs.world_size)
+    if exp.why:
+        return NotChecked(f"the comm oracle promises no collectives for this case: {exp.why}")
+    want: Counter = Counter()
+    for i, it in enumerate(exp.iterations):
+        for c in it.collectives:
+            if c.op == "all_gather":
+                want[(i, c.phase, c.group.split(", ")[0])] += 1
+    got = _counts(obs.gathers)
+    if got == want:
+        return []
+    plain = None if obs.plain_gathers is None else _counts(obs.plain_gathers)
+    # whether the same FSDP run without AC gathers as the oracle says: where
+    # it does not, the deviation is FSDP's unit structure, not AC's
+    tags.add("without-ac:unknown" if plain is None else "without-ac:as-oracle" if plain == want else "without-ac:differs")
+    out = []
+    for key in sorted(set(want) | set(got)):
+        if want[key] != got[key]:
+            step, phase, group = key
+            kind = "kind:extra-gathers" if got[key] > want[key] else "kind:missing-gathers"
+            without = "" if plain is None else f", {plain[key]} without AC"
+            where = f" {'group' if spec.plan.api == 'fsdp2' else 'unit'} {group or '<root>'}"
+            out.append(violation("AC-ALLGATHER", f"step {step} {phase}{where}: {got[key]} all-gathers with AC where the unit "
+                                 f"structure implies {want[key]}{without}", tags, kind, f"phase:{phase}"))
+    return out
+
+
+INVARIANTS = tuple(catalog.invariants)

@@ -1,0 +1,123 @@
+"""What activation checkpointing promises under FSDP (AC-PARITY,
+AC-STATE-DICT, AC-ALLGATHER), from the docstrings alone:
+
+- torch.utils.checkpoint.checkpoint: "tensors produced in the passed
+  function are not kept alive until the backward pass ... the unsaved
+  tensors are recomputed by re-invoking function in the backward pass as
+  needed for gradient computation" (a memory-for-compute trade; its only
+  warned-of difference is a recompute that differs from the forward, which
+  the suite's deterministic forward never is): training with AC is
+  training without it.
+- create_selective_checkpoint_contexts: the policy only decides which ops'
+  outputs are saved rather than recomputed; values do not change.
+- checkpoint_wrapper: its state_dict post-hook strips the
+  ``_checkpoint_wrapped_module.`` prefix (and its pre-load hook adds it back),
+  so a checkpointed model saves the keys of the model without the wrapper;
+  FSDP1's and FSDP2's state_dict strip FSDP's own prefixes.
+- FSDP's unit structure (the comm oracle, conformance.areas.common.
+  comm_oracle): each FSDP2 group / FSDP1 unit is all-gathered in forward and,
+  resharded after forward, once more for its backward. Recomputing a region
+  in backward reads parameters FSDP already gathers for that backward (a
+  region inside a unit runs while its unit is unsharded; a region around a
+  unit runs that unit's forward just before the unit's own backward): AC
+  adds no all-gather to what the unit structure implies.
+
+The oracle never runs torch.distributed or FSDP."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from conformance.areas.common.comm_oracle import Expected, FSDP2Comm, Knobs, simulate_fsdp1, simulate_fsdp2
+from conformance.areas.common.fsdp1_oracle import SIZE_EXCLUDE_WRAP
+from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
+from conformance.case.spec import ActivationCheckpointPlan, CaseSpec, CommPlan, CustomWrap, SizeBasedWrap
+from conformance.case.target import graph_of
+
+WRAPPERS = ("wrapper-non-reentrant", "wrapper-reentrant")  # the kinds that put a CheckpointWrapper in the tree
+
+
+@dataclass(frozen=True)
+class ACPrediction:
+    spec: CaseSpec
+    training: TrainingPrediction
+    plan: ActivationCheckpointPlan
+    applicable: str  # "" or why training is outside what FSDP promises
+    tags: frozenset[str]
+
+    def expect(self, world: int) -> Expected:
+        """The collectives of the plan's steps without AC (what the unit
+        structure implies), each step's input requiring grad as the
+        adapter's does."""
+        return _expect(self.spec, world)
+
+
+def below(a: str, b: str) -> bool:
+    """b is a proper descendant of a."""
+    return a != b and (a == "" or b.startswith(a + "."))
+
+
+@functools.lru_cache(maxsize=512)
+def _expect(spec: CaseSpec, world: int) -> Expected:
+    steps = (spec.activation_checkpoint or ActivationCheckpointPlan()).steps
+    if spec.plan.api == "fsdp2":
+        if any(len(g.modules) > 1 for g in spec.plan.groups):
+            # the comm oracle follows a group's hooks on its first module only
+            return Expected(why="a multi-module FSDP2 group: the comm oracle follows a group's hooks on its first module only")
+        return simulate_fsdp2(spec, world, FSDP2Comm((Knobs(),) * steps), input_grad=True)
+    policy = spec.plan.policy
+    if isinstance(policy, CustomWrap) and any(k == "sharding_strategy" and v != "FULL_SHARD" for _, kw in policy.kwargs for k, v in kw):
+        # the comm oracle models one sharding strategy for every unit
+        return Expected(why="a unit with its own sharding strategy (CustomPolicy kwargs): the comm oracle models one strategy for all units")
+    plan = spec.activation_checkpoint or ActivationCheckpointPlan()
+    if isinstance(policy, SizeBasedWrap) and plan.kind in WRAPPERS:
+        g = graph_of(spec)
+        if any(g.is_torch(g.resolve_module(t), SIZE_EXCLUDE_WRAP) for t in plan.targets):
+            # size_based_auto_wrap_policy never wraps a ModuleList / ModuleDict,
+            # but may wrap the CheckpointWrapper around one: units the tree
+            # without the wrapper does not have
+            return Expected(why="checkpoint_wrapper around a ModuleList / ModuleDict under the size-based policy (the wrapper may become a unit the module could not)")
+    # FSDP1's defaults: FULL_SHARD, BACKWARD_PRE, no forward prefetch, limit_all_gathers
+    return simulate_fsdp1(spec, world, CommPlan(iterations=steps), input_grad=True)
+
+
+@functools.lru_cache(maxsize=256)
+def predict_ac(spec: CaseSpec) -> ACPrediction:
+    training = predict_training(spec)
+    plan = spec.activation_checkpoint or ActivationCheckpointPlan()
+    g = graph_of(spec)
+    tags = {f"api:{spec.plan.api}", f"ac:{plan.kind}"}
+    groups: list[tuple[str, ...]] = []
+    if spec.plan.api == "fsdp1":
+        tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
+        if training.fsdp1 is not None and training.fsdp1.error is None:
+            groups = [(u.path,) for u in training.fsdp1.units if u.path]
+    elif training.fsdp2 is not None:
+        groups = [grp.modules for grp in training.fsdp2.groups if not grp.root]
+    for t in plan.targets:
+        for mods in groups:
+            if len(mods) > 1 and any(t == m or below(t, m) or below(m, t) for m in mods):
+                tags.add("ac:multi-module-group")  # it is, holds or sits in a module of a fully_shard([a, b]) group
+            if t in mods:
+                tags.add("ac:is-unit")  # the checkpointed module is an FSDP unit / given to fully_shard itself
+            inside = [m for m in mods if below(t, m)]
+            if inside:
+                # it holds (a module of) a unit: recompute runs that unit's forward
+                tags.add("ac:around-unit" if len(inside) == len(mods) else "ac:across-unit")
+            if any(below(m, t) for m in mods):
+                tags.add("ac:inside-unit")  # inside a non-root unit
+    wrapper = plan.kind in WRAPPERS
+    if "ac:around-unit" in tags or "ac:across-unit" in tags or ("ac:is-unit" in tags and wrapper):
+        # a unit's forward runs inside a checkpointed region (a wrapper stays
+        # outside the module FSDP wraps or shards): recompute runs its hooks
+        tags.add("ac:unit-in-region")
+    if not any(tag in tags for tag in ("ac:is-unit", "ac:around-unit", "ac:across-unit", "ac:inside-unit")):
+        tags.add("ac:root-unit")  # only the root unit manages it
+    if training.frozen:
+        tags.add("frozen")
+        if any(f == t or f.startswith(t + ".") for f in training.frozen for t in plan.targets):
+            tags.add("ac:frozen-inside")
+    if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):
+        tags.add("tie")
+    return ACPrediction(spec, training, plan, training.applicable, frozenset(tags))

@@ -1,0 +1,134 @@
+"""AC-PARITY, AC-STATE-DICT and AC-ALLGATHER catch faults injected into
+activation checkpointing and its composition with FSDP.
+
+Each test shows the hand-written case holds on unmodified torch, then
+injects one plausible regression (of torch.utils.checkpoint,
+checkpoint_wrapper, or FSDP's hooks in the recomputed forward) inside the
+ranks of a gloo pool (through the test-only scenarios of
+tests/self/faults_activation_checkpointing.py) and shows the invariant turns
+it into a FAIL of the expected kind.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.areas.activation_checkpointing.observation import ACObservation
+from conformance.case.spec import (
+    ActivationCheckpointPlan,
+    CaseSpec,
+    ClassSpec,
+    CustomWrap,
+    ModuleSpec,
+    ParamSpec,
+    ShardGroup,
+    TiedParam,
+    WrapPlan,
+)
+from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
+from tests.self import faults_activation_checkpointing  # noqa: F401  (registers the fault scenarios in the driver)
+
+pytestmark = pytest.mark.selfcheck
+
+AC = ("AC-PARITY", "AC-STATE-DICT", "AC-ALLGATHER")
+
+
+def model(plan: WrapPlan, ac: ActivationCheckpointPlan, *, frozen: bool = False, tie: bool = False, tail: bool = False) -> CaseSpec:
+    """root (scale) -> outer (u) -> block (w, inner (v)) and head (h);
+    ``tail``: outer.tail (s) after block, so that checkpointing outer
+    recomputes block before block's own backward; ``frozen``: inner.v frozen; ``tie``: inner.t is block.w (one FSDP2 group, one FSDP1 unit)."""
+    inner = ModuleSpec("inner", "Inner", (ParamSpec("v", (4, 3), not frozen),))
+    block = ModuleSpec("block", "Block", (ParamSpec("w", (3,)),), children=(inner,))
+    rest = (ModuleSpec("tail", "Head", (ParamSpec("s", (3,)),)),) if tail else ()
+    outer = ModuleSpec("outer", "Outer", (ParamSpec("u", (2, 2)),), children=(block, *rest))
+    head = ModuleSpec("head", "Head", (ParamSpec("h", (5,)),))
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), children=(outer, head))
+    ties = (TiedParam("outer.block.inner", "t", "outer.block.w"),) if tie else ()
+    classes = tuple(ClassSpec(c) for c in ("Model", "Outer", "Block", "Inner", "Head"))
+    return CaseSpec(tree=tree, classes=classes, ties=ties, plan=plan, activation_checkpoint=ac, seed=3)
+
+
+FSDP2 = WrapPlan(api="fsdp2", groups=(ShardGroup(("outer.block",)), ShardGroup(("head",))))
+FSDP1 = WrapPlan(api="fsdp1", policy=CustomWrap(("outer.block", "head")))
+FSDP1_UOP = WrapPlan(api="fsdp1", policy=CustomWrap(("outer.block", "head")), use_orig_params=True)
+
+CASES = {
+    # AC around a group: the recompute runs the group's forward in backward
+    "fsdp2-around-nonreentrant": lambda: model(FSDP2, ActivationCheckpointPlan("wrapper-non-reentrant", ("outer",)), tail=True),
+    "fsdp2-around-utils": lambda: model(FSDP2, ActivationCheckpointPlan("utils-checkpoint", ("outer",), steps=2)),
+    # AC on the group's own module, and inside it
+    "fsdp2-is-unit-reentrant": lambda: model(FSDP2, ActivationCheckpointPlan("wrapper-reentrant", ("outer.block",))),
+    "fsdp2-inside-selective-frozen": lambda: model(FSDP2, ActivationCheckpointPlan("selective", ("outer.block.inner",)), frozen=True),
+    "fsdp2-composable-tie": lambda: model(FSDP2, ActivationCheckpointPlan("composable", ("outer", "head")), tie=True, tail=True),
+    "fsdp1-around-nonreentrant": lambda: model(FSDP1, ActivationCheckpointPlan("wrapper-non-reentrant", ("outer",))),
+    "fsdp1-inside-reentrant-uop": lambda: model(FSDP1_UOP, ActivationCheckpointPlan("wrapper-reentrant", ("outer.block.inner",))),
+    "fsdp1-is-unit-utils": lambda: model(FSDP1, ActivationCheckpointPlan("utils-checkpoint", ("outer.block", "head"), steps=2)),
+}
+
+FAULTS = [
+    ("AC-PARITY", "fsdp2-around-utils", "checkpoint-detaches-region", "kind:param"),
+    ("AC-PARITY", "fsdp1-around-nonreentrant", "checkpoint-detaches-region", "kind:param"),
+    ("AC-PARITY", "fsdp2-inside-selective-frozen", "fsdp2-frozen-get-zero-grads", "kind:frozen-grad"),
+    ("AC-STATE-DICT", "fsdp2-around-nonreentrant", "wrapper-keeps-prefix", "kind:wrapper-prefix"),
+    # FSDP1's own state-dict hook then misses the parameter under the unstripped name and asserts
+    ("AC-STATE-DICT", "fsdp1-inside-reentrant-uop", "wrapper-keeps-prefix", "kind:state-dict-raised"),
+    ("AC-ALLGATHER", "fsdp2-around-nonreentrant", "fsdp2-reshard-after-recompute", "kind:extra-gathers"),
+    ("AC-ALLGATHER", "fsdp2-composable-tie", "fsdp2-reshard-after-recompute", "kind:extra-gathers"),
+    ("AC-ALLGATHER", "fsdp1-is-unit-utils", "fsdp1-regather-in-backward", "kind:extra-gathers"),
+]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from conformance.engine.pool import RankPool
+
+    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_activation_checkpointing",))
+    yield p
+    p.close()
+
+
+def run(invariant: str, spec: CaseSpec, engine, scenario: str = "activation-checkpointing"):
+    return evaluate(invariant, spec, observations(engine, spec, scenario, ACObservation.from_dict))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cases_hold_on_unmodified_torch(case, pool):
+    spec = CASES[case]()
+    obs = observations(pool, spec, "activation-checkpointing", ACObservation.from_dict)
+    for invariant in AC:
+        res = evaluate(invariant, spec, obs)
+        assert res.verdict == PASS, res.describe()
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("invariant,case,fault,kind", FAULTS, ids=[f"{f[0]}-{f[1]}-{f[2]}" for f in FAULTS])
+def test_fault_is_caught_inside_the_ranks(invariant, case, fault, kind, pool):
+    res = run(invariant, CASES[case](), pool, f"fault:ac:{fault}")
+    assert res.verdict == FAIL, res.describe()
+    assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+def test_the_oracle_tags_where_ac_sits():
+    from conformance.areas.activation_checkpointing.oracle import predict_ac
+
+    assert "ac:around-unit" in predict_ac(CASES["fsdp2-around-utils"]()).tags
+    assert "ac:is-unit" in predict_ac(CASES["fsdp2-is-unit-reentrant"]()).tags
+    assert {"ac:inside-unit", "ac:frozen-inside", "frozen"} <= predict_ac(CASES["fsdp2-inside-selective-frozen"]()).tags
+    assert "tie" in predict_ac(CASES["fsdp2-composable-tie"]()).tags
+
+
+@pytest.mark.gloo
+def test_fsdp1_nested_units_recompute_gathers_are_counted_per_unit(pool):
+    """AC around nested FSDP1 units (outer and outer.block, a reentrant
+    checkpoint_wrapper on outer): the recompute re-gathers each of them once
+    more in backward (fsdp1-ac-around-unit-regathers), and AC-ALLGATHER names
+    both units, not only a per-phase total; head, outside the region, is
+    gathered as the unit structure implies."""
+    plan = WrapPlan(api="fsdp1", policy=CustomWrap(("outer", "outer.block", "head")))
+    spec = model(plan, ActivationCheckpointPlan("wrapper-reentrant", ("outer",)))
+    res = run("AC-ALLGATHER", spec, pool)
+    assert res.verdict == KNOWN and {f for _, f in res.known} == {"fsdp1-ac-around-unit-regathers"}, res.describe()
+    extra = {v.message.split(":")[0] for v, _ in res.known if "kind:extra-gathers" in v.tags}
+    assert extra == {"step 0 backward unit outer", "step 0 backward unit outer.block",
+                     "step 1 backward unit outer", "step 1 backward unit outer.block"}, res.describe()
