@@ -70,7 +70,7 @@ def test_repro_reruns_a_finding_from_the_report(xdist_run, tmp_path):
     script = tmp_path / "repro.py"
     proc = cli("repro", str(out / "report.json"), "--finding", f["id"], "--backend", "fake", "-o", str(script))
     assert proc.returncode == (1 if f["kind"] != "KNOWN" else 0), proc.stdout + proc.stderr
-    assert f"{f['invariant']}: " in proc.stdout and script.read_text().startswith("# fsdp-conformance reproduction")
+    assert f"{f['invariant']}: " in proc.stdout and script.read_text().startswith('"""fsdp-conformance reproduction')
     several = cli("repro", str(out / "report.json"), "--no-run")
     assert several.returncode in (0, 2)  # 2: the report has no single failing finding to pick
     missing = cli("repro", str(out / "report.json"), "--finding", "NOPE/x/y/z")
