@@ -32,6 +32,10 @@ def render(report: dict, report_dir: Path | None = None) -> str:
         col = (r["api"], r["tier"], r.get("model") or "")  # a real model's rows: columns beside the synthetic ones
         if col not in columns:
             columns.append(col)
+    # a model run (`fsdp-conformance model`): its synthetic columns, where nothing ran, left out
+    if (report.get("run") or {}).get("target"):
+        ran = {(r["api"], r["tier"], r.get("model") or "") for r in report["results"] if r.get("examples")}
+        columns = [c for c in columns if c[2] or c in ran] or columns
     cells, areas = {}, []
     by_area: dict[str, list] = {}
     seen = set()

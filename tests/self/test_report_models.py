@@ -115,6 +115,9 @@ def test_the_model_command_report_is_complete_and_counts_warnings(tmp_path):
     exercised = [k for k in rep["known_failures"] if k["status"] not in ("not-run", "other-torch")]
     assert table.count("<tr><td><code>") == len(exercised) < len(rep["known_failures"])
     assert "Not exercised by this run" in page
+    header = page.split('<table id="matrix">')[1].split("</tr>")[0]
+    assert "tests.self.warning_target:target" in header and header.count("<th>") == 1 + sum(
+        1 for col in {(r["api"], r["tier"], r.get("model")) for r in rep["results"] if r["examples"]})  # no empty synthetic columns
     (w,) = [w for w in rep["torch_warnings"] if w["message"] == "WarningLM.forward: a deliberate warning per call"]
     assert w["category"] == "UserWarning" and w["count"] >= 4, w  # every forward's, counted
     assert "deliberate warning" not in proc.stderr, proc.stderr[-2000:]  # not printed one by one
