@@ -15,7 +15,6 @@ def cmd_bench(ns) -> int:
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance.areas import AREAS
     from conformance.case.target import TargetError, check_target
-    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
 
     names = [a.name for a in AREAS]
     areas = [a for a in ns.area.split(",") if a] if ns.area != "all" else names

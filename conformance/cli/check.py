@@ -11,8 +11,6 @@ def cmd_check(ns) -> int:
     """Check one CaseSpec JSON against invariants on the fake tier or the pool."""
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance import areas as invariants
-
-    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance.run.models import NOT_FOR_MODELS
 
     spec = load_spec(ns.spec)

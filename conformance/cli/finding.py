@@ -33,9 +33,9 @@ def _collect_env(timeout: float) -> str:
     return (proc.stdout or proc.stderr).strip()
 
 
-def _runs(path: Path, timeout: float) -> list[dict]:
+def _runs(path: Path, modes: list, timeout: float) -> list[dict]:
     out = []
-    for mode in repros.modes(path):
+    for mode in modes:
         res = repros.run(path, mode, timeout=timeout)
         tail = res.output.strip().splitlines()[-60:]  # what a maintainer reads; the script is in the issue
         out.append({"command": mode.command, "shown": mode.shown, "why": mode.why, "verdict": res.verdict, "line": res.line,
@@ -50,7 +50,7 @@ def cmd_finding(ns) -> int:
         raise UsageError(str(e)) from None
     if ns.id is None:
         for k in findings.values():
-            print(f"{k.id}  [{k.cls}] {str(k.torch)}  {issue.title(k)}")
+            print(f"{k.id}  [{k.cls}] {str(k.torch)}  {k.title}")
         return 0
     k = findings.get(ns.id)
     if k is None:
@@ -60,17 +60,17 @@ def cmd_finding(ns) -> int:
     path = paths.PACKAGE.parent / k.repro  # reports/findings/ of the checkout the package runs from
     try:
         script = path.read_text()
-        repros.modes(path)
+        modes = repros.modes(path)
     except (OSError, repros.ReproHeaderError) as e:
         raise UsageError(f"finding {k.id}: its repro {k.repro} cannot be run: {e}") from None
     version = _installed_torch()
     if ns.no_run:
-        runs = [{"command": m.command, "shown": m.shown, "why": m.why, "skipped": "--no-run"} for m in repros.modes(path)]
+        runs = [{"command": m.command, "shown": m.shown, "why": m.why, "skipped": "--no-run"} for m in modes]
         env = ""
     else:
         if ns.format == "md":
-            print(f"running {k.repro} ({len(repros.modes(path))} mode(s)) and collect_env against torch {version} ...", file=sys.stderr)
-        runs = _runs(path, ns.timeout)
+            print(f"running {k.repro} ({len(modes)} mode(s)) and collect_env against torch {version} ...", file=sys.stderr)
+        runs = _runs(path, modes, ns.timeout)
         env = _collect_env(ns.timeout)
     d = issue.data(k, script=script, runs=runs, torch_version=version, in_range=known_mod.in_range(version, k.torch), collect_env=env)
     text = issue.to_json(d) if ns.format == "json" else issue.to_markdown(d)

@@ -57,12 +57,11 @@ def _budget(profile: str | None, examples: int | None) -> int:
 
 
 def cmd_model(ns) -> int:
-
-    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance import areas as invariants
     from conformance.case.target import TargetError
     from conformance.run.models import check_model, model_invariants
+
     examples = _budget(ns.profile, ns.examples)
     if ns.backend and ns.tiers:
         raise UsageError("give --backend or --tiers, not both")
@@ -129,7 +128,6 @@ def counting_warnings(counts: Counter):
 def model_report(run: ModelRun, tiers_info: list[dict], selection: list[str] | None = None, *, profile: str | None = None,
                  seed: int | None = None, examples: int | None = None, started_at: str | None = None) -> dict:
     """The report dict (same schema and rows as `fsdp-conformance run`'s)."""
-    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
 
     selected = sorted({inv for inv, _ in run.checked} | {s["invariant"] for s in run.skipped})  # a SKIP was selected: its row says why
     return data.build(

@@ -15,8 +15,6 @@ def cmd_repro(ns) -> int:
     write its standalone torch-only repro script."""
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance import areas as invariants
-
-    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance.run.repro import repro_script
 
     spec, inv_id, finding = load_case(ns.spec, ns.finding)

@@ -10,18 +10,13 @@ from __future__ import annotations
 import json
 
 
-def title(known) -> str:
-    """The finding's issue title (known_failures.toml's ``title``)."""
-    return known.title
-
-
 def data(known, *, script: str, runs: list[dict], torch_version: str, in_range: bool, collect_env: str) -> dict:
     """The issue's fields. ``runs``: one dict per repro mode (command,
     shown, why, verdict, line, returncode, output)."""
     rc = known.root_cause
     return {
         "id": known.id,
-        "title": title(known),
+        "title": known.title,
         "class": known.cls,
         "what_happens": known.summary,
         "promise": {"evidence": known.evidence, "source": known.evidence_source},

@@ -107,15 +107,14 @@ def load(directory: Path, known: list[known_mod.KnownFailure] | None = None) -> 
 REPRO_MARK = {"DEVIATION": "D", "AS SPECIFIED": "s", "no verdict": "?"}
 
 
-def measured_ranges(m: Matrix, releases: list[str] | None = None) -> list[dict]:
+def measured_ranges(m: Matrix) -> list[dict]:
     """Per finding, what its repro showed on each release where it ran, and
     how far that measures known_failures.toml's range: ``first`` / ``last``
     the oldest and newest release that showed the deviation; a bound is
     measured when the release beside it ran and did not show it (or there
-    is no release beside it: the oldest or newest of ``releases``, the
-    matrix's release list); ``disagrees``: the releases whose verdict the
+    is no release beside it: the oldest or newest release of the matrix); ``disagrees``: the releases whose verdict the
     range contradicts (DEVIATION outside it, AS SPECIFIED inside it)."""
-    ladder = sorted(set(releases or ()) | set(m.releases), key=_order)
+    ladder = m.releases  # oldest first
     out = []
     for k in m.known:
         cells = {r: m.repros[r][k.id]["verdict"] for r in ladder if r in m.repros and k.id in m.repros[r]}

@@ -33,8 +33,10 @@ class TrainingPrediction:
 
 
 # the rules whose breach FSDP is to reject at wrap time; where it does not,
-# training runs on and its outcome (a crash, wrong values) is recorded
-CONSEQUENCE_RULES = ("tie-below-lca", "split-tie")
+# training runs on and its outcome (a crash, wrong values) is recorded. The
+# FSDP2 split tie (accepted before 2.12) is not among them yet: no release
+# here that accepts it was run to see what its training does.
+CONSEQUENCE_RULES = ("tie-below-lca",)
 
 
 @functools.lru_cache(maxsize=256)
