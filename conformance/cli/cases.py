@@ -29,9 +29,6 @@ def load_spec(path: str):
 def valid_case(case):
     """A ModelCase names its target: that target must import and have every
     name the case uses (TargetError: one line, exit 2)."""
-    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
-    from conformance.run.runner import check_case
-
     if isinstance(case, ModelCase):
         from conformance.case.target import TargetError, check_case
 

@@ -9,11 +9,11 @@ from conformance.cli.errors import UsageError
 
 def cmd_check(ns) -> int:
     """Check one CaseSpec JSON against invariants on the fake tier or the pool."""
+    spec = load_spec(ns.spec)  # a malformed case is one line before torch is imported
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance import areas as invariants
     from conformance.run.models import NOT_FOR_MODELS
 
-    spec = load_spec(ns.spec)
     try:
         selected = invariants.select(ns.invariant)
     except invariants.UnknownInvariant as e:

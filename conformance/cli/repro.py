@@ -13,11 +13,11 @@ from conformance.cli.errors import UsageError
 def cmd_repro(ns) -> int:
     """Re-run one finding (or every invariant of a case) on the pool and
     write its standalone torch-only repro script."""
+    spec, inv_id, finding = load_case(ns.spec, ns.finding)  # a malformed case is one line before torch is imported
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance import areas as invariants
     from conformance.run.repro import repro_script
 
-    spec, inv_id, finding = load_case(ns.spec, ns.finding)
     if ns.invariant:
         try:
             selected = invariants.select(ns.invariant)
