@@ -74,6 +74,14 @@ def fsdp2_unsynced_grads_dropped():
     return mock.patch.object(cls, "to_accumulated_grad_if_needed", drop)
 
 
+@fault("fsdp2-unsynced-grads-accumulate-in-param-dtype")
+def fsdp2_unsynced_grads_accumulate_in_param_dtype():
+    """With gradient sync off, the unsharded gradients stay in param_dtype
+    (bf16) and accumulate there, not in reduce_dtype (fp32): a bf16 rounding
+    per microbatch, inside MP-DTYPES' dtype-aware tolerance."""
+    return mock.patch.object(_fsdp2_param(), "to_accumulated_grad_if_needed", lambda self: None)
+
+
 @fault("fsdp2-frozen-get-zero-grads")
 def fsdp2_frozen_get_zero_grads():
     """Frozen parameters of a group that reduced get a (zero) gradient, as if

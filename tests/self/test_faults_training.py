@@ -1,4 +1,4 @@
-"""MP-DTYPES and ACCUM catch faults injected into FSDP's mixed precision and
+"""MP-DTYPES, MP-PIPELINE and ACCUM catch faults injected into FSDP's mixed precision and
 gradient accumulation.
 
 Each test shows the hand-written schedule holds on unmodified torch, then
@@ -73,6 +73,10 @@ FAULTS = [
     ("MP-DTYPES", "fsdp2-mp", "gradients-doubled", "kind:grad"),
     ("MP-DTYPES", "fsdp1-mp", "fsdp1-buffers-not-cast", "kind:buffer-dtype"),
     ("MP-DTYPES", "fsdp1-mp", "fsdp1-grads-not-upcast", "kind:grad-dtype"),
+    ("MP-PIPELINE", "fsdp2-mp", "fsdp2-unsynced-grads-accumulate-in-param-dtype", "kind:grad"),
+    ("MP-PIPELINE", "fsdp2-mp", "fsdp2-reduce-in-param-dtype", "kind:grad"),
+    ("MP-PIPELINE", "fsdp2-mp", "gradients-doubled", "kind:grad"),
+    ("MP-PIPELINE", "fsdp2-accum", "fsdp2-unsynced-grads-dropped", "kind:grad"),
     ("ACCUM", "fsdp2-accum", "fsdp2-sync-ignored", "kind:reduced-unsynced"),
     ("ACCUM", "fsdp2-accum", "fsdp2-unsynced-grads-dropped", "kind:grad"),
     ("ACCUM", "fsdp2-accum", "fsdp2-frozen-get-zero-grads", "kind:frozen-grad"),
@@ -97,7 +101,7 @@ def run(invariant: str, spec: CaseSpec, engine, scenario: str = "schedule"):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cases_hold_on_unmodified_torch(case, pool):
     spec = CASES[case]()
-    for invariant in ("MP-DTYPES", "ACCUM"):
+    for invariant in ("MP-DTYPES", "ACCUM") + (("MP-PIPELINE",) if spec.plan.api == "fsdp2" else ()):
         res = run(invariant, spec, pool)
         assert res.verdict == PASS, res.describe()
 

@@ -237,6 +237,101 @@ def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor)
     return float((a - b).abs().max() / (1.0 + b.abs().max())) if a.numel() else 0.0
 
 
+def _cast_floats(tree, dtype: torch.dtype):
+    return torch.utils._pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+class Emulation:
+    """FSDP2's promised mixed-precision pipeline on one process (MP-PIPELINE),
+    the MixedPrecisionPolicy docstring step by step: the model computes with
+    its parameters in param_dtype; every module given to fully_shard casts
+    its floating forward inputs to param_dtype (cast_forward_inputs) and the
+    root its output to output_dtype; each rank's microbatch runs forward and
+    backward on its own; while gradient sync is disabled each rank's
+    gradients accumulate in reduce_dtype; a synced microbatch reduces them
+    (the sum over ranks, then the mean, in reduce_dtype) and the sharded
+    gradient, in the parameter's dtype, accumulates the reductions."""
+
+    def __init__(self, spec: CaseSpec, pred, fsdp_paths: list[str], world: int):
+        self.spec, self.world = spec, world
+        self.built = placed(build(spec))
+        self.compute, self.reduce = _dtype(pred.compute_dtype), _dtype(pred.reduce_dtype)
+        self.names = list(pred.trainable)
+        pr = spec.schedule.precision
+        casting = pr is not None and pr.param_dtype is not None and pr.cast_forward_inputs is not False
+        self.cast_paths = set(fsdp_paths) if casting else set()
+        model = self.built.model
+        for path in self.cast_paths:
+            model.get_submodule(path).register_forward_pre_hook(
+                lambda mod, args, kwargs: (_cast_floats(args, self.compute), _cast_floats(kwargs, self.compute)), with_kwargs=True)
+        self.output_dtype = _dtype(pr.output_dtype) if pr is not None and pr.output_dtype else None
+        if self.output_dtype is not None:
+            model.register_forward_hook(lambda mod, args, out: _cast_floats(out, self.output_dtype))
+        self.acc: list[dict[str, torch.Tensor]] = []
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def start(self, values: dict[str, torch.Tensor], frozen: set[str]) -> None:
+        with torch.no_grad():
+            for f, v in values.items():
+                p = read_attr(self.built.model, f)
+                p.data = v.to(self.compute)
+                p.requires_grad_(f not in frozen)
+        self.acc = [{} for _ in range(self.world)]
+        self.grads = {}
+
+    def _callable(self, first: int):
+        if first < 0:
+            return self.built.model
+        fn = method_callable(self.built.model, self.spec, first)
+        m = self.spec.methods[first]
+        # a registered forward method runs its module's pre-forward (the
+        # input cast) and post-forward (the root's output cast)
+        cast_in = m.module in self.cast_paths
+        root_out = self.output_dtype if m.module == "" else None
+        if not cast_in and root_out is None:
+            return fn
+
+        def cast_call(*args, **kwargs):
+            if cast_in:
+                args, kwargs = _cast_floats(args, self.compute), _cast_floats(kwargs, self.compute)
+            out = fn(*args, **kwargs)
+            return _cast_floats(out, root_out) if root_out is not None else out
+
+        return cast_call
+
+    def microbatch(self, si: int, k: int, first: int, sync: bool, in_dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's microbatch; its losses by rank."""
+        fn = self._callable(first)
+        params = {f: read_attr(self.built.model, f) for f in self.names}
+        losses = []
+        for r in range(self.world):
+            for p in self.built.model.parameters():
+                p.grad = None
+            loss = microbatch_loss(self.spec, call(fn, cast(data(self.spec, si, k, r), in_dtype)))
+            if loss.requires_grad:
+                loss.backward()
+            losses.append(loss.detach())
+            for f, p in params.items():
+                if p.grad is None:
+                    continue
+                if f in self.acc[r]:
+                    self.acc[r][f].add_(p.grad)  # in reduce_dtype: the sum rounded once into it
+                else:
+                    self.acc[r][f] = p.grad.to(self.reduce, copy=True)
+        if sync:
+            for f in self.names:
+                have = [a[f] for a in self.acc if f in a]
+                if not have:
+                    continue
+                total = have[0]
+                for a in have[1:]:
+                    total = total + a
+                reduced = (total / self.world).to(torch.float32)  # the sharded parameter's own dtype
+                self.grads[f] = reduced if f not in self.grads else self.grads[f] + reduced
+            self.acc = [{} for _ in range(self.world)]
+        return losses
+
+
 class Runner:
     """One schedule on one rank: the FSDP model, the reference, their optimizers."""
 
@@ -262,6 +357,8 @@ class Runner:
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.fsdp_seconds = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps
+        self.emu: Emulation | None = None  # MP-PIPELINE's reference, made once wrapped
+        self.emulation_error: str | None = None
 
     def wrap(self) -> None:
         s = self.spec.schedule
@@ -278,6 +375,25 @@ class Runner:
         self.ropt = make_optimizer(s.optimizer, self.ref.model.parameters(), s.lr)
         if self.recorder.boundaries is not None:
             self.recorder.boundaries = self.cast_boundaries()
+
+    def make_emulation(self) -> None:
+        """MP-PIPELINE's reference, where it applies and values mean something
+        (the fake tier's collectives move no data)."""
+        if self.pred.emulation or dist.get_backend() == "fake":
+            return
+        _, FSDPModule, _ = a2.fsdp2_api()
+        paths = [n for n, m in self.model.named_modules() if isinstance(m, FSDPModule)]
+        self.emulate(lambda: setattr(self, "emu", Emulation(self.spec, self.pred, paths, self.world)))
+
+    def emulate(self, what, *args):
+        """One call into the emulation (MP-PIPELINE); its own failure ends it
+        (recorded), never the schedule."""
+        try:
+            return what(*args)
+        except Exception as e:
+            self.emulation_error = _err(e)
+            self.emu = None
+            return None
 
     def cast_boundaries(self) -> set[int]:
         """The modules whose forward inputs FSDP casts to param_dtype: FSDP2's
@@ -355,7 +471,7 @@ class Runner:
                 read_attr(self.low.model, f).requires_grad_(f not in frozen)
 
     def set_skip(self, skip: tuple[str, ...]) -> None:
-        for built in (self.built, self.ref, self.low):
+        for built in (self.built, self.ref, self.low, self.emu.built if self.emu is not None else None):
             if built is None:
                 continue
             for path, mod in built.modules.items():
@@ -375,6 +491,8 @@ class Runner:
                 read_attr(self.ref.model, f).copy_(v.float())
                 if self.low is not None:
                     read_attr(self.low.model, f).data = v.to(self.low_dtype)
+        if self.emu is not None:
+            self.emulate(self.emu.start, start, frozen)
         noise = [0.0]  # this step's rounding noise (see rounding_noise)
         self.opt.zero_grad(set_to_none=True)
         self.ropt.zero_grad(set_to_none=True)
@@ -413,8 +531,10 @@ class Runner:
                 total.backward()
             mine = losses[self.rank].detach()
             noise += self._low_losses(si, k, losses)
+            emulated = self.emulate(self.emu.microbatch, si, k, s.first if si == 0 and k == 0 else -1, sync, in_dtype) if self.emu else None
+            emu_err = None if emulated is None else float((loss.detach() - emulated[self.rank]).abs() / (1 + emulated[self.rank].abs()))
             obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(output_tensor(out).dtype),
-                                                      float((loss.detach() - mine).abs() / (1 + mine.abs()))))
+                                                      float((loss.detach() - mine).abs() / (1 + mine.abs())), emu_err))
         self.set_skip(())
         if self.pred.reference_zero_grads:  # FSDP1's FlatParameters: see SchedulePrediction
             for f in self.pred.unused_in_used_unit[si]:
@@ -505,9 +625,11 @@ class Runner:
             for f, none in own.items():
                 obs["grads"].append(ValueSeen(si, f, None, none, ref[f].grad is None, None))
             return
+        emu = self.emu.grads if self.emu is not None else None
         for f in self.names:
             g, r = grads[f], ref[f].grad
-            obs["grads"].append(ValueSeen(si, f, None if g is None else _name(g.dtype), own.get(f, g is None), r is None, _err_rel(g, r, ref[f])))
+            obs["grads"].append(ValueSeen(si, f, None if g is None else _name(g.dtype), own.get(f, g is None), r is None, _err_rel(g, r, ref[f]),
+                                          emulated_err=None if emu is None else _err_rel(g, emu.get(f), ref[f])))
 
 
 class _Stop(Exception):
@@ -530,6 +652,7 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     if any_rank_failed(failed is not None):
         return ScheduleObservation(**base, wrap_error=_err(failed) if failed else None, peer_failed=None if failed else "wrap",
                                    seconds=time.perf_counter() - t0)
+    run.make_emulation()
     obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None, "peer_failed": None, "noise": []}
     try:
         values = run.values(obs, "initial values")
@@ -542,5 +665,5 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     return ScheduleObservation(
         **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], rounding_noise=tuple(obs["noise"]), forwards=tuple(run.recorder.seen.values()),
         microbatches=tuple(obs["microbatches"]), grads=tuple(obs["grads"]) + tuple(obs["flat"]), params=tuple(obs["params"]),
-        buffers_after=buffers, seconds=time.perf_counter() - t0, fsdp_seconds=run.fsdp_seconds,
+        buffers_after=buffers, seconds=time.perf_counter() - t0, fsdp_seconds=run.fsdp_seconds, emulation_error=run.emulation_error,
     )

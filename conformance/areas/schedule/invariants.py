@@ -8,7 +8,7 @@ from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, group_rerun_after_frozen_embedding, predict_fsdp2
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.schedule.observation import ScheduleObservation
-from conformance.areas.schedule.oracle import SchedulePrediction, step_tolerance, used_params
+from conformance.areas.schedule.oracle import SchedulePrediction, pipeline_tolerance, step_tolerance, used_params
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
@@ -227,6 +227,38 @@ def _dedupe(vs: list[Violation]) -> list[Violation] | NotChecked:
             seen.add(kind)
             out.append(v)
     return out
+
+
+@catalog.invariant(
+    "MP-PIPELINE",
+    group="schedule",
+    api="fsdp2",
+    scenario="schedule",
+    statement="Under FSDP2 (with or without a MixedPrecisionPolicy), every rank's microbatch losses and the gradients the optimizer sees equal an emulation of the promised pipeline on one process, to fp32 rounding (with two ranks) or a few roundings of reduce_dtype (more ranks, whose sum may run in another order): parameters in param_dtype for forward and backward; floating inputs cast to param_dtype by every module given to fully_shard (cast_forward_inputs) and the root's output to output_dtype; each rank's gradients reduced in reduce_dtype (their mean over ranks); with gradient sync disabled, accumulated in reduce_dtype; the sharded gradient in the parameter's dtype, accumulating the reductions.",
+    source=f"{DOC_MP2}; reduce_dtype: 'If also gradient reduction is disabled via set_requires_gradient_sync, then FSDP will accumulate gradients using reduce_dtype'; upstream test_fully_shard_mixed_precision.py (the reference casts, reduces and accumulates by hand and compares exactly)",
+)
+def check_mp_pipeline(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation] | NotChecked:
+    if pred.emulation:
+        return NotChecked(pred.emulation)
+    if not obs.values_meaningful:
+        return NotChecked("the fake tier's collectives move no data: values are not compared")
+    if obs.wrap_error or obs.step_error or obs.peer_failed:
+        return NotChecked("training raised: MP-DTYPES and ACCUM report it")
+    if obs.emulation_error:
+        return NotChecked(f"the emulated pipeline itself failed: {obs.emulation_error}")
+    tags = case_tags(spec, pred, obs.world_size) | {backend_tag(obs)}
+    tol = pipeline_tolerance(pred, obs.world_size)
+    out = []
+    for mb in obs.microbatches:
+        if mb.emulated_loss_err is not None and mb.emulated_loss_err > tol:
+            out.append(violation("MP-PIPELINE", f"step {mb.step} microbatch {mb.index}: loss differs from the emulated pipeline's by {mb.emulated_loss_err:.3g} (relative; tolerance {tol:.3g})", tags, "kind:loss"))
+    frozen = dict(enumerate(pred.frozen_by_step))
+    for g in obs.grads:
+        if g.emulated_err is not None and g.fqn not in frozen[g.step] and g.emulated_err > tol:
+            out.append(violation("MP-PIPELINE", f"step {g.step}: gradient of {g.fqn} differs from the emulated pipeline's by {g.emulated_err:.3g} (relative; tolerance {tol:.3g}; reduce_dtype {pred.reduce_dtype})", tags, "kind:grad"))
+    if not any(mb.emulated_loss_err is not None for mb in obs.microbatches):
+        return NotChecked("no microbatch was emulated")
+    return _dedupe(out)
 
 
 @catalog.invariant(

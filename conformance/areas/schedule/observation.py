@@ -32,6 +32,7 @@ class MicrobatchSeen:
     reduces: tuple[tuple[str, str], ...]
     output_dtype: str
     loss_err: float
+    emulated_loss_err: float | None = None  # against the emulated pipeline's (MP-PIPELINE; None: not emulated)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ValueSeen:
     ref_none: bool
     err: float | None
     unchanged: bool | None = None  # value equals the step's starting value
+    emulated_err: float | None = None  # a gradient's error against the emulated pipeline's (MP-PIPELINE; None: not emulated)
 
 
 @dataclass(frozen=True)
@@ -66,16 +68,19 @@ class ScheduleObservation(RankRecord):
     buffers_after: tuple[tuple[str, str], ...] = ()
     seconds: float = 0.0
     fsdp_seconds: float = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps (the references excluded)
+    emulation_error: str | None = None  # the emulated pipeline (MP-PIPELINE) itself failed here
 
     def comparable(self) -> dict:
         """What every rank must agree on (errors differ by rank's data)."""
         d = self.to_dict()
-        for k in ("rank", "seconds", "fsdp_seconds", "peer_failed", "rounding_noise"):
+        for k in ("rank", "seconds", "fsdp_seconds", "peer_failed", "rounding_noise", "emulation_error"):
             d.pop(k)
         for mb in d["microbatches"]:
             mb.pop("loss_err")
+            mb.pop("emulated_loss_err")
         for v in d["grads"] + d["params"]:
             v.pop("err")
+            v.pop("emulated_err")
             # FSDP1's sharded views: a rank whose shard is empty has no .grad
             # (checked per rank by the invariants)
             v.pop("none")

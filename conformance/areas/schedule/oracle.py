@@ -60,6 +60,49 @@ class SchedulePrediction:
     # themselves" (spec source 000); with use_orig_params=True it sees the
     # original parameters, whose gradient single-process training leaves None
     reference_zero_grads: bool = False
+    # MP-PIPELINE: "" where FSDP's promised pipeline is emulated (see
+    # pipeline_tolerance), else why not
+    emulation: str = ""
+    reused: bool = False  # a parameter or module used more than once in a forward (see pipeline_tolerance)
+
+
+# MP-PIPELINE: the promised pipeline emulated on one process (each rank's
+# forward and backward with parameters and inputs in param_dtype, its
+# gradients accumulated and reduced in reduce_dtype) rounds exactly as FSDP
+# does where the order of the reduction cannot matter: with two ranks (a + b
+# = b + a, and any power-of-two pre- or post-division is exact). More ranks
+# may be summed in another order: a few roundings of the reduction dtype per
+# rank. A gradient accumulated in bf16 instead of fp32 is off by bf16's
+# rounding (about 3e-3), far outside the fp32 slack.
+PIPELINE_SLACK = 8 * 2.0 ** -24
+EPS = {F32: 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+# A parameter or module used more than once in a forward (a tie, a shared
+# module, a forward method) gets several gradient contributions in one
+# backward: autograd sums them in the order they arrive, which FSDP's own
+# autograd hooks may change. No order is promised: a few roundings of the
+# compute dtype there.
+REUSE_ROUNDINGS = 4
+
+
+def pipeline_tolerance(pred: "SchedulePrediction", world_size: int) -> float:
+    tol = PIPELINE_SLACK
+    if pred.reused:
+        tol += REUSE_ROUNDINGS * EPS[lowest(pred.compute_dtype, pred.reduce_dtype)]
+    if world_size > 2:
+        tol += 2 * world_size * EPS[pred.reduce_dtype]
+    return tol
+
+
+def emulation_reason(spec: CaseSpec, api: str) -> str:
+    if api != "fsdp2":
+        return "FSDP1's MixedPrecision documents no dtype for gradients accumulated under no_sync: its pipeline is not emulated"
+    if is_model_case(spec):
+        return "a real model computes in dtypes of its own between FSDP's boundaries: its pipeline is not emulated"
+    if spec.plan.ignored_params or spec.plan.ignored_modules:
+        return "ignored parameters are not FSDP's: their pipeline is not emulated"
+    return ""
 
 
 def effective(pr: Precision | None, api: str) -> dict:
@@ -158,4 +201,6 @@ def predict_schedule(spec: CaseSpec) -> SchedulePrediction:
         trainable=names,
         unused_in_used_unit=unused_in_used_unit(spec) if api == "fsdp1" and not why else (),
         reference_zero_grads=api == "fsdp1" and not spec.plan.use_orig_params,
+        emulation=why or emulation_reason(spec, api),
+        reused=bool(spec.ties or spec.shared or spec.methods),
     )
