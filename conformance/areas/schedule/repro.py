@@ -1,7 +1,8 @@
 """Standalone, torch-only reproduction scripts for training-schedule cases
-(MP-DTYPES, ACCUM): the case's model under FSDP1 or FSDP2 with its mixed
-precision, its steps, freeze masks and microbatches, next to fp32
-single-process training on every rank's data; prints what differs."""
+(MP-DTYPES, ACCUM, MP-PIPELINE): the case's model under FSDP1 or FSDP2 with
+its mixed precision, its steps, freeze masks and microbatches, next to fp32
+single-process training on every rank's data (and, for FSDP2, an emulation
+of the promised mixed-precision pipeline); prints what differs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import textwrap
 
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.repro import HARNESS, assemble, class_code, from_import, header, model_lines, policy_code, policy_imports
-from conformance.areas.schedule.oracle import predict_schedule
+from conformance.areas.schedule.oracle import EPS, pipeline_tolerance, predict_schedule
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
 from conformance.case.tree import walk
@@ -86,6 +87,16 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
+def cast_floats(tree, dtype):
+    return torch.utils._pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
+
+
+def pipeline_tolerance(world):
+    """MP-PIPELINE: fp32 slack with two ranks (any order of their sum rounds
+    alike); more ranks may sum in another order."""
+    return PIPELINE_SLACK + (2 * world * REDUCE_EPS if world > 2 else 0.0)
+
+
 def rel(a, b):
     a = torch.zeros_like(b) if a is None else a.detach().float()
     b = b.detach().float()
@@ -111,6 +122,13 @@ def main():
     inner = model if API == "fsdp2" else fsdp.module
     opt, ropt = optimizer(fsdp.parameters()), optimizer(ref.parameters())
     names = [n for n, _ in ref.named_parameters()]
+    if EMULATE:  # FSDP2's promised mixed-precision pipeline on one process (the suite's MP-PIPELINE)
+        emu, emu_mods = build()
+        emu.to(DEVICE)
+        for path in CAST_AT if CAST_INPUTS else ():  # every module given to fully_shard casts its inputs
+            emu_mods[path].register_forward_pre_hook(lambda m, a, kw: (cast_floats(a, COMPUTE), cast_floats(kw, COMPUTE)), with_kwargs=True)
+        if OUTPUT is not None:  # the root casts its output
+            emu.register_forward_hook(lambda m, a, out: cast_floats(out, OUTPUT))
 
     def full_values():
         if API == "fsdp2":
@@ -119,7 +137,7 @@ def main():
             return {n: read_attr(fsdp, n).detach().clone() for n in names}
 
     def set_skip(skip):
-        for ms in (mods, ref_mods):
+        for ms in (mods, ref_mods) + ((emu_mods,) if EMULATE else ()):
             for path, mod in ms.items():
                 mod.__dict__["case_skip"] = {c.rpartition(".")[2] for c in skip if c.rpartition(".")[0] == path}
 
@@ -131,6 +149,10 @@ def main():
         with torch.no_grad():  # the reference restarts from FSDP's values at every step
             for n, v in start.items():
                 read_attr(ref, n).copy_(v.float())
+                if EMULATE:
+                    read_attr(emu, n).data = v.to(COMPUTE)
+                    read_attr(emu, n).requires_grad_(n not in frozen)
+        acc, emu_grads = [{} for _ in range(world)], {}  # each rank's unsynced gradients; the reductions
         opt.zero_grad(set_to_none=True)
         ropt.zero_grad(set_to_none=True)
         for k, skip in enumerate(microbatches):
@@ -158,6 +180,40 @@ def main():
                 wrong.append(f"{where}: output {out.dtype}, expected {OUTPUT_DTYPE}")
             if rel(loss, losses[rank]) > TOLERANCE:
                 wrong.append(f"{where}: loss off by {rel(loss, losses[rank]):.3g} from fp32 training")
+            if EMULATE:
+                emu_losses = []
+                for r in range(world):  # each rank's microbatch on its own, in param_dtype
+                    for p in emu.parameters():
+                        p.grad = None
+                    x = data(si, k, r).to(INPUT_DTYPE)
+                    if (si, k, FIRST_METHOD) == (0, 0, True):  # the registered method runs the root's pre- and post-forward
+                        eo = emu.encode(cast_floats(x, COMPUTE) if CAST_INPUTS else x)
+                        eo = cast_floats(eo, OUTPUT) if OUTPUT is not None else eo
+                    else:
+                        eo = emu(x)
+                    el = (eo.float() ** 2).sum()
+                    if el.requires_grad:
+                        el.backward()
+                    emu_losses.append(el.detach())
+                    for n in names:  # accumulated in reduce_dtype while sync is off
+                        p = read_attr(emu, n)
+                        if p.grad is not None:
+                            if n in acc[r]:
+                                acc[r][n].add_(p.grad)
+                            else:
+                                acc[r][n] = p.grad.to(REDUCE, copy=True)
+                if sync:  # the mean over ranks in reduce_dtype; the sharded gradient accumulates it in fp32
+                    for n in names:
+                        have = [a[n] for a in acc if n in a]
+                        if have:
+                            t = have[0]
+                            for a in have[1:]:
+                                t = t + a
+                            red = (t / world).float()
+                            emu_grads[n] = red if n not in emu_grads else emu_grads[n] + red
+                    acc = [{} for _ in range(world)]
+                if rel(loss, emu_losses[rank]) > pipeline_tolerance(world):
+                    wrong.append(f"{where}: loss off by {rel(loss, emu_losses[rank]):.3g} from the emulated pipeline (tolerance {pipeline_tolerance(world):.3g})")
             if sync and world > 1 and any(not r.endswith(REDUCE_DTYPE) for r in rec.seen):
                 wrong.append(f"{where}: gradients reduced as {sorted(set(rec.seen))}, expected in {REDUCE_DTYPE}")
             for path, (_, dtypes) in seen.items():
@@ -182,6 +238,8 @@ def main():
                     wrong.append(f"[rank {rank}] step {si}: {n}.grad is {g.dtype}, expected {GRAD_DTYPE}")
                 if (off := rel(g, r.grad if r.grad is not None else torch.zeros_like(r))) > TOLERANCE:
                     wrong.append(f"[rank {rank}] step {si}: {n}.grad off by {off:.3g} from fp32 training")
+                if EMULATE and (off := rel(g, emu_grads.get(n, torch.zeros_like(r)))) > pipeline_tolerance(world):
+                    wrong.append(f"[rank {rank}] step {si}: {n}.grad off by {off:.3g} from the emulated pipeline (tolerance {pipeline_tolerance(world):.3g})")
         if KEEP_LOW_PRECISION_GRADS:
             for p in fsdp.parameters():
                 if p.grad is not None:
@@ -199,7 +257,8 @@ def main():
     wrong += [f"[rank {rank}] buffer {n} is {b.dtype} after training, expected {BUFFER_DTYPE}" for n, b in inner.named_buffers()
               if str(b.dtype) != BUFFER_DTYPE]
     finish("; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "") or None,
-           "dtypes, gradients and updates as the policy and fp32 single-process training say")
+           "dtypes, gradients and updates as the policy and fp32 single-process training say"
+           + (", losses and gradients as the emulated pipeline's" if EMULATE else ""))
 
 
 if __name__ == "__main__":
@@ -304,6 +363,12 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
         f"BUFFER_DTYPE, OUTPUT_DTYPE = 'torch.{pred.buffer_dtype}', {repr('torch.' + pred.output_dtype) if pred.output_dtype else None}\n"
         f"TOLERANCE, COMPARE_PARAMS = {pred.tolerance!r}, {pred.compare_params}\n"
         f"MANAGED = {sorted(pred.trainable)!r}  # parameters FSDP casts for forward\n"
+        f"# MP-PIPELINE: the promised pipeline, emulated ({pred.emulation or 'FSDP2'})\n"
+        f"EMULATE = {not pred.emulation}\n"
+        f"COMPUTE, REDUCE, OUTPUT = torch.{pred.compute_dtype}, torch.{pred.reduce_dtype}, {_dt(pred.output_dtype)}\n"
+        f"CAST_INPUTS = {bool(pr is not None and pr.param_dtype is not None and pr.cast_forward_inputs is not False)}\n"
+        f"CAST_AT = {sorted({m for grp in shard_order(spec, graph) for m in grp.modules}) if api == 'fsdp2' else []!r}  # the modules given to fully_shard\n"
+        f"PIPELINE_SLACK, REDUCE_EPS = {pipeline_tolerance(pred, 2)!r}, {EPS[pred.reduce_dtype]!r}\n"
     )
     classes = class_code(spec).replace("    pass\n", "    forward = generic_forward\n")
     if s.first >= 0:
