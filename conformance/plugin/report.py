@@ -357,7 +357,7 @@ class ReportPlugin:
         if self.is_worker:
             self.flush_partial()
             return
-        if self.mode == "never":
+        if self.mode == "never" or self.config.option.collectonly:  # nothing ran: a report would overwrite the last run's
             return
         interrupted = int(exitstatus) == int(pytest.ExitCode.INTERRUPTED)
         if interrupted and self.interrupted_by is None:

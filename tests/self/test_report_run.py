@@ -150,3 +150,11 @@ def test_a_failed_snapshot_names_expecttest_accept(tmp_path):
     report = data.load(tmp_path / "out" / "report.json")
     assert [n.rsplit("::", 2)[-2:] for n in report["snapshots"]["failed"]] == [["TestSnap", "test_text"]]
     assert "old text" in test.read_text()  # not accepted behind the user's back
+
+
+def test_collecting_only_writes_no_report(tmp_path):
+    """--collect-only runs nothing: no report (it would replace the last run's with SKIP rows)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "conformance/suite/test_summon.py", "--collect-only", "-q", "-p", "no:xdist",
+                           f"--report-dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not (tmp_path / "report.json").exists()
