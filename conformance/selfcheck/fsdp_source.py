@@ -34,7 +34,7 @@ REQUIRED = PACKAGES[0]
 # exercise (gradient clipping, activation checkpointing): overlaid file by
 # file where the source holds them. torch imports them while it starts, so
 # the overlay must be in effect before torch is imported.
-MODULES = ("torch.nn.utils.clip_grad", "torch.utils.checkpoint")
+MODULES = ("torch.nn.utils.clip_grad", "torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
 
 
 class SourceError(Exception):
