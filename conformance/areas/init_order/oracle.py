@@ -1,0 +1,77 @@
+"""What FSDP promises of an init_order case, from the docstrings and
+upstream tests alone: training is promised wherever training_oracle says,
+whatever the order of the user's actions around lazy initialisation
+(fully_shard: "the module's parameters are DTensors" from sharding on, lazy
+init at the first forward; FSDPModule.unshard: "unshard the module's
+parameters", async_op returns a handle to wait on); meta-device init ends
+with the non-meta values the user's init writes; FSDP1 sync_module_states
+broadcasts "module parameters and buffers" (all of them: the docstring
+names no exception, _sync_module_params_and_buffers reads module.buffers());
+FSDP2's set_model_state_dict(broadcast_from_rank0=True) loads the state
+dict (persistent buffers, not the non-persistent ones a state dict does not
+hold)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
+from conformance.case.spec import CaseSpec, InitPlan
+from conformance.case.target import graph_of
+
+
+@dataclass(frozen=True)
+class InitPrediction:
+    training: TrainingPrediction
+    plan: InitPlan
+    applicable: str  # "" or why training is outside what the API promises
+    # the non-persistent buffers a sync must make rank 0's: FSDP1's
+    # sync_module_states (all buffers), not FSDP2's state-dict broadcast
+    non_persistent_synced: bool
+    # the skipped module's trainable parameters (a rank-divergent case
+    # diverges only where there are some)
+    skip_trains: bool
+    tags: frozenset[str]
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + ".")
+
+
+@functools.lru_cache(maxsize=256)
+def predict_init(spec: CaseSpec) -> InitPrediction:
+    training = predict_training(spec)
+    plan = spec.init or InitPlan()
+    g = graph_of(spec)
+    api = spec.plan.api
+    tags = {f"api:{api}", f"optim:{plan.optimizer}", "optim:after-forward" if plan.optimizer_after_forward else "optim:before-forward"}
+    if api == "fsdp1":
+        tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
+    tags |= {f"action:{a}" for a in plan.before}
+    if plan.dtype:
+        tags.add(f"dtype:{plan.dtype}")
+    if plan.meta:
+        tags.add("init:meta")
+    if plan.sync:
+        tags.add("init:sync")
+    if training.frozen:
+        tags.add("frozen")
+    if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):
+        tags.add("tie")
+    skip_trains = False
+    if plan.skip is not None:
+        below = {f for f, pid in g.named_parameters() if _under(f.rpartition(".")[0], plan.skip) and g.requires_grad(pid)}
+        skip_trains = bool(below)
+        if api == "fsdp2":
+            owners = [m for grp in spec.plan.groups for m in grp.modules if m]
+        else:
+            owners = [u.path for u in training.fsdp1.units if u.path] if training.fsdp1 else []
+        own = [m for m in owners if _under(m, plan.skip)]
+        in_own = {f for f in below if any(_under(f.rpartition(".")[0], m) for m in own)}
+        tags.add("skip:trainable" if below else "skip:no-trainable")
+        if in_own:
+            tags.add("skip:own-group")  # a group (unit) of its own that rank 1 never calls
+        if below - in_own:
+            tags.add("skip:parent-group")  # parameters an ancestor's group holds get no gradient on rank 1
+    return InitPrediction(training, plan, training.applicable, api == "fsdp1", skip_trains, frozenset(tags))
