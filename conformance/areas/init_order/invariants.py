@@ -36,12 +36,23 @@ def _tags(pred: InitPrediction, obs: list[InitObservation]) -> set[str]:
     return tags
 
 
+def error_tag(text: str) -> str:
+    """The mechanism of an error, for findings to match on."""
+    if "requires them to be on GPU" in text:
+        return "error:sync-needs-gpu"
+    if "Expected out tensor to have dtype" in text:
+        return "error:out-dtype"
+    if "Timed out" in text:
+        return "error:timeout"
+    return "error:other"
+
+
 def _raised(inv: str, o: InitObservation, tags: set[str]) -> list[Violation]:
     for field, at in (("wrap_error", "at:wrap"), ("init_error", "at:init"), ("sync_error", "at:sync"),
                       ("action_error", "at:action"), ("step_error", "at:training")):
         text = getattr(o, field)
         if text:
-            return [violation(inv, f"rank {o.rank}: {field.replace('_', ' ')}: {text}", tags, "kind:raised", at)]
+            return [violation(inv, f"rank {o.rank}: {field.replace('_', ' ')}: {text}", tags, "kind:raised", at, error_tag(text))]
     return []
 
 
@@ -111,7 +122,8 @@ def check_meta(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation])
     out = []
     for o in obs:
         if o.wrap_error or o.init_error:
-            out.append(violation("INIT-META", f"rank {o.rank}: {o.wrap_error or o.init_error}", tags, "kind:raised", "at:init"))
+            text = o.wrap_error or o.init_error
+            out.append(violation("INIT-META", f"rank {o.rank}: {text}", tags, "kind:raised", "at:init", error_tag(text)))
         out += [violation("INIT-META", f"rank {o.rank}: {b}", tags, "kind:shard") for b in o.bad_shards]
     if out:
         return out
@@ -138,7 +150,8 @@ def check_sync(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation])
     out = []
     for o in obs:
         if o.wrap_error or o.sync_error:
-            out.append(violation("INIT-SYNC", f"rank {o.rank}: {o.wrap_error or o.sync_error}", tags, "kind:raised", "at:sync"))
+            text = o.wrap_error or o.sync_error
+            out.append(violation("INIT-SYNC", f"rank {o.rank}: {text}", tags, "kind:raised", "at:sync", error_tag(text)))
     if out:
         return out
     if not obs[0].values_meaningful:
@@ -172,7 +185,7 @@ def check_divergent(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservat
     if errors and len(errors) < len(obs):
         o = errors[0]
         return [violation("INIT-DIVERGENT", f"only ranks {[e.rank for e in errors]} raised ({o.wrap_error or o.step_error}); the others went on",
-                          tags, "kind:one-rank-error")]
+                          tags, "kind:one-rank-error", error_tag(o.wrap_error or o.step_error))]
     if errors:
         return NotChecked(f"every rank raised a clear error: {errors[0].wrap_error or errors[0].step_error}")
     return _trajectory("INIT-DIVERGENT", pred, obs, tags)

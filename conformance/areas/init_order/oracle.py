@@ -59,19 +59,41 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
         tags.add("frozen")
     if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):
         tags.add("tie")
+    if plan.dtype and any(a.startswith("unshard") for a in plan.before):
+        tags.add("dtype:after-lazy-init")  # unshard() ran FSDP's lazy init before to(dtype)
     skip_trains = False
     if plan.skip is not None:
         below = {f for f, pid in g.named_parameters() if _under(f.rpartition(".")[0], plan.skip) and g.requires_grad(pid)}
         skip_trains = bool(below)
-        if api == "fsdp2":
-            owners = [m for grp in spec.plan.groups for m in grp.modules if m]
-        else:
-            owners = [u.path for u in training.fsdp1.units if u.path] if training.fsdp1 else []
-        own = [m for m in owners if _under(m, plan.skip)]
-        in_own = {f for f in below if any(_under(f.rpartition(".")[0], m) for m in own)}
         tags.add("skip:trainable" if below else "skip:no-trainable")
-        if in_own:
-            tags.add("skip:own-group")  # a group (unit) of its own that rank 1 never calls
-        if below - in_own:
-            tags.add("skip:parent-group")  # parameters an ancestor's group holds get no gradient on rank 1
+        tags |= _skip_tags(training, below, plan.skip)
     return InitPrediction(training, plan, training.applicable, api == "fsdp1", skip_trains, frozenset(tags))
+
+
+def _skip_tags(training: TrainingPrediction, below: set[str], skip: str) -> set[str]:
+    """How rank 1's skipped parameters sit in FSDP's groups (FSDP1 units):
+    skip:own-group, a group whose module rank 1 never calls (its all-gather
+    is never issued there); skip:group-unused, a group whose forward runs on
+    rank 1 but none of whose trainable parameters gets a gradient there;
+    skip:group-partly-used, a group some of whose gradients rank 1 lacks."""
+    if training.fsdp2 is not None:
+        groups = [(grp.modules, set(grp.trainable)) for grp in training.fsdp2.groups]
+    elif training.fsdp1 is not None:
+        trainable = set(training.trainable)
+        groups = [((u.path,), set(u.managed) & trainable) for u in training.fsdp1.units]
+    else:
+        return set()
+    tags = set()
+    for modules, trainable in groups:
+        unused = trainable & below
+        if not unused:
+            continue
+        if any(m and _under(m, skip) for m in modules):
+            tags.add("skip:own-group")
+        elif unused == trainable:
+            tags.add("skip:group-unused")
+        else:
+            tags.add("skip:group-partly-used")
+    return tags
+
+
