@@ -42,6 +42,8 @@ def error_tag(text: str) -> str:
         return "error:sync-needs-gpu"
     if "Expected out tensor to have dtype" in text:
         return "error:out-dtype"
+    if "Error(s) in loading state_dict" in text:
+        return "error:load-state-dict"
     if "Timed out" in text:
         return "error:timeout"
     return "error:other"

@@ -57,6 +57,10 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
         tags.add("init:sync")
     if training.frozen:
         tags.add("frozen")
+    if spec.shared:
+        tags.add("shared-module")
+    if any(t.module == t.source.rpartition(".")[0] for t in spec.ties):
+        tags.add("tie:same-module")  # one Parameter under two names of one module
     if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):
         tags.add("tie")
     if plan.dtype and any(a.startswith("unshard") for a in plan.before):
@@ -71,29 +75,27 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
 
 
 def _skip_tags(training: TrainingPrediction, below: set[str], skip: str) -> set[str]:
-    """How rank 1's skipped parameters sit in FSDP's groups (FSDP1 units):
-    skip:own-group, a group whose module rank 1 never calls (its all-gather
-    is never issued there); skip:group-unused, a group whose forward runs on
-    rank 1 but none of whose trainable parameters gets a gradient there;
-    skip:group-partly-used, a group some of whose gradients rank 1 lacks."""
+    """How rank 1's skipped module sits in FSDP's groups (FSDP1 units):
+    skip:own-group, a group managing parameters whose module rank 1 never
+    calls (its all-gather is never issued there, frozen parameters
+    included); skip:group-unused, a group whose forward runs on rank 1 but
+    none of whose trainable parameters gets a gradient there (``below``: the
+    skipped trainable ones); skip:group-partly-used, a group some of whose
+    gradients rank 1 lacks."""
     if training.fsdp2 is not None:
-        groups = [(grp.modules, set(grp.trainable)) for grp in training.fsdp2.groups]
+        groups = [(grp.modules, set(grp.managed), set(grp.trainable)) for grp in training.fsdp2.groups]
     elif training.fsdp1 is not None:
         trainable = set(training.trainable)
-        groups = [((u.path,), set(u.managed) & trainable) for u in training.fsdp1.units]
+        groups = [((u.path,), set(u.managed), set(u.managed) & trainable) for u in training.fsdp1.units]
     else:
         return set()
     tags = set()
-    for modules, trainable in groups:
+    for modules, managed, trainable in groups:
+        if managed and any(m and _under(m, skip) for m in modules):
+            tags.add("skip:own-group")
+            continue
         unused = trainable & below
         if not unused:
             continue
-        if any(m and _under(m, skip) for m in modules):
-            tags.add("skip:own-group")
-        elif unused == trainable:
-            tags.add("skip:group-unused")
-        else:
-            tags.add("skip:group-partly-used")
+        tags.add("skip:group-unused" if unused == trainable else "skip:group-partly-used")
     return tags
-
-
