@@ -341,6 +341,8 @@ def observe(spec: CaseSpec) -> InitObservation:
     want = list(ref_per_step)
     close = all(math.isclose(got, w[rank], rel_tol=TRAIN_RTOL, abs_tol=TRAIN_ATOL) for got, w in zip(losses, want))
     final = _full_values(spec, model, built.model, names)
-    return InitObservation(**obs, losses=tuple(losses), losses_close=close,
+    untied = tuple(sorted(f for f in names if aliases.param_canon[f] != f
+                          and not torch.equal(final[f], final[aliases.param_canon[f]])))
+    return InitObservation(**obs, losses=tuple(losses), losses_close=close, untied=untied,
                            final=tuple(_checks([(f, final[f]) for f in names], ref_final, "param", exact=False)),
                            seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)

@@ -31,6 +31,8 @@ DOC_DIVERGENT = ("fully_shard / FullyShardedDataParallel docstrings (gradients a
 
 def _tags(pred: InitPrediction, obs: list[InitObservation]) -> set[str]:
     tags = set(pred.tags) | {backend_tag(obs[0])}
+    if pred.plan.meta and any(o.untied for o in obs):
+        tags.add("meta:untied")  # training ran on a model whose tie meta-device init broke
     if any(o.empty_shard for o in obs):
         tags.add("shard:empty")
     return tags
@@ -112,7 +114,7 @@ def check_order(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation]
     api="fsdp1|fsdp2",
     scenario="init_order",
     all_ranks=True,
-    statement="A model built on torch.device('meta'), wrapped, then materialised (FSDP2: fully_shard, to_empty(device), the user's reset of every module's own parameters and buffers through the DTensor API; FSDP1: param_init_fn doing to_empty(recurse=False) and that reset) has, on every rank, each parameter sharded as fully_shard promises (Shard(0), the dim-0 chunk of this rank, empty where dim 0 is smaller than the world) and full values equal to the non-meta model built from the same seed, even, uneven and empty shards alike.",
+    statement="A model built on torch.device('meta'), wrapped, then materialised (FSDP2: fully_shard, to_empty(device), the user's reset of every module's own parameters and buffers through the DTensor API; FSDP1: param_init_fn doing to_empty(recurse=False) and that reset) has, on every rank, each parameter sharded as fully_shard promises (Shard(0), the dim-0 chunk of this rank, empty where dim 0 is smaller than the world) and full values equal to the non-meta model built from the same seed, even, uneven and empty shards alike; a tied Parameter stays one (its names agree after training).",
     source=DOC_META,
 )
 def check_meta(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation]) -> list[Violation] | NotChecked:
@@ -131,7 +133,9 @@ def check_meta(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation])
         return out
     if not obs[0].values_meaningful:
         return VALUES_UNCHECKED
-    return _values("INIT-META", obs[0].meta_values, tags, "kind:meta-value", "differs from the non-meta model of the same seed")
+    out = [violation("INIT-META", f"tied names {list(obs[0].untied)} hold other values than the Parameter they alias after training: "
+                     "meta-device init broke the tie", tags, "kind:untied")] if obs[0].untied else []
+    return out + _values("INIT-META", obs[0].meta_values, tags, "kind:meta-value", "differs from the non-meta model of the same seed")
 
 
 @catalog.invariant(

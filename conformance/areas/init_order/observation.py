@@ -38,6 +38,9 @@ class InitObservation(RankRecord):
     ref_losses: tuple[float, ...] = ()  # the single-process model's loss of this rank's batch per step
     losses_close: bool | None = None
     final: tuple[ValueCheck, ...] = ()  # full parameters after the steps, against single-process training
+    # after the steps, two names of one tied Parameter hold different values:
+    # the tie did not survive (meta-device init materialising module by module)
+    untied: tuple[str, ...] = ()
     ref_stable: bool = True  # the reference stayed finite and bounded (else values are not compared)
     skipped_params: tuple[str, ...] = ()  # trainable parameters of the module rank 1 skips
     seconds: float = 0.0
