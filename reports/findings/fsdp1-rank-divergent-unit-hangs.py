@@ -84,7 +84,7 @@ class Model(nn.Module):
 def main():
     form = sys.argv[1] if len(sys.argv) > 1 else "own"
     init()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     group = dist.new_group(timeout=datetime.timedelta(seconds=3))
     torch.manual_seed(0)
     model = Model().to(DEVICE)

@@ -10,12 +10,13 @@ Instead every rank raises
   `sync_module_states=True`, which requires them to be on GPU. ...
 
 Root cause: _init_utils._check_module_states_for_sync_module_states refuses
-any CPU tensor before the broadcast, whatever the backend.
+any CPU tensor before the broadcast, whatever the backend. (With
+FSDP_REPRO_BACKEND=nccl the module is on the GPU and the sync is expected to
+hold: AS SPECIFIED there.)
 
 Finding: fsdp1-sync-module-states-rejects-cpu
 Run: torchrun --nproc-per-node 2 fsdp1-sync-module-states-rejects-cpu.py
 Run: python fsdp1-sync-module-states-rejects-cpu.py
-Not shown by: FSDP_REPRO_BACKEND=nccl torchrun --nproc-per-node 2 fsdp1-sync-module-states-rejects-cpu.py: the module is on the GPU there
 """
 import os
 import socket
