@@ -123,3 +123,30 @@ def test_a_rank_divergent_case_predicts_where_the_skipped_parameters_sit():
     assert "skip:own-group" in predict_init(model(FSDP2, InitPlan(skip="block"))).tags
     assert "skip:group-partly-used" in predict_init(model(FSDP2, InitPlan(skip="head"))).tags
     assert "skip:group-partly-used" in predict_init(model(FSDP1, InitPlan(skip="block.proj"))).tags
+
+
+def test_init_specs_draw_what_each_api_supports():
+    from hypothesis import given, settings
+    from hypothesis.errors import InvalidArgument
+
+    from conformance.strategies.init_order import init_specs
+
+    @settings(max_examples=25, deadline=None, database=None)
+    @given(spec=init_specs(api="fsdp1"))
+    def fsdp1(spec):
+        p = spec.init
+        assert p.dtype is None and not any(a.startswith("unshard") for a in p.before) and p.skip is None
+        assert spec.plan.use_orig_params or not p.optimizer_after_forward
+        assert not (p.meta and p.sync)
+
+    @settings(max_examples=15, deadline=None, database=None)
+    @given(spec=init_specs(api="fsdp2", kind="divergent"))
+    def divergent(spec):
+        p = spec.init
+        assert p.skip and not (p.meta or p.sync or p.before or p.dtype) and not spec.ties and not spec.shared
+
+    fsdp1()
+    divergent()
+    for bad in (dict(api="fsdp3"), dict(kind="other")):
+        with pytest.raises(InvalidArgument):
+            init_specs(**bad)
