@@ -310,6 +310,71 @@ def validate_clip(spec: "CaseSpec") -> None:
         raise SpecError(f"clip plan {c!r}: subset names no module")
 
 
+# ---- init and order of user actions (init_order area) ------------------------
+
+# What a user may call on the wrapped model before its first forward, in a
+# drawn order: model.state_dict(); torch.distributed.checkpoint.state_dict's
+# get_model_state_dict; FSDP2's FSDPModule.unshard() and unshard(async_op=True)
+# followed by wait() (each a full step: the parameters are resharded by the
+# first forward's own logic).
+INIT_ACTIONS = ("state_dict", "get_model_state_dict", "unshard", "unshard-async")
+# model.to(dtype) after fully_shard (FSDP2): the parameters stay DTensors of it.
+INIT_DTYPES = ("float64",)
+INIT_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+
+
+@dataclass(frozen=True)
+class InitPlan:
+    """When things happen around FSDP's lazy initialisation, then ``steps``
+    optimizer steps of loss = (model(x_rank) ** 2).sum() on data that
+    differs by rank. ``before``: actions run on the wrapped model before the
+    first forward, in order (after the optimizer is built);
+    ``optimizer_after_forward``: the optimizer is built after the first
+    forward and backward (FSDP's lazy init done), before the first step,
+    rather than right after wrapping; ``dtype``: model.to(dtype) after sharding (FSDP2);
+    ``meta``: the model is built on the meta device, wrapped, then
+    materialised (to_empty + the user's reset of every module's own
+    parameters and buffers; FSDP1: param_init_fn); ``sync``: every rank
+    builds the model from its own seed (seed + rank) and FSDP makes them
+    rank 0's (FSDP1 sync_module_states=True; FSDP2 set_model_state_dict of
+    rank 0's full state dict with broadcast_from_rank0); ``skip``: the path
+    of a module rank 1's forward passes over (the others call it)."""
+
+    before: tuple[str, ...] = ()
+    optimizer_after_forward: bool = False
+    dtype: str | None = None
+    meta: bool = False
+    sync: bool = False
+    skip: str | None = None
+    optimizer: str = "SGD"
+    steps: int = 2
+
+
+def validate_init(spec: "CaseSpec") -> None:
+    p = spec.init
+    if p is None:
+        return
+    if any(a not in INIT_ACTIONS for a in p.before) or p.optimizer not in INIT_OPTIMIZERS or not 1 <= p.steps <= 3:
+        raise SpecError(f"init plan {p!r}: actions from {INIT_ACTIONS}, optimizer one of {INIT_OPTIMIZERS}, 1..3 steps")
+    if p.dtype is not None and p.dtype not in INIT_DTYPES:
+        raise SpecError(f"init plan {p!r}: dtype one of {INIT_DTYPES}")
+    if spec.plan.api == "fsdp1":
+        if p.dtype is not None or any(a.startswith("unshard") for a in p.before):
+            raise SpecError(f"init plan {p!r}: unshard() and to(dtype) are FSDP2's")
+        if p.optimizer_after_forward and not spec.plan.use_orig_params:
+            raise SpecError(f"init plan {p!r}: FSDP1 keeps the original parameters (optimizer after forward) only with use_orig_params=True")
+    if p.meta and p.sync:
+        raise SpecError(f"init plan {p!r}: meta-device init and rank-seeded sync are separate cases")
+    if p.skip is not None:
+        paths = {path for path, _ in walk(spec.tree)}
+        if p.skip == "" or p.skip not in paths:
+            raise SpecError(f"init plan {p!r}: skip names no non-root module")
+        if p.meta or p.sync or p.before or p.dtype or p.optimizer_after_forward:
+            raise SpecError(f"init plan {p!r}: a rank-divergent case changes nothing else")
+        if spec.shared or spec.ties:
+            raise SpecError(f"init plan {p!r}: a skipped module is neither shared nor tied")
+
+
 # ---- activation checkpointing (activation_checkpointing area) ----------------
 
 # How a target module's forward is checkpointed: torch.distributed.algorithms.
@@ -370,6 +435,7 @@ class CaseSpec:
     comm: CommPlan | None = None  # the communication invariants (COMM-*)
     microbatch: MicrobatchPlan | None = None  # FSDP2's schedule APIs per microbatch (MB-*)
     activation_checkpoint: ActivationCheckpointPlan | None = None  # AC-PARITY, AC-STATE-DICT, AC-ALLGATHER
+    init: InitPlan | None = None  # INIT-ORDER, INIT-META, INIT-SYNC, INIT-DIVERGENT
 
     def __post_init__(self) -> None:
         validate(self)
@@ -743,6 +809,7 @@ def validate(spec: CaseSpec) -> None:
     validate_comm(spec)
     validate_microbatch(spec)
     validate_activation_checkpoint(spec)
+    validate_init(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -953,6 +1020,7 @@ _TYPES = {
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
         CheckpointPlan,
         Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan, MicrobatchStep, MicrobatchPlan, ActivationCheckpointPlan,
+        InitPlan,
     )
 }
 

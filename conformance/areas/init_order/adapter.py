@@ -1,0 +1,348 @@
+"""INIT-ORDER, INIT-META, INIT-SYNC and INIT-DIVERGENT: the case's user
+actions around FSDP's lazy initialisation (state dicts and unshard() before
+the first forward, the optimizer before or after it, model.to(dtype),
+meta-device init, rank-seeded models synchronised from rank 0, a module one
+rank does not call), then a few optimizer steps on data that differs by
+rank, against single-process training. The only code of the area that
+calls FSDP and torch.distributed."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from conformance.areas.common import fsdp1_adapter as a1
+from conformance.areas.common import fsdp2_adapter as a2
+from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
+from conformance.areas.common.ranks import any_rank_failed
+from conformance.areas.common.support import placed, rank_device
+from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
+from conformance.areas.init_order.observation import InitObservation, ValueCheck
+from conformance.case.build import Built, build, is_sharded, read_attr
+from conformance.case.spec import CaseSpec, InitPlan
+
+LR = 0.05
+# The buffers the sync cases add to the root (the drawn trees hold few
+# buffers, and none non-persistent): one persistent, one not, each
+# different on every rank before the sync.
+SYNC_BUFFERS = (("init_persistent", True), ("init_non_persistent", False))
+# A rank-divergent case runs FSDP on a group of its own with this timeout
+# (seconds): a collective one rank never enters then fails on every rank
+# as a timeout instead of holding the pool until its deadline.
+DIVERGENT_TIMEOUT = 3.0
+
+
+def _rank_buffer(seed: int, i: int) -> torch.Tensor:
+    return torch.randn(3, generator=torch.Generator().manual_seed(1_000_003 * (i + 1) + seed))
+
+
+def _add_sync_buffers(model: nn.Module, seed: int) -> None:
+    for i, (name, persistent) in enumerate(SYNC_BUFFERS):
+        model.register_buffer(name, _rank_buffer(seed, i).to(rank_device()), persistent=persistent)
+
+
+def _batches(x0: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """One batch per rank, different on every rank."""
+    return [x0 * (1.0 + 0.5 * r) for r in range(world)]
+
+
+def _set_skip(built: Built, path: str | None, on: bool) -> None:
+    """Make the forward of ``path``'s parent pass over it (``on``) or call it."""
+    if path is None:
+        return
+    parent, _, name = path.rpartition(".")
+    built.modules[parent].__dict__["_case_skip"] = (name,) if on else ()
+
+
+def _skipped_params(built: Built, path: str | None) -> tuple[str, ...]:
+    if path is None:
+        return ()
+    return tuple(sorted(f"{path}.{n}" for n, p in built.modules[path].named_parameters() if p.requires_grad))
+
+
+def _checks(names_values, want: dict[str, torch.Tensor], kind: str, exact: bool) -> list[ValueCheck]:
+    out = []
+    for name, got in names_values:
+        w = want[name].to(got.dtype)
+        diff = float((got - w).abs().max()) if got.numel() and got.shape == w.shape else (0.0 if got.shape == w.shape else math.inf)
+        if exact:
+            eq = got.shape == w.shape and bool(torch.equal(got, w))
+        else:
+            scale = float(w.abs().max()) if w.numel() else 0.0
+            eq = got.shape == w.shape and bool(torch.allclose(got, w, rtol=TRAIN_RTOL, atol=TRAIN_ATOL * max(1.0, scale)))
+        out.append(ValueCheck(name, kind, eq, diff))
+    return out
+
+
+def _local_chunk(d0: int, world: int, rank: int) -> int:
+    """The rows of dim 0 rank ``rank`` holds under fully_shard's Shard(0)
+    (torch.chunk: ceil(d0 / world) each, the last ranks fewer or none)."""
+    c = -(-d0 // world) if d0 else 0
+    return max(0, min(c, d0 - rank * c))
+
+
+def _distribute(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    try:
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    except TypeError:  # torch without src_data_rank: every rank holds the same full value anyway
+        return distribute_tensor(full, like.device_mesh, like.placements)
+
+
+def _reset(module: nn.Module, src: nn.Module) -> None:
+    """The user's reset_parameters of one module after to_empty: its own
+    parameters and buffers set to the non-meta model's (``src``, the same
+    module of a model built on CPU from the same seed); a sharded parameter
+    gets its shard of that value through the public DTensor API."""
+    with torch.no_grad():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            full = src._parameters[name].detach().to(device=p.device, dtype=p.dtype)
+            p.copy_(_distribute(full, p) if is_sharded(p) else full)
+        for name, b in module._buffers.items():
+            if b is not None and name in src._buffers:
+                b.copy_(src._buffers[name].to(device=b.device, dtype=b.dtype))
+
+
+def _action(model: nn.Module, name: str) -> None:
+    if name == "state_dict":
+        model.state_dict()
+    elif name == "get_model_state_dict":
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        get_model_state_dict(model)
+    else:
+        _, FSDPModule, _ = a2.fsdp2_api()
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                if name == "unshard":
+                    m.unshard()
+                else:
+                    handle = m.unshard(async_op=True)
+                    if handle is not None:
+                        handle.wait()
+
+
+def _full_values(spec: CaseSpec, model: nn.Module, inner: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """{canonical FQN: full value} of every parameter (a collective: every rank calls it)."""
+    if spec.plan.api == "fsdp1":
+        with FSDP.summon_full_params(model, writeback=False):
+            return {f: read_attr(model, f).detach().clone() for f in names}
+    return {f: full_tensor(read_attr(inner, f).detach()).clone() for f in names}
+
+
+def _shard_checks(inner: nn.Module, world: int, rank: int) -> tuple[tuple[str, ...], bool]:
+    """FSDP2: parameters whose local shard is not fully_shard's dim-0 chunk,
+    and whether some local shard on this rank is empty."""
+    from torch.distributed.tensor import Shard
+
+    bad, empty = [], False
+    for f, p in inner.named_parameters():
+        if not is_sharded(p):
+            bad.append(f"{f}: not a DTensor")
+            continue
+        want = _local_chunk(p.shape[0], world, rank) if p.dim() else 0
+        local = p.to_local()
+        if tuple(p.placements) != (Shard(0),) or (p.dim() and (local.shape[0] != want or tuple(local.shape[1:]) != tuple(p.shape[1:]))):
+            bad.append(f"{f}: local {tuple(local.shape)} {tuple(p.placements)}, want ({want}, ...) (Shard(dim=0),)")
+        if p.dim() and p.shape[0] and not local.shape[0]:
+            empty = True
+    return tuple(bad), empty
+
+
+def _reference(spec: CaseSpec, plan: InitPlan, world: int, dtype):
+    """Single-process training of the case (the seed's values), every
+    rank's batch in each step's mean loss, rank 1's forward passing over
+    ``plan.skip``: per-rank losses per step, final values, stability."""
+    ref = placed(build(spec))
+    if dtype is not None:
+        ref.model.to(dtype)
+    xs = _batches(ref.example_input().to(dtype or torch.float32), world)
+    params = [p for p in ref.model.parameters() if p.requires_grad]
+    opt = make_optimizer(plan.optimizer, params, LR) if params else None
+    calls = itertools.count()
+
+    def forward(x):
+        _set_skip(ref, plan.skip, next(calls) % world == 1)
+        return ref.model(x)
+
+    per_step, totals = [], []
+    for _ in range(plan.steps):
+        total, per_rank = reference_loss(forward, xs)
+        per_step.append([float(v) for v in per_rank])
+        totals.append(float(total))
+        if opt is not None:
+            total.backward()
+            opt.step()
+            opt.zero_grad()
+    final = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
+    return xs, per_step, final, stable(totals, ref.model)
+
+
+def observe(spec: CaseSpec) -> InitObservation:
+    plan = spec.init or InitPlan()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend())
+    base = dict(api=spec.plan.api, rank=rank, world_size=world, backend=backend, torch_version=torch.__version__)
+    dtype = getattr(torch, plan.dtype) if plan.dtype else None
+    t_start = time.perf_counter()
+    xs, ref_per_step, ref_final, ref_ok = _reference(spec, plan, world, dtype)
+    src = build(spec)  # the non-meta model of the same seed: what meta init and sync must give
+    src_values = {f: p.detach().clone() for f, p in src.model.named_parameters(remove_duplicate=False)}
+    common = dict(base, ref_losses=tuple(s[rank] for s in ref_per_step), ref_stable=ref_ok)
+
+    seed = spec.seed + rank if plan.sync else spec.seed
+    if plan.meta:
+        with torch.device("meta"):
+            built = build(spec)
+    else:
+        built = placed(build(dataclasses.replace(spec, seed=seed)))
+    if plan.sync:
+        _add_sync_buffers(built.model, seed)
+    aliases = a1.Aliases(built.model)
+    names = list(aliases.param_canon)
+    frozen_or_not = [p for p in built.model.parameters()]
+    trainable = any(p.requires_grad for p in frozen_or_not)
+    skipped = _skipped_params(built, plan.skip)
+    group = None
+    if plan.skip is not None and backend != "fake":
+        group = dist.new_group(timeout=datetime.timedelta(seconds=DIVERGENT_TIMEOUT))
+    rank0_sd = {k: v.detach().clone() for k, v in built.model.state_dict().items()} if plan.sync and spec.plan.api == "fsdp2" else None
+
+    t0 = time.perf_counter()
+    sync_error = init_error = None
+    try:
+        if spec.plan.api == "fsdp1":
+            extra = {}
+            if plan.sync:
+                extra["sync_module_states"] = True
+            if plan.meta:
+                paths = built.module_paths()
+
+                def param_init_fn(m: nn.Module) -> None:
+                    m.to_empty(device=rank_device(), recurse=False)
+                    if id(m) in paths:
+                        _reset(m, src.modules[paths[id(m)]])
+
+                extra["param_init_fn"] = param_init_fn
+            if group is not None:
+                extra["process_group"] = group
+            model = a1.wrap(spec, built, **extra)
+        else:
+            if group is not None:
+                from torch.distributed.device_mesh import DeviceMesh
+
+                mesh = DeviceMesh.from_group(group, rank_device().type)
+                a2.shard(spec, built, extra=lambda _mods: {"mesh": mesh})
+            else:
+                a2.shard(spec, built)
+            model = built.model
+    except Exception as e:
+        text = error_line(e)
+        if plan.sync and spec.plan.api == "fsdp1":
+            return InitObservation(**common, sync_error=text, failed=True, skipped_params=skipped, seconds=time.perf_counter() - t_start)
+        if plan.meta and spec.plan.api == "fsdp1":
+            return InitObservation(**common, init_error=text, failed=True, skipped_params=skipped, seconds=time.perf_counter() - t_start)
+        return InitObservation(**common, wrap_error=text, failed=True, skipped_params=skipped, seconds=time.perf_counter() - t_start)
+
+    bad_shards, empty = ((), False)
+    if spec.plan.api == "fsdp2":
+        bad_shards, empty = _shard_checks(built.model, world, rank)
+    if plan.meta and spec.plan.api == "fsdp2":
+        try:
+            model.to_empty(device=rank_device())
+            for path, m in built.modules.items():
+                _reset(m, src.modules[path])
+        except Exception as e:
+            init_error = error_line(e)
+    if plan.sync and spec.plan.api == "fsdp2":
+        try:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(model, rank0_sd if rank == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        except Exception as e:
+            sync_error = error_line(e)
+    if any_rank_failed(init_error is not None or sync_error is not None):
+        return InitObservation(**common, init_error=init_error, sync_error=sync_error, failed=True, bad_shards=bad_shards,
+                               empty_shard=empty, skipped_params=skipped, seconds=time.perf_counter() - t_start)
+
+    obs = dict(common, bad_shards=bad_shards, empty_shard=empty, skipped_params=skipped)
+    if plan.meta or plan.sync:
+        values = _full_values(spec, model, built.model, names)
+        canon = [(f, values[f]) for f in names if aliases.param_canon[f] == f]
+        checks = _checks(canon, src_values, "param", exact=True)
+        if plan.meta:
+            bufs = dict(src.model.named_buffers())
+            checks += _checks([(f, b.detach()) for f, b in built.model.named_buffers() if f in bufs], bufs, "buffer", exact=True)
+            obs["meta_values"] = tuple(checks)
+        else:
+            want = {name: _rank_buffer(spec.seed, i) for i, (name, _) in enumerate(SYNC_BUFFERS)}
+            tree_bufs = dict(src.model.named_buffers())
+            for f, b in built.model.named_buffers():
+                if f in want:
+                    kind = "buffer" if dict(SYNC_BUFFERS)[f] else "non-persistent-buffer"
+                    checks += _checks([(f, b.detach())], want, kind, exact=True)
+                elif f in tree_bufs:
+                    checks += _checks([(f, b.detach())], tree_bufs, "buffer", exact=True)
+            obs["sync_values"] = tuple(checks)
+
+    # the optimizer (unless it comes after the first step's backward) while
+    # the registered parameters are the sharded ones (FSDPModule.unshard /
+    # reshard swap them), then the actions before the first forward, then training
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(plan.optimizer, params, LR) if params and not plan.optimizer_after_forward else None
+    action_error = None
+    try:
+        for a in plan.before:
+            try:
+                _action(model, a)
+            except Exception as e:
+                action_error = f"{a}: {error_line(e)}"
+                raise
+        if dtype is not None:
+            model.to(dtype)
+            obs["dtype_kept"] = all(is_sharded(p) and p.dtype == dtype for p in model.parameters())
+    except Exception as e:
+        action_error = action_error or f"to({plan.dtype}): {error_line(e)}"
+    if any_rank_failed(action_error is not None):
+        return InitObservation(**obs, action_error=action_error, failed=True, seconds=time.perf_counter() - t_start)
+
+    _set_skip(built, plan.skip, rank == 1)
+    losses: list[float] = []
+    step_error = None
+    try:
+        for _ in range(plan.steps):
+            loss = (model(xs[rank]).float() ** 2).sum()
+            losses.append(float(loss))
+            if trainable:
+                loss.backward()
+                if opt is None:  # after the first forward and backward: FSDP is initialised
+                    opt = make_optimizer(plan.optimizer, [p for p in model.parameters() if p.requires_grad], LR)
+                opt.step()
+                opt.zero_grad()
+    except Exception as e:
+        step_error = error_line(e)
+    fsdp_seconds = time.perf_counter() - t0
+    timed_out = step_error is not None and "Timed out" in step_error
+    if any_rank_failed(step_error is not None):
+        return InitObservation(**obs, step_error=step_error, timed_out=timed_out, failed=True, losses=tuple(losses),
+                               seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)
+    want = list(ref_per_step)
+    close = all(math.isclose(got, w[rank], rel_tol=TRAIN_RTOL, abs_tol=TRAIN_ATOL) for got, w in zip(losses, want))
+    final = _full_values(spec, model, built.model, names)
+    untied = tuple(sorted(f for f in names if aliases.param_canon[f] != f
+                          and not torch.equal(final[f], final[aliases.param_canon[f]])))
+    return InitObservation(**obs, losses=tuple(losses), losses_close=close, untied=untied,
+                           final=tuple(_checks([(f, final[f]) for f in names], ref_final, "param", exact=False)),
+                           seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)
