@@ -51,6 +51,32 @@ def _import_fake_pg():
     return _fake_pg
 
 
+def forget_meshes() -> None:
+    """Drop DTensor's sharding-propagation caches. They are keyed by the
+    input DTensorSpecs, and DeviceMesh equality compares ranks, layout,
+    device type and dim names, not process groups: after this process's
+    default group is destroyed and made again (the fake tier and the
+    driver's one-rank gloo group take turns), an op on a new mesh can hit an
+    entry of an old, equal mesh and give a DTensor on it, whose collectives
+    then name a destroyed group ("Could not resolve the process group
+    registered under the name N"; NVIDIA/Megatron-LM#7029 met the same).
+    Called whenever this process destroys its default group."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has no such cache
+        return
+    import torch
+
+    prop = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        clear = getattr(getattr(prop, name, None), "cache_clear", None)
+        if clear is not None:
+            clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch fast path's own
+    if native is not None:
+        native()
+
+
 class FakeEngine:
     """Rank ``rank`` of a fake world of ``world_size``, in this process.
 
@@ -84,6 +110,7 @@ class FakeEngine:
                     "FakeEngine needs the default group"
                 )
             dist.destroy_process_group()  # another FakeEngine's world
+            forget_meshes()
             _fake_group = None
         dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
         _fake_group = (self.world_size, self.rank)
@@ -114,6 +141,7 @@ class FakeEngine:
 
         if dist.is_initialized() and _fake_group == (self.world_size, self.rank):
             dist.destroy_process_group()
+            forget_meshes()
             _fake_group = None
 
     def __enter__(self) -> "FakeEngine":

@@ -14,7 +14,7 @@ import tempfile
 from conformance.case.spec import CaseSpec
 from conformance.engine import fake
 from conformance.engine.errors import EngineError
-from conformance.engine.fake import preserve_hypothesis_profile
+from conformance.engine.fake import forget_meshes, preserve_hypothesis_profile
 from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
 
 TMP_PREFIX = "fsdp-conformance-ckpt-"
@@ -41,6 +41,7 @@ class DriverRank:
             if fake._fake_group is None:
                 raise EngineError(f"a {dist.get_backend()} default process group is already initialised in this process")
             dist.destroy_process_group()
+            forget_meshes()
             fake._fake_group = None
         fd, store_path = tempfile.mkstemp(prefix="fsdp-conformance-store-")
         os.close(fd)
@@ -52,6 +53,7 @@ class DriverRank:
                     record = run_scenario(scenario, spec, rank=0, args=args)
             finally:
                 dist.destroy_process_group()
+                forget_meshes()
         finally:
             if os.path.exists(store_path):
                 os.unlink(store_path)

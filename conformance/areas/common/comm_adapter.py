@@ -87,20 +87,20 @@ class Recorder:
 
 # ---- FSDP2 ---------------------------------------------------------------------
 
-_SINGLETONS: dict[int, object] = {}
+_SINGLETONS: list = []  # [the default group they were made in, this rank's singleton group]
 
 
 def one_rank_mesh():
     """A mesh of this rank alone: every rank makes every singleton group
-    (new_group is collective), once per default group."""
+    (new_group is collective), once per default group (held, not its id: a
+    default group made after another was destroyed may reuse the address)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = id(dist.group.WORLD)
-    if key not in _SINGLETONS:
+    world = dist.group.WORLD
+    if not _SINGLETONS or _SINGLETONS[0] is not world:
         groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        _SINGLETONS.clear()
-        _SINGLETONS[key] = groups[dist.get_rank()]
-    return DeviceMesh.from_group(_SINGLETONS[key], rank_device().type)
+        _SINGLETONS[:] = [world, groups[dist.get_rank()]]
+    return DeviceMesh.from_group(_SINGLETONS[1], rank_device().type)
 
 
 def fsdp2_patches(rec: Recorder, labels: dict[int, str]):

@@ -10,19 +10,19 @@ import torch.distributed as dist
 
 from conformance.case.violation import Violation
 
-_SIDE: dict[int, object] = {}
+_SIDE: list = []  # [the default group it was made beside, the side group]
 
 
 def _side_group():
     """A gloo group beside the default one, for the suite's own agreement
     between ranks: its all-reduce never pairs up with one of FSDP's
     collectives on the default group. Created once per rank process, by every
-    rank at the same point (the first schedule it runs)."""
-    key = id(dist.distributed_c10d._get_default_group())
-    if key not in _SIDE:
-        _SIDE.clear()
-        _SIDE[key] = dist.new_group(backend="gloo")
-    return _SIDE[key]
+    rank at the same point (the first schedule it runs). Keyed by the
+    default group itself, held: a later one may reuse a destroyed one's address."""
+    world = dist.distributed_c10d._get_default_group()
+    if not _SIDE or _SIDE[0] is not world:
+        _SIDE[:] = [world, dist.new_group(backend="gloo")]
+    return _SIDE[1]
 
 
 def any_rank_failed(failed: bool) -> bool:
