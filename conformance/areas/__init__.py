@@ -11,14 +11,14 @@ conformance.areas.common."""
 
 from __future__ import annotations
 
-from conformance.areas import activation_checkpointing, autowrap, checkpoint, clip, comm, fully_shard, microbatch, parity, schedule, summon
+from conformance.areas import activation_checkpointing, autowrap, checkpoint, clip, comm, fully_shard, hsdp, microbatch, parity, schedule, summon
 from conformance.areas.common.area import Area, AreaScenario
 from conformance.areas.common.catalog import Invariant, UnknownInvariant
 from conformance.engine import scenarios as engine_scenarios
 
 AREAS: tuple[Area, ...] = (
     autowrap.AREA, fully_shard.AREA, summon.AREA, parity.AREA, checkpoint.AREA, schedule.AREA, clip.AREA, comm.AREA,
-    microbatch.AREA, activation_checkpointing.AREA,
+    microbatch.AREA, activation_checkpointing.AREA, hsdp.AREA,
 )
 
 # Derived indexes (not registries: every entry comes from AREAS).
