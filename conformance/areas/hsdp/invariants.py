@@ -245,6 +245,8 @@ def check_state_dict(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObserva
         return VALUES_UNCHECKED
     if first.flat_error:
         return NotChecked(f"flat FSDP raised (HSDP-PARITY reports it): {first.flat_error}")
+    if not first.unsharded_keys:
+        return NotChecked("the model has no parameters or buffers: no state dict to carry")
     tags = case_tags(spec, pred, first)
     if first.sd_error:
         return [violation("HSDP-STATE-DICT", f"the state dict round trip raised {first.sd_error}", tags, "kind:state-dict-raised")]
