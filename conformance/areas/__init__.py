@@ -11,7 +11,19 @@ conformance.areas.common."""
 
 from __future__ import annotations
 
-from conformance.areas import activation_checkpointing, autowrap, checkpoint, clip, comm, fully_shard, hsdp, microbatch, parity, schedule, summon
+from conformance.areas import (
+    activation_checkpointing,
+    autowrap,
+    checkpoint,
+    clip,
+    comm,
+    fully_shard,
+    hsdp,
+    microbatch,
+    parity,
+    schedule,
+    summon,
+)
 from conformance.areas.common.area import Area, AreaScenario
 from conformance.areas.common.catalog import Invariant, UnknownInvariant
 from conformance.engine import scenarios as engine_scenarios

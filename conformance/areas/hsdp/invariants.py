@@ -97,7 +97,7 @@ def _by_shard(pred: HsdpPrediction, obs: list[HsdpObservation]) -> dict[int, lis
     scenario="hsdp",
     all_ranks=True,
     statement="After every step, ranks in the same shard position of different replica groups hold bit-identical local gradients (after backward), parameters (after the optimizer step) and buffers, though each rank trained on its own data (the replicate dim's all-reduce makes the replicas one).",
-    source=f"{DOC_STRATEGY} (replicate parameters across nodes); {DOC_FULLY_SHARD}; {UPSTREAM} (test_fsdp_hybrid_shard: the inter-node all-reduce)",
+    source=f"{DOC_STRATEGY}; {DOC_FULLY_SHARD}; {UPSTREAM} (test_fsdp_hybrid_shard: the inter-node all-reduce)",
 )
 def check_replicas(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation]) -> list[Violation] | NotChecked:
     skip = _raised(spec, pred, obs)
@@ -186,7 +186,7 @@ def check_degenerate(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObserva
     scenario="hsdp",
     all_ranks=True,
     statement="FSDP2 over a 2-D mesh: every parameter is a DTensor on the (replicate, shard) mesh with placements (Replicate(), Shard(dim=0)), each rank holding torch.chunk's piece of dim 0 for its shard index; FSDP1's hybrid strategies: each unit's flat parameter holds its parameters' numel, sharded over the shard dim only (each rank ceil(numel / shard) elements, padding undocumented with use_orig_params=True: at least that many).",
-    source=f"{DOC_FULLY_SHARD} (Shard(0) on the shard dim, Replicate on the replicate dim); {DOC_STRATEGY}",
+    source=f"{DOC_FULLY_SHARD}; {DOC_STRATEGY}",
 )
 def check_layout(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation]) -> list[Violation] | NotChecked:
     if obs[0].wrap_error:
