@@ -116,6 +116,15 @@ def full_state_dict_load_dropped():
     return mock.patch.object(sd_mod, "_load_model_state_dict", lambda *a, **k: None)
 
 
+@fault("dcp-load-dropped")
+def dcp_load_dropped():
+    """torch.distributed.checkpoint.load returns without reading the
+    checkpoint into the state dict it is given."""
+    import torch.distributed.checkpoint as dcp
+
+    return mock.patch.object(dcp, "load", lambda *a, **k: None)
+
+
 @contextlib.contextmanager
 def _both(*patches):
     with contextlib.ExitStack() as stack:

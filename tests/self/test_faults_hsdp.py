@@ -61,6 +61,8 @@ FAULTS = [
     ("HSDP-LAYOUT", "fsdp1-pg-1x4", "fsdp1-pg-pair-swapped", "kind:local-numel"),
     ("HSDP-STATE-DICT", "fsdp2-2x2", "full-state-dict-load-dropped", "kind:to-flat"),
     ("HSDP-STATE-DICT", "fsdp1-mesh-2x2", "full-state-dict-load-dropped", "kind:from-flat"),
+    ("HSDP-STATE-DICT", "fsdp2-1x4", "dcp-load-dropped", "kind:dcp-to-flat"),
+    ("HSDP-STATE-DICT", "fsdp1-pg-2x2-zero2", "dcp-load-dropped", "kind:dcp-to-flat"),
     ("HSDP-COMMS", "fsdp2-2x2", "no-replicate-all-reduce", "kind:missing"),
     ("HSDP-COMMS", "fsdp1-pg-2x2-zero2", "no-replicate-all-reduce", "kind:missing"),
 ]

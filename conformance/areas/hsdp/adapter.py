@@ -10,6 +10,8 @@ touches FSDP internals (FSDP1's flat parameters' sizes)."""
 from __future__ import annotations
 
 import hashlib
+import shutil
+import tempfile
 import time
 
 import torch
@@ -33,6 +35,8 @@ from conformance.case.target import graph_of
 MESH_DIMS = ("replicate", "shard")
 # the flat (1-D) FSDP1 strategy each hybrid one applies within its shard group
 FLAT_STRATEGY = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}
+
+DCP_PREFIX = "fsdp-conformance-hsdp-"
 
 _LAYOUTS: dict = {}
 
@@ -246,6 +250,31 @@ def _sd_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[tuple[str, 
     return tuple(sorted(sd)), differs
 
 
+def _dcp_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[str, ...]:
+    """Save ``model_from``'s sharded state dict with torch.distributed.checkpoint,
+    load it into ``model_to``: the keys whose full values differ from
+    ``model_from``'s. The directory is rank 0's, removed after the load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    where = [tempfile.mkdtemp(prefix=DCP_PREFIX) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    try:
+        dcp.save(get_model_state_dict(model_from), checkpoint_id=where[0])
+        sd = get_model_state_dict(model_to)
+        dcp.load(sd, checkpoint_id=where[0])
+        set_model_state_dict(model_to, sd)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+    opts = StateDictOptions(full_state_dict=True)
+    want = {k: full_tensor(v) for k, v in get_model_state_dict(model_from, options=opts).items()}
+    got = {k: full_tensor(v) for k, v in get_model_state_dict(model_to, options=opts).items()}
+    return tuple(sorted(k for k in set(want) | set(got) if k not in want or k not in got or want[k].shape != got[k].shape
+                        or not torch.equal(want[k], got[k])))
+
+
 # ---- one observation ------------------------------------------------------------------
 
 
@@ -328,9 +357,11 @@ def observe(spec: CaseSpec) -> HsdpObservation:
         keys, to_flat = _sd_differs(model, fresh_flat)
         fresh_hsdp = wrap_hsdp(spec, placed(build(spec)))
         _, from_flat = _sd_differs(flat, fresh_hsdp)
+        dcp_to_flat = _dcp_differs(model, wrap_flat(spec, placed(build(spec))))
     except Exception as e:  # noqa: BLE001
         error = error_line(e)
     if any_rank_failed(error is not None):
         return HsdpObservation(**obs, sd_error=error or "another rank's state dict raised", seconds=time.perf_counter() - t0)
     return HsdpObservation(**obs, sd_keys=keys, unsharded_keys=unsharded_keys, sd_to_flat_differs=to_flat, sd_from_flat_differs=from_flat,
+                           dcp_to_flat_differs=dcp_to_flat,
                            seconds=time.perf_counter() - t0)

@@ -232,8 +232,9 @@ def check_layout(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation
     api="fsdp1|fsdp2",
     scenario="hsdp",
     all_ranks=True,
-    statement="A full state dict (torch.distributed.checkpoint.state_dict get_model_state_dict / set_model_state_dict, full_state_dict=True) of the trained HSDP model has the unwrapped model's keys, loads into flat FSDP over the whole world and comes back with equal values; flat FSDP's loads into HSDP the same way.",
+    statement="A full state dict (torch.distributed.checkpoint.state_dict get_model_state_dict / set_model_state_dict, full_state_dict=True) of the trained HSDP model has the unwrapped model's keys, loads into flat FSDP over the whole world and comes back with equal values; flat FSDP's loads into HSDP the same way; a torch.distributed.checkpoint save of HSDP's sharded state dict loads into flat FSDP with equal values.",
     source="torch.distributed.checkpoint.state_dict docstrings (get_model_state_dict / set_model_state_dict, StateDictOptions.full_state_dict); "
+           "torch.distributed.checkpoint save / load docstrings (load-time resharding); "
            f"{DOC_FULLY_SHARD}; {DOC_STRATEGY}",
 )
 def check_state_dict(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation]) -> list[Violation] | NotChecked:
@@ -262,6 +263,9 @@ def check_state_dict(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObserva
         if o.sd_from_flat_differs:
             out.append(violation("HSDP-STATE-DICT", f"rank {o.rank}: flat FSDP's full state dict loaded into HSDP comes back different at "
                                  f"{list(o.sd_from_flat_differs)}", tags, "kind:from-flat"))
+        if o.dcp_to_flat_differs:
+            out.append(violation("HSDP-STATE-DICT", f"rank {o.rank}: HSDP's torch.distributed.checkpoint save loaded into flat FSDP differs at "
+                                 f"{list(o.dcp_to_flat_differs)}", tags, "kind:dcp-to-flat"))
     return out
 
 

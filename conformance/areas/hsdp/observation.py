@@ -67,6 +67,8 @@ class HsdpObservation(RankRecord):
     unsharded_keys: tuple[str, ...] = ()  # the unwrapped model's state_dict keys
     sd_to_flat_differs: tuple[str, ...] = ()
     sd_from_flat_differs: tuple[str, ...] = ()
+    # a torch.distributed.checkpoint save of HSDP's sharded state dict loaded into flat FSDP
+    dcp_to_flat_differs: tuple[str, ...] = ()
     seconds: float = 0.0
     fsdp_seconds: float = 0.0
 
@@ -82,7 +84,7 @@ class HsdpObservation(RankRecord):
         d = self.to_dict()
         for k in ("rank", "seconds", "fsdp_seconds", "layout", "steps", "losses", "ref_losses", "flat_layout",
                   "flat_initial_equal", "flat_final_close", "losses_close",
-                  "sd_to_flat_differs", "sd_from_flat_differs"):
+                  "sd_to_flat_differs", "sd_from_flat_differs", "dcp_to_flat_differs"):
             d.pop(k)
         for key in ("vs_reference", "vs_flat"):
             for p in d[key]:
