@@ -87,6 +87,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
+def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Bitwise-equal values of one shape, NaN equal to NaN (a diverged model's
+    values are carried and compared like any others)."""
+    return a is not None and b is not None and a.shape == b.shape and bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
+
+
 # ---- wrapping -----------------------------------------------------------------------
 
 
@@ -124,8 +130,9 @@ def wrap_flat(spec: CaseSpec, built) -> nn.Module:
 
 def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as this rank holds it (a DTensor's local shard, an
-    FSDP1 flat parameter or view), by its name in the wrapped model."""
-    return {a1.clean(n): _local(p.detach()) for n, p in model.named_parameters()}
+    FSDP1 flat parameter or view), by its name in the wrapped model: a copy
+    (the optimizer updates the shards in place)."""
+    return {a1.clean(n): _local(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def layout(spec: CaseSpec, model: nn.Module, aliases) -> tuple[LocalSeen, ...]:
@@ -204,14 +211,15 @@ def train(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, rec: Recorder | No
     return losses, steps
 
 
-def train_reference(spec: CaseSpec, model: nn.Module, x0: torch.Tensor) -> list[float]:
+def train_reference(spec: CaseSpec, model: nn.Module, x0: torch.Tensor) -> tuple[list[float], list[float]]:
     """Single-process training on the mean loss over every rank's batch (the
-    gradient data-parallel averaging gives); this rank's batch's losses."""
+    gradient data-parallel averaging gives): this rank's batch's losses, and
+    the mean losses (the same on every rank)."""
     h = spec.hsdp
     rank, world = dist.get_rank(), dist.get_world_size()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(h.optimizer, trainable, h.lr) if trainable else None
-    losses = []
+    losses, totals = [], []
     for k in range(h.steps):
         total, per_rank = reference_loss(model, [_batch(x0, k, r) for r in range(world)])
         if opt is not None:
@@ -219,7 +227,8 @@ def train_reference(spec: CaseSpec, model: nn.Module, x0: torch.Tensor) -> list[
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(float(per_rank[rank].detach()))
-    return losses
+        totals.append(float(total.detach()))
+    return losses, totals
 
 
 def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[ValueSeen, ...]:
@@ -245,8 +254,7 @@ def _sd_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[tuple[str, 
     # a copy: set_model_state_dict replaces the given dict's values by the model's DTensors
     set_model_state_dict(model_to, {k: v.clone() for k, v in sd.items()}, options=opts)
     back = {k: full_tensor(v) for k, v in get_model_state_dict(model_to, options=opts).items()}
-    differs = tuple(sorted(k for k in set(sd) | set(back) if k not in sd or k not in back or sd[k].shape != back[k].shape
-                           or not torch.equal(sd[k], back[k])))
+    differs = tuple(sorted(k for k in set(sd) | set(back) if not same(sd.get(k), back.get(k))))
     return tuple(sorted(sd)), differs
 
 
@@ -271,8 +279,7 @@ def _dcp_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[str, ...]:
     opts = StateDictOptions(full_state_dict=True)
     want = {k: full_tensor(v) for k, v in get_model_state_dict(model_from, options=opts).items()}
     got = {k: full_tensor(v) for k, v in get_model_state_dict(model_to, options=opts).items()}
-    return tuple(sorted(k for k in set(want) | set(got) if k not in want or k not in got or want[k].shape != got[k].shape
-                        or not torch.equal(want[k], got[k])))
+    return tuple(sorted(k for k in set(want) | set(got) if not same(want.get(k), got.get(k))))
 
 
 # ---- one observation ------------------------------------------------------------------
@@ -315,9 +322,9 @@ def observe(spec: CaseSpec) -> HsdpObservation:
 
     final = final_values(spec, model, built.model, aliases)
     ref = placed(build(spec))
-    ref_losses = train_reference(spec, ref.model, ref.example_input())
+    ref_losses, ref_totals = train_reference(spec, ref.model, ref.example_input())
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
-    obs.update(ref_losses=tuple(ref_losses), ref_stable=stable(ref_losses, ref.model),
+    obs.update(ref_losses=tuple(ref_losses), ref_stable=stable(ref_totals, ref.model),
                losses_close=bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=TRAIN_RTOL, atol=TRAIN_ATOL)),
                vs_reference=_compare(final, refs))
 
@@ -340,7 +347,7 @@ def observe(spec: CaseSpec) -> HsdpObservation:
     same_init, close_final = [], []
     for n, t in initial_local.items():
         f = flat_initial.get(n)
-        same_init.append((n, f is not None and f.shape == t.shape and bool(torch.equal(f, t))))
+        same_init.append((n, same(f, t)))
         g, fn = now_local.get(n), flat_now.get(n)
         if g is None:  # FSDP1 with use_orig_params=True may stop listing a view (its sharded views change with the state)
             continue

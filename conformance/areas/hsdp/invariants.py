@@ -128,7 +128,7 @@ def check_replicas(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservati
     api="fsdp1|fsdp2",
     scenario="hsdp",
     all_ranks=True,
-    statement="A (n, 1) layout behaves like DDP: every rank holds every parameter in full and, after each backward, every rank's gradients are bit-identical (all-reduced over all n ranks); a (1, n) layout behaves like flat FSDP over the same ranks: the same local shard shapes, bit-identical local shards at wrap time and, after training, local shards equal within the training tolerance.",
+    statement="A (n, 1) layout behaves like DDP: every rank holds every parameter in full and, after each backward, every rank's gradients are bit-identical (all-reduced over all n ranks); a (1, n) layout behaves like flat FSDP over the same ranks: the same local shard shapes, bit-identical local shards at wrap time and, after training, local shards equal within the training tolerance (while the single-process reference stays finite).",
     source=f"{DOC_FULLY_SHARD}; {DOC_STRATEGY}; {UPSTREAM}",
 )
 def check_degenerate(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation]) -> list[Violation] | NotChecked:
@@ -173,7 +173,7 @@ def check_degenerate(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObserva
             out.append(violation("HSDP-DEGENERATE", f"rank {o.rank}: at wrap time the local shards of {', '.join(bad[:4])} differ from flat FSDP's",
                                  tags, "kind:initial-shard"))
         bad = [n for n, ok in o.flat_final_close if not ok]
-        if bad:
+        if bad and o.ref_stable:  # a diverged run's values are not comparable within a tolerance
             out.append(violation("HSDP-DEGENERATE", f"rank {o.rank}: after training the local shards of {', '.join(bad[:4])} differ from flat FSDP's",
                                  tags, "kind:final-shard"))
     return out
