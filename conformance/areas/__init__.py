@@ -18,6 +18,7 @@ from conformance.areas import (
     clip,
     comm,
     fully_shard,
+    hsdp,
     init_order,
     microbatch,
     parity,
@@ -30,7 +31,7 @@ from conformance.engine import scenarios as engine_scenarios
 
 AREAS: tuple[Area, ...] = (
     autowrap.AREA, fully_shard.AREA, summon.AREA, parity.AREA, checkpoint.AREA, schedule.AREA, clip.AREA, comm.AREA,
-    microbatch.AREA, activation_checkpointing.AREA, init_order.AREA,
+    microbatch.AREA, activation_checkpointing.AREA, init_order.AREA, hsdp.AREA,
 )
 
 # Derived indexes (not registries: every entry comes from AREAS).

@@ -373,6 +373,57 @@ def validate_init(spec: "CaseSpec") -> None:
             raise SpecError(f"init plan {p!r}: a rank-divergent case changes nothing else")
         if spec.shared or spec.ties:
             raise SpecError(f"init plan {p!r}: a skipped module is neither shared nor tied")
+# ---- HSDP and 2-D meshes (hsdp area) -------------------------------------------
+
+# How the hybrid layout is given: FSDP2's fully_shard(mesh=<2-D (replicate,
+# shard) DeviceMesh>); FSDP1's FullyShardedDataParallel(device_mesh=<the same
+# mesh>) or process_group=(shard group, replicate group).
+HSDP_WAYS = ("fsdp2-mesh", "fsdp1-mesh", "fsdp1-pg")
+HSDP_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+# (replicate, shard) shapes: 4 ranks (the 2-D mesh and its degenerate forms)
+# and 2 ranks (the degenerate forms on the suite's default pool)
+HSDP_MESHES = ((2, 2), (4, 1), (1, 4), (2, 1), (1, 2))
+HSDP_OPTIMIZERS = ("SGD", "Adam")
+
+
+@dataclass(frozen=True)
+class HsdpPlan:
+    """``steps`` optimizer steps of loss = (model(x_rank) ** 2).sum() on data
+    that differs by rank (so by replica), the model sharded over the shard
+    dim of a (replicate, shard) = ``mesh`` layout given ``way``; FSDP1 with
+    sharding ``strategy`` (FSDP2 reshards as the plan's groups say). The
+    same case also runs as flat FSDP over the whole world (FSDP2's 1-D mesh;
+    FSDP1 FULL_SHARD, or SHARD_GRAD_OP for _HYBRID_SHARD_ZERO2)."""
+
+    mesh: tuple[int, int] = (2, 2)
+    way: str = "fsdp2-mesh"
+    strategy: str = "HYBRID_SHARD"
+    steps: int = 2
+    optimizer: str = "SGD"
+    lr: float = 0.05
+
+    @property
+    def world(self) -> int:
+        return self.mesh[0] * self.mesh[1]
+
+
+def validate_hsdp(spec: "CaseSpec") -> None:
+    h = spec.hsdp
+    if h is None:
+        return
+    if tuple(h.mesh) not in HSDP_MESHES or h.way not in HSDP_WAYS or h.strategy not in HSDP_STRATEGIES:
+        raise SpecError(f"hsdp plan {h!r}: mesh one of {HSDP_MESHES}, way one of {HSDP_WAYS}, strategy one of {HSDP_STRATEGIES}")
+    if (h.way == "fsdp2-mesh") != (spec.plan.api == "fsdp2"):
+        raise SpecError(f"hsdp plan {h!r}: FSDP2 takes a mesh, FSDP1 a mesh or a process-group pair")
+    if h.way == "fsdp2-mesh" and h.strategy != "HYBRID_SHARD":
+        raise SpecError(f"hsdp plan {h!r}: a sharding strategy is FSDP1's (FSDP2 reshards as its groups say)")
+    if h.optimizer not in HSDP_OPTIMIZERS or not 1 <= h.steps <= 3 or not h.lr > 0:
+        raise SpecError(f"hsdp plan {h!r}: optimizer one of {HSDP_OPTIMIZERS}, 1..3 steps, lr > 0")
+    if spec.plan.ignored_modules or spec.plan.ignored_params or spec.shared:
+        # ignored parameters' gradients are the user's to reduce, over which replicas is no promise
+        raise SpecError("hsdp plan: no ignored modules or parameters, no shared modules")
+    if isinstance(spec.plan.policy, CustomWrap) and spec.plan.policy.kwargs:
+        raise SpecError("hsdp plan: the sharding strategy is the plan's, for every unit (no per-unit kwargs)")
 
 
 # ---- activation checkpointing (activation_checkpointing area) ----------------
@@ -436,6 +487,7 @@ class CaseSpec:
     microbatch: MicrobatchPlan | None = None  # FSDP2's schedule APIs per microbatch (MB-*)
     activation_checkpoint: ActivationCheckpointPlan | None = None  # AC-PARITY, AC-STATE-DICT, AC-ALLGATHER
     init: InitPlan | None = None  # INIT-ORDER, INIT-META, INIT-SYNC, INIT-DIVERGENT
+    hsdp: HsdpPlan | None = None  # HSDP-* (2-D meshes, FSDP1's hybrid strategies)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -810,6 +862,7 @@ def validate(spec: CaseSpec) -> None:
     validate_microbatch(spec)
     validate_activation_checkpoint(spec)
     validate_init(spec)
+    validate_hsdp(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -1021,6 +1074,7 @@ _TYPES = {
         CheckpointPlan,
         Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan, MicrobatchStep, MicrobatchPlan, ActivationCheckpointPlan,
         InitPlan,
+        HsdpPlan,
     )
 }
 

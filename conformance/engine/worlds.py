@@ -1,5 +1,5 @@
 """Worlds: engines by world size, for cases saved under one world size and
-loaded under another. World size 1 is the driver itself (a one-rank gloo
+loaded under another, and for HSDP cases (as many ranks as their mesh). World size 1 is the driver itself (a one-rank gloo
 group for the length of one run); others are rank pools of the base pool's
 backend, the base pool for its own size, the rest made on first use.
 Multi-phase scenarios (a checkpoint round trip) run here: each phase on its
@@ -93,9 +93,12 @@ class Worlds:
         return eng
 
     def run(self, scenario: str, spec: CaseSpec) -> list[dict]:
+        h = getattr(spec, "hsdp", None)
+        if h is not None:  # an HSDP case runs on as many ranks as its mesh has
+            return self._run(h.world, scenario, spec)
         ck = getattr(spec, "ckpt", None)
         if ck is None:
-            raise EngineError("Worlds runs checkpoint cases (spec.ckpt)")
+            raise EngineError("Worlds runs checkpoint cases (spec.ckpt) and HSDP cases (spec.hsdp)")
         phases = self.phases.get(scenario) or get_scenario(scenario).phases
         if not phases:
             return self._run(ck.save_world, scenario, spec)

@@ -33,6 +33,19 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def group_size(args) -> int:
+    """The size of the process group a c10d op runs on (its ScriptObject
+    argument), or the world size where it names none: a 2-D mesh's
+    all-reduce spans its replicate dim, not the world."""
+    for a in torch.utils._pytree.tree_leaves(args):
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except Exception:  # noqa: BLE001 - another ScriptObject (a reduce op, a work handle)
+                continue
+    return dist.get_world_size()
+
+
 class Recorder:
     """What one observation saw: collectives from the dispatcher (under
     ``mode``), attributed to the group or unit on top of ``owner``; events;
@@ -67,7 +80,7 @@ class Recorder:
             numel = sum(t.numel() for t in tensors[1:])
             ranks = numel // max(tensors[0].numel(), 1)
         else:
-            numel, ranks = (tensors[0].numel() if tensors else 0), dist.get_world_size()
+            numel, ranks = (tensors[0].numel() if tensors else 0), group_size(args)
         dtype = _dtype_name(tensors[0].dtype) if tensors else "?"
         self.collectives.append(CollectiveSeen(self.phase, op, group, numel, ranks, dtype, ctx))
 
