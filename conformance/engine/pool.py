@@ -45,6 +45,12 @@ _LAUNCHER_VARS = (
 )
 
 
+# A record's value with this key true: the scenario's collectives failed in a
+# group of its own and left the ranks' process-group state spent; the pool
+# rebuilds its ranks after the example.
+SPENT = "spent_process_groups"
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
     """The concrete backend for ``world_size`` ranks on this machine: "auto"
     is nccl when there is one GPU per rank, gloo otherwise. Raises
@@ -347,7 +353,12 @@ class RankPool:
             self._teardown()
             raise
         records = [_strip(got[r]) for r in range(self.world_size)]
-        if not all(rec.get("ok") for rec in records):
+        if any(isinstance(rec.get("value"), dict) and rec["value"].get(SPENT) for rec in records):
+            # a collective timed out or failed in a group of the example's own:
+            # what it leaves behind (pairs closed, ops pending) can meet a later
+            # example's groups; fresh ranks start from a clean state
+            self._rebuild(f"example {msg_id} left its ranks' process groups spent")
+        elif not all(rec.get("ok") for rec in records):
             self._resync(msg_id)
         return records
 

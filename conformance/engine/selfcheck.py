@@ -38,6 +38,15 @@ def echo(spec: CaseSpec) -> dict:
     }
 
 
+@scenario("spend-groups", test_only=True)
+def spend_groups(spec: CaseSpec) -> dict:
+    """A record saying the example's own groups are spent (engine.pool.SPENT):
+    the pool starts fresh ranks after it."""
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(), "spent_process_groups": True}
+
+
 @scenario("raise", test_only=True)
 def raise_(spec: CaseSpec) -> dict:
     """Every rank raises: an error record, not a crash."""

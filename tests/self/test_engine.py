@@ -99,6 +99,17 @@ def test_pool_runs_many_examples_on_the_same_processes(pool):
 
 
 @pytest.mark.gloo
+def test_a_record_whose_groups_are_spent_makes_the_pool_start_fresh_ranks(pool):
+    """A scenario whose own group timed out says so (spent_process_groups):
+    the next example runs on new rank processes."""
+    pids, rebuilds = pool.pids, pool.rebuilds
+    records = pool.run("spend-groups", small_spec(3))
+    assert all(r["ok"] and r["value"]["spent_process_groups"] for r in records), records
+    assert pool.rebuilds == rebuilds + 1 and not set(pool.pids) & set(pids)
+    check_echo(pool.run("echo", small_spec(4)), 4, pool.pids)
+
+
+@pytest.mark.gloo
 def test_scenario_exception_is_an_error_record_and_the_pool_goes_on(pool):
     pids, rebuilds = pool.pids, pool.rebuilds
     records = pool.run("raise", small_spec(7))

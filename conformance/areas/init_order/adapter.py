@@ -37,7 +37,11 @@ SYNC_BUFFERS = (("init_persistent", True), ("init_non_persistent", False))
 # A rank-divergent case runs FSDP on a group of its own with this timeout
 # (seconds): a collective one rank never enters then fails on every rank
 # as a timeout instead of holding the pool until its deadline.
-DIVERGENT_TIMEOUT = 3.0
+# seconds before the example's own group gives up on a collective: a hang
+# shows in seconds, not at the pool's deadline; long enough that a loaded
+# machine (2 cores, the suite's other worker and its ranks) does not time out
+# a collective that would complete (3 s did, on a mutant run's machine)
+DIVERGENT_TIMEOUT = 8.0
 
 
 def _rank_buffer(seed: int, i: int) -> torch.Tensor:
@@ -333,14 +337,19 @@ def observe(spec: CaseSpec) -> InitObservation:
                 opt.zero_grad()
     except Exception as e:
         step_error = error_line(e)
+    final = None
+    if step_error is None:
+        try:  # a collective too: a rank that diverged may time out here
+            final = _full_values(spec, model, built.model, names)
+        except Exception as e:
+            step_error = f"full values: {error_line(e)}"
     fsdp_seconds = time.perf_counter() - t0
-    timed_out = step_error is not None and "Timed out" in step_error
+    timed_out = step_error is not None and ("Timed out" in step_error or "Application timeout" in step_error)
     if any_rank_failed(step_error is not None):
-        return InitObservation(**obs, step_error=step_error, timed_out=timed_out, failed=True, losses=tuple(losses),
+        return InitObservation(**obs, step_error=step_error, timed_out=timed_out, spent_process_groups=group is not None, failed=True, losses=tuple(losses),
                                seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)
     want = list(ref_per_step)
     close = all(math.isclose(got, w[rank], rel_tol=TRAIN_RTOL, abs_tol=TRAIN_ATOL) for got, w in zip(losses, want))
-    final = _full_values(spec, model, built.model, names)
     untied = tuple(sorted(f for f in names if aliases.param_canon[f] != f
                           and not torch.equal(final[f], final[aliases.param_canon[f]])))
     return InitObservation(**obs, losses=tuple(losses), losses_close=close, untied=untied,

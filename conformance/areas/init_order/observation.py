@@ -26,6 +26,9 @@ class InitObservation(RankRecord):
     step_error: str | None = None  # a forward, backward or optimizer step raised on this rank
     failed: bool = False  # some rank raised in the same phase (the ranks agree on it)
     timed_out: bool = False  # this rank's error is the private group's timeout: a hang
+    # a collective of the example's own group failed: the ranks' process-group
+    # state is spent and the pool starts fresh ranks after the example (engine.pool)
+    spent_process_groups: bool = False
     # model.to(dtype): every parameter is still a DTensor and of the new dtype
     dtype_kept: bool | None = None
     # meta init (FSDP2): parameters whose local shard's shape or placement is
@@ -52,7 +55,7 @@ class InitObservation(RankRecord):
         are the invariants'; so are the synced values: FSDP2 leaves each
         rank's non-persistent buffers its own)."""
         d = self.to_dict()
-        for k in ("rank", "seconds", "fsdp_seconds", "action_error", "sync_error", "init_error", "step_error", "timed_out",
+        for k in ("rank", "seconds", "fsdp_seconds", "action_error", "sync_error", "init_error", "step_error", "timed_out", "spent_process_groups",
                   "bad_shards", "empty_shard", "losses", "ref_losses", "losses_close", "sync_values"):
             d.pop(k)
         for key in ("meta_values", "final"):
