@@ -158,3 +158,15 @@ def test_collecting_only_writes_no_report(tmp_path):
                            f"--report-dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.gloo
+def test_selecting_an_invariant_of_one_api_still_runs_its_area_test(tmp_path):
+    """--invariant MP-PIPELINE (FSDP2 only): the schedule test draws both
+    APIs; an FSDP1 example has nothing selected to check and must not skip
+    the whole test (it did: the row read SKIP)."""
+    proc = cli("run", "--backend", "gloo", "--invariant", "MP-PIPELINE", "--examples", "12", "--profile", "ci",
+               "--report-dir", str(tmp_path), "--progress", "quiet")
+    report = data.load(tmp_path / "report.json")
+    rows = [r for r in report["results"] if r["invariant"] == "MP-PIPELINE" and r["tier"] == "gloo"]
+    assert proc.returncode == 0 and rows and all(r.get("checked", 0) > 0 for r in rows), proc.stdout[-3000:] + proc.stderr[-2000:]
