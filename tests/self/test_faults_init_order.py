@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conformance.areas.init_order.observation import InitObservation
-from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, CustomWrap, InitPlan, ModuleSpec, ParamSpec, ShardGroup, WrapPlan
+from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, CustomWrap, InitPlan, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan
 from conformance.run import known
 from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from tests.self import faults_init_order  # noqa: F401  (registers the fault scenarios in the driver)
@@ -150,3 +150,20 @@ def test_init_specs_draw_what_each_api_supports():
     for bad in (dict(api="fsdp3"), dict(kind="other")):
         with pytest.raises(InvalidArgument):
             init_specs(**bad)
+
+
+@pytest.mark.gloo
+def test_a_tie_meta_init_breaks_is_seen_even_where_the_copies_train_alike(pool):
+    """Seed 2024: FSDP1 meta-device init of a root weight tied into a child
+    that uses it the same way. The broken tie's two copies get the same
+    gradient, so their values stay equal and comparing values after training
+    cannot see the break; the flat parameters' element count can (INIT-META
+    kind:untied, then matched to fsdp1-meta-init-unties with INIT-ORDER's
+    trajectory)."""
+    tree = ModuleSpec("", "Model", (ParamSpec("weight", (8, 2)),), children=(ModuleSpec("model0", "Model"),))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"),), ties=(TiedParam("model0", "tied0", "weight"),),
+                    plan=WrapPlan(api="fsdp1"), init=InitPlan(meta=True, steps=2))
+    res = run("INIT-META", spec, pool, known_failures=[])
+    assert res.verdict == FAIL and any("kind:untied" in v.tags for v in res.violations), res.describe()
+    again = run("INIT-ORDER", spec, pool, known_failures=known.load())
+    assert again.verdict == KNOWN, again.describe()

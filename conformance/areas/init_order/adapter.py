@@ -259,6 +259,11 @@ def observe(spec: CaseSpec) -> InitObservation:
             return InitObservation(**common, init_error=text, failed=True, skipped_params=skipped, seconds=time.perf_counter() - t_start)
         return InitObservation(**common, wrap_error=text, failed=True, skipped_params=skipped, seconds=time.perf_counter() - t_start)
 
+    untied_at_init = False
+    if plan.meta and spec.plan.api == "fsdp1":  # internals: the flat parameters' unpadded sizes
+        handles = [u._handle for u in FSDP.fsdp_modules(model) if getattr(u, "_handle", None) is not None]
+        managed = sum(h.flat_param._unpadded_unsharded_size.numel() for h in handles if h.flat_param is not None)
+        untied_at_init = managed > sum(p.numel() for p in src.model.parameters())
     bad_shards, empty = ((), False)
     if spec.plan.api == "fsdp2":
         bad_shards, empty = _shard_checks(built.model, world, rank)
@@ -281,7 +286,7 @@ def observe(spec: CaseSpec) -> InitObservation:
         return InitObservation(**common, init_error=init_error, sync_error=sync_error, failed=True, bad_shards=bad_shards,
                                empty_shard=empty, skipped_params=skipped, seconds=time.perf_counter() - t_start)
 
-    obs = dict(common, bad_shards=bad_shards, empty_shard=empty, skipped_params=skipped)
+    obs = dict(common, bad_shards=bad_shards, empty_shard=empty, skipped_params=skipped, untied_at_init=untied_at_init)
     if plan.meta or plan.sync:
         values = _full_values(spec, model, built.model, names)
         canon = [(f, values[f]) for f in names if aliases.param_canon[f] == f]

@@ -31,7 +31,7 @@ DOC_DIVERGENT = ("fully_shard / FullyShardedDataParallel docstrings (gradients a
 
 def _tags(pred: InitPrediction, obs: list[InitObservation]) -> set[str]:
     tags = set(pred.tags) | {backend_tag(obs[0])}
-    if pred.plan.meta and any(o.untied for o in obs):
+    if pred.plan.meta and any(o.untied or o.untied_at_init for o in obs):
         tags.add("meta:untied")  # training ran on a model whose tie meta-device init broke
     if any(o.empty_shard for o in obs):
         tags.add("shard:empty")
@@ -136,6 +136,9 @@ def check_meta(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation])
         return [] if spec.plan.api == "fsdp2" else VALUES_UNCHECKED
     out = [violation("INIT-META", f"tied names {list(obs[0].untied)} hold other values than the Parameter they alias after training: "
                      "meta-device init broke the tie", tags, "kind:untied")] if obs[0].untied else []
+    if not out and obs[0].untied_at_init:
+        out = [violation("INIT-META", "FSDP manages more elements than the tied model has parameters after meta-device init: "
+                         "the tie broke at init", tags, "kind:untied")]
     return out + _values("INIT-META", obs[0].meta_values, tags, "kind:meta-value", "differs from the non-meta model of the same seed")
 
 
