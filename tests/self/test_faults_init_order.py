@@ -15,7 +15,18 @@ import time
 import pytest
 
 from conformance.areas.init_order.observation import InitObservation
-from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, CustomWrap, InitPlan, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan
+from conformance.case.spec import (
+    BufferSpec,
+    CaseSpec,
+    ClassSpec,
+    CustomWrap,
+    InitPlan,
+    ModuleSpec,
+    ParamSpec,
+    ShardGroup,
+    TiedParam,
+    WrapPlan,
+)
 from conformance.run import known
 from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from tests.self import faults_init_order  # noqa: F401  (registers the fault scenarios in the driver)
