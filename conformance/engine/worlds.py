@@ -1,7 +1,8 @@
 """Worlds: engines by world size, for cases saved under one world size and
-loaded under another, and for HSDP cases (as many ranks as their mesh). World size 1 is the driver itself (a one-rank gloo
-group for the length of one run); others are rank pools of the base pool's
-backend, the base pool for its own size, the rest made on first use.
+loaded under another, and for HSDP cases (as many ranks as their mesh):
+rank pools of the base pool's backend, the base pool for its own size, the
+rest (world size 1 included) made on first use. DriverRank (world size 1 in
+this process) is for callers that accept a crash of their own process.
 Multi-phase scenarios (a checkpoint round trip) run here: each phase on its
 world, all in one temporary directory that is always removed."""
 
@@ -82,12 +83,13 @@ class Worlds:
     def engine(self, world_size: int):
         eng = self._engines.get(world_size)
         if eng is None:
-            if world_size == 1:
-                eng = DriverRank(self.backend)
-            else:
-                from conformance.engine.pool import RankPool
+            # world size 1 too on a pool of its own (one rank process), not in
+            # the driver: a save that segfaults (fsdp2-tied-list-group-
+            # unsharded-save-segfault) is then a CRASH verdict, not the
+            # death of the test process (seed 4711 killed an xdist worker)
+            from conformance.engine.pool import RankPool
 
-                eng = RankPool(world_size, self.backend, deadline=self.deadline)
+            eng = RankPool(world_size, self.backend, deadline=self.deadline)
             self._engines[world_size] = eng
             self._owned.append(eng)
         return eng
