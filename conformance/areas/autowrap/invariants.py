@@ -278,6 +278,9 @@ def _names_tags(spec: CaseSpec | None, fqns) -> set[str]:
             continue
         if len(g.aliases(pid)) > 1:
             out.add("names:aliased")
+    if "names:unknown" in out:
+        # a name the model lacks is no aliasing: the message is not explained by it
+        out.discard("names:aliased")
     return out
 
 
