@@ -1,67 +1,21 @@
 """Worlds: engines by world size, for cases saved under one world size and
 loaded under another, and for HSDP cases (as many ranks as their mesh):
 rank pools of the base pool's backend, the base pool for its own size, the
-rest (world size 1 included) made on first use. DriverRank (world size 1 in
-this process) is for callers that accept a crash of their own process.
+rest (world size 1 included: in a rank process, so that a crash is a CRASH
+verdict and not the end of the driver) made on first use.
 Multi-phase scenarios (a checkpoint round trip) run here: each phase on its
 world, all in one temporary directory that is always removed."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 
 from conformance.case.spec import CaseSpec
-from conformance.engine import fake
 from conformance.engine.errors import EngineError
-from conformance.engine.fake import forget_meshes, preserve_hypothesis_profile
-from conformance.engine.scenarios import get_scenario, json_roundtrip, run_scenario
+from conformance.engine.scenarios import get_scenario
 
 TMP_PREFIX = "fsdp-conformance-ckpt-"
-
-
-class DriverRank:
-    """World size 1 in this process: a gloo group of one rank, made for each
-    run and destroyed after it (the fake tier's group is given back to it:
-    FakeEngine joins its own again on its next run)."""
-
-    world_size = 1
-
-    def __init__(self, backend: str = "gloo") -> None:
-        self.backend = backend
-
-    def run(self, scenario: str, spec: CaseSpec, *, args: dict | None = None) -> list[dict]:
-        import torch.distributed as dist
-
-
-        sc = get_scenario(scenario)
-        if sc.fault:
-            raise EngineError(f"scenario {scenario!r} hangs or kills its process: run it in a RankPool")
-        if dist.is_initialized():
-            if fake._fake_group is None:
-                raise EngineError(f"a {dist.get_backend()} default process group is already initialised in this process")
-            dist.destroy_process_group()
-            forget_meshes()
-            fake._fake_group = None
-        fd, store_path = tempfile.mkstemp(prefix="fsdp-conformance-store-")
-        os.close(fd)
-        os.unlink(store_path)
-        try:
-            dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
-            try:
-                with preserve_hypothesis_profile():
-                    record = run_scenario(scenario, spec, rank=0, args=args)
-            finally:
-                dist.destroy_process_group()
-                forget_meshes()
-        finally:
-            if os.path.exists(store_path):
-                os.unlink(store_path)
-        return [json_roundtrip(record)]
-
-    def close(self) -> None:
-        pass
 
 
 class Worlds:
@@ -122,8 +76,6 @@ class Worlds:
 
     def _run(self, world_size: int, scenario: str, spec: CaseSpec, args: dict | None = None) -> list[dict]:
         eng = self.engine(world_size)
-        if isinstance(eng, DriverRank):
-            return eng.run(scenario, spec, args=args)
         return eng.run(scenario, spec, deadline=min(self.deadline, eng.deadline), args=args)
 
     def close(self) -> None:
