@@ -262,8 +262,9 @@ def observe(spec: CaseSpec) -> InitObservation:
     untied_at_init = False
     if plan.meta and spec.plan.api == "fsdp1":  # internals: the flat parameters' unpadded sizes
         handles = [u._handle for u in FSDP.fsdp_modules(model) if getattr(u, "_handle", None) is not None]
-        managed = sum(h.flat_param._unpadded_unsharded_size.numel() for h in handles if h.flat_param is not None)
-        untied_at_init = managed > sum(p.numel() for p in src.model.parameters())
+        # the original parameters each flat parameter holds (_numels: alignment padding excluded)
+        managed = sum(sum(h.flat_param._numels) for h in handles if h.flat_param is not None)
+        untied_at_init = bool(spec.ties or spec.shared) and managed > sum(p.numel() for p in src.model.parameters())
     bad_shards, empty = ((), False)
     if spec.plan.api == "fsdp2":
         bad_shards, empty = _shard_checks(built.model, world, rank)

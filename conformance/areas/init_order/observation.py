@@ -45,8 +45,8 @@ class InitObservation(RankRecord):
     # the tie did not survive (meta-device init materialising module by module)
     untied: tuple[str, ...] = ()
     # FSDP1, meta-device init: FSDP manages more elements than the tied
-    # model has parameters (its unpadded flat parameters against the
-    # model's distinct parameters): a tie broke at init, even where the two
+    # model has parameters (the original parameters its flat parameters hold
+    # against the model's distinct ones): a tie broke at init, even where the two
     # copies then train alike (a symmetric use keeps their values equal)
     untied_at_init: bool = False
     ref_stable: bool = True  # the reference stayed finite and bounded (else values are not compared)
