@@ -32,7 +32,10 @@ def test_a_hunt_keeps_what_it_found_and_the_next_run_replays_it(tmp_path):
     # anything is drawn and which Hypothesis keeps in no database (the ghost
     # fails them too, now that a message naming it is never an aliasing finding's)
     no_corpus = {corpus.ENV_VAR: str(tmp_path / "no-corpus")}
-    hunt = _run("hunt", "--minutes", "0.05", "--backend", "fake", "--invariant", "FROZEN-CLEAN",
+    # a round of 400 examples: the hunt draws at random and stops at the first
+    # failure; with the default 50 a round can miss the ghost (it needs a policy
+    # object and a uniform unit: one loaded CI run drew 50 without one)
+    hunt = _run("hunt", "--minutes", "0.05", "--examples", "400", "--backend", "fake", "--invariant", "FROZEN-CLEAN",
                 "--database", str(db), "--report-dir", str(tmp_path / "hunt"), *FAULT, env=no_corpus)
     assert hunt.returncode == 1, hunt.stdout + hunt.stderr
     assert "NEW FAIL FROZEN-CLEAN/fsdp1/fake" in hunt.stdout
