@@ -285,13 +285,17 @@ class ClipPlan:
     max_norm = ``fraction`` times the single-process norm; ``foreach``: the
     nn.utils ways' argument (None: torch's default). ``subset``: the path of
     the module whose parameters are clipped (None: every parameter; FSDP1's
-    method always clips every one)."""
+    method always clips every one). ``precision``: mixed precision for the
+    wrap, one of CLIP_PRECISIONS (FSDP2's MixedPrecisionPolicy takes
+    param_dtype and reduce_dtype; FSDP1's MixedPrecision also
+    keep_low_precision_grads)."""
 
     norm_type: str = "2"
     way: str = "clip_grad_norm_"
     foreach: bool | None = None
     fraction: float = 0.5
     subset: str | None = None
+    precision: Precision | None = None
 
 
 def validate_clip(spec: "CaseSpec") -> None:
@@ -308,6 +312,13 @@ def validate_clip(spec: "CaseSpec") -> None:
         raise SpecError(f"clip plan {c!r}: FSDP1's method takes no foreach and clips every parameter")
     if c.subset is not None and c.subset not in {p for p, _ in walk(spec.tree)}:
         raise SpecError(f"clip plan {c!r}: subset names no module")
+    if c.precision is not None:
+        if c.precision not in CLIP_PRECISIONS:
+            raise SpecError(f"clip plan {c!r}: precision one of {CLIP_PRECISIONS}")
+        if c.precision.keep_low_precision_grads and spec.plan.api != "fsdp1":
+            raise SpecError(f"clip plan {c!r}: keep_low_precision_grads is FSDP1's (MixedPrecision)")
+        if spec.plan.ignored_params or spec.plan.ignored_modules:
+            raise SpecError(f"clip plan {c!r}: mixed precision casts no ignored parameter (bf16 activations would meet fp32 weights)")
 
 
 # ---- init and order of user actions (init_order area) ------------------------
@@ -549,6 +560,16 @@ class Precision:
     cast_forward_inputs: bool | None = None
     cast_root_forward_inputs: bool = True
     keep_low_precision_grads: bool = False
+
+
+# The clip area's mixed precision (ClipPlan.precision): bf16 compute with
+# the reduction in bf16 (reduce_dtype None: the compute dtype) or fp32, and
+# FSDP1's gradients kept in the reduce dtype (keep_low_precision_grads).
+CLIP_PRECISIONS = (
+    Precision(param_dtype="bfloat16"),
+    Precision(param_dtype="bfloat16", reduce_dtype="float32"),
+    Precision(param_dtype="bfloat16", keep_low_precision_grads=True),
+)
 
 
 @dataclass(frozen=True)

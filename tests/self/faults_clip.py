@@ -121,6 +121,23 @@ def fsdp1_clip_coef_not_clamped():
     return _fsdp1_method_with(patches)
 
 
+@fault("fsdp1-norm-returned-in-bf16")
+def fsdp1_norm_returned_in_bf16():
+    """FSDP1's clip_grad_norm_ returns the total norm in the compute dtype
+    (bf16) where its parameters and gradients are fp32, as taking the
+    dtype from the mixed-precision policy instead of the gradients would."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    orig = FSDP.clip_grad_norm_
+
+    @functools.wraps(orig)
+    def method(self, *args, **kwargs):
+        return orig(self, *args, **kwargs).to(torch.bfloat16)
+
+    return mock.patch.object(FSDP, "clip_grad_norm_", method)
+
+
 @fault("rank1-norm-raises")
 def rank1_norm_raises():
     """The norm raises on rank 1 only, before any collective (as an empty

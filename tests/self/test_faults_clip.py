@@ -12,7 +12,18 @@ from __future__ import annotations
 import pytest
 
 from conformance.areas.clip.observation import ClipObservation
-from conformance.case.spec import CaseSpec, ClassSpec, ClipPlan, CustomWrap, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan
+from conformance.case.spec import (
+    CLIP_PRECISIONS,
+    CaseSpec,
+    ClassSpec,
+    ClipPlan,
+    CustomWrap,
+    ModuleSpec,
+    ParamSpec,
+    ShardGroup,
+    TiedParam,
+    WrapPlan,
+)
 from conformance.run.runner import FAIL, PASS, evaluate, observations
 from tests.self import faults_clip  # noqa: F401  (registers the fault scenarios in the driver)
 
@@ -30,6 +41,7 @@ def model(plan: WrapPlan, clip: ClipPlan, *, frozen_bias: bool = False, tie: boo
     return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), ties=ties, plan=plan, clip=clip, seed=5)
 
 
+BF16, BF16_FP32, BF16_KEEP = CLIP_PRECISIONS
 FSDP2 = WrapPlan(api="fsdp2", groups=(ShardGroup(("block",)),))
 FSDP1 = WrapPlan(api="fsdp1", policy=CustomWrap(("block",)))
 FSDP1_UOP = WrapPlan(api="fsdp1", policy=CustomWrap(("block",)), use_orig_params=True)
@@ -44,6 +56,11 @@ CASES = {
     "fsdp1-inf": lambda: model(FSDP1_UOP, ClipPlan("inf", "fsdp1-method")),
     "fsdp1-flat-unclipped": lambda: model(FSDP1, ClipPlan("2", "fsdp1-method", fraction=2.0)),
     "fsdp1-ignored": lambda: model(FSDP1_IGNORED, ClipPlan("1", "fsdp1-method")),
+    # mixed precision: bf16 compute, reduced in bf16 / fp32; FSDP1's gradients kept in bf16
+    "fsdp2-mp-bf16": lambda: model(FSDP2, ClipPlan("2", precision=BF16)),
+    "fsdp2-mp-reduce-fp32": lambda: model(FSDP2, ClipPlan("1", "get_total_norm", fraction=0.1, precision=BF16_FP32)),
+    "fsdp1-mp-uop": lambda: model(FSDP1_UOP, ClipPlan("2", "fsdp1-method", precision=BF16)),
+    "fsdp1-mp-flat-keep-low": lambda: model(FSDP1, ClipPlan("inf", "fsdp1-method", fraction=2.0, precision=BF16_KEEP)),
 }
 
 FAULTS = [
@@ -55,6 +72,12 @@ FAULTS = [
     ("CLIP-GRADS", "fsdp2-l1-two-step", "clip-coef-not-applied", "kind:grad"),
     ("CLIP-GRADS", "fsdp1-flat-unclipped", "fsdp1-clip-coef-not-clamped", "kind:grad"),
     ("CLIP-GRADS", "fsdp2-frozen", "fsdp2-frozen-get-zero-grads", "kind:frozen-grad"),
+    # under mixed precision, against FSDP's own gradients gathered whole
+    ("CLIP-NORM", "fsdp2-mp-bf16", "dtensor-norm-rank-local", "kind:norm"),
+    ("CLIP-NORM", "fsdp1-mp-flat-keep-low", "fsdp1-norm-not-all-reduced", "kind:norm"),
+    ("CLIP-NORM", "fsdp1-mp-uop", "fsdp1-norm-returned-in-bf16", "kind:dtype"),
+    ("CLIP-GRADS", "fsdp2-mp-reduce-fp32", "clip-coef-not-applied", "kind:grad"),
+    ("CLIP-GRADS", "fsdp1-mp-flat-keep-low", "fsdp1-clip-coef-not-clamped", "kind:grad"),
 ]
 
 

@@ -17,6 +17,7 @@ from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
 from conformance.areas.common.observation import GradObservation
+from conformance.areas.common.precision import wrap_kwargs
 from conformance.areas.common.ranks import failed_ranks
 from conformance.areas.common.support import placed
 from conformance.areas.common.training import reference_loss
@@ -27,6 +28,12 @@ from conformance.case.spec import CaseSpec, ClipPlan
 # the order of a few sums (the reduce-scatter's mean, the norm's partial
 # sums); atol is scaled by each gradient's own size.
 CLIP_RTOL, CLIP_ATOL = 1e-4, 1e-5
+# Under mixed precision FSDP's gradients are a bf16 pipeline's, not the fp32
+# reference's: clipping is then judged against the gradients FSDP itself
+# holds before the clip, gathered whole (the docstrings' "norm over all
+# gradients"), to fp32 rounding, or to bf16 rounding of a value returned or
+# scaled in bf16 (FSDP1's keep_low_precision_grads).
+BF16_RTOL = 2.0 ** -7
 
 
 def missing_api() -> str | None:
@@ -129,12 +136,13 @@ def observe(spec: CaseSpec) -> ClipObservation:
     common = dict(base, ref_norm=ref_norm, max_norm=max_norm, clipped=clipped)
 
     ignored = _ignored(spec, built.model)
+    mp = wrap_kwargs(spec, plan.precision)
     t0 = time.perf_counter()
     try:
         if spec.plan.api == "fsdp1":
-            model = a1.wrap(spec, built)
+            model = a1.wrap(spec, built, **mp)
         else:
-            a2.shard(spec, built)
+            a2.shard(spec, built, extra=mp)
             model = built.model
     except Exception as e:
         return ClipObservation(**common, wrap_error=error_line(e), seconds=time.perf_counter() - t0)
@@ -154,6 +162,18 @@ def observe(spec: CaseSpec) -> ClipObservation:
         return ClipObservation(**common, step_error=step_error, failed=True, seconds=time.perf_counter() - t0)
 
     params = [] if plan.way == "fsdp1-method" else _clipped(built.model, plan)
+    own = None  # under mixed precision: {canonical FQN (or flat key): full gradient} before clipping
+    if plan.precision is not None:
+        gather_error = None
+        try:
+            own = _own_grads(spec, model, built.model, list(built.model.parameters()), aliases)
+        except Exception as e:  # FSDP1's summon_full_params(with_grads=True) (its documented way)
+            gather_error = error_line(e)
+        if failed_ranks(gather_error is not None):
+            # FSDP's state after a raise inside its unshard is not to be trusted: nothing more runs
+            return ClipObservation(**common, gather_error=gather_error, failed=True, seconds=time.perf_counter() - t0)
+        own_norm = reference_norm([g for f, g in own.items() if f in set(clipped)], norm_type)
+        common["own_norm"] = own_norm
     empty = _empty_local(spec, model, built.model, params, aliases, {f: t.numel() for f, t in initial.items()})
     call = True
     if plan.way != "fsdp1-method":
@@ -163,35 +183,131 @@ def observe(spec: CaseSpec) -> ClipObservation:
     clip_error = None
     norm = None
     norm_dtensor = False
+    norm_dtype = None
+    grad_dtypes = {str(p.grad.dtype).removeprefix("torch.") for p in (params or model.parameters()) if p.grad is not None}
     if call:
         try:
             total = _clip(plan, model, params, max_norm, norm_type)
             norm_dtensor = is_sharded(total)
+            norm_dtype = str(total.dtype).removeprefix("torch.")
             norm = _norm_value(total)
         except Exception as e:
             clip_error = error_line(e)
     fsdp_seconds = time.perf_counter() - t0
     failed = failed_ranks(clip_error is not None or not call) > 0
     obs = dict(common, clip_error=clip_error, peer_failed=not call, failed=failed, norm=norm, norm_dtensor=norm_dtensor,
-               empty_local=empty, fsdp_seconds=fsdp_seconds)
+               norm_dtype=norm_dtype, grad_dtypes=tuple(sorted(grad_dtypes)), empty_local=empty, fsdp_seconds=fsdp_seconds)
     if norm is not None:
-        obs["norm_close"] = abs(norm - ref_norm) <= CLIP_RTOL * abs(ref_norm) + CLIP_ATOL
+        want, rtol = ref_norm, CLIP_RTOL
+        if own is not None:
+            want, rtol = own_norm, (CLIP_RTOL if norm_dtype == "float32" else BF16_RTOL)
+        obs["norm_close"] = abs(norm - want) <= rtol * abs(want) + CLIP_ATOL
     if failed:
         return ClipObservation(**obs, seconds=time.perf_counter() - t0)
     if trainable:
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+        _sgd_step(model)
     final, grads_none = _final(spec, model, built.model, aliases, frozen)
+    clipped_aliases = {f for f in final if aliases.param_canon.get(f, f) in set(clipped)}
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
     out = []
+    own_coef = None if own is None else min(1.0, max_norm / (own_norm + 1e-6))
+    low = any(d != "float32" for d in grad_dtypes)
     for fqn, value in final.items():
-        want = refs[fqn].detach() - initial[fqn]
         got = value - initial[fqn]
+        canon_fqn = aliases.param_canon.get(fqn, fqn)
+        if own is None:
+            want = refs[fqn].detach() - initial[fqn]
+        elif fqn in frozen:
+            want = torch.zeros_like(got)
+        elif canon_fqn in own:
+            g = own[canon_fqn]
+            want = -(g * own_coef) if fqn in clipped_aliases else -g
+        else:  # never given a gradient: unchanged
+            want = torch.zeros_like(got)
         scale = float(want.abs().max()) if want.numel() else 0.0
-        close = bool(torch.allclose(got, want, rtol=CLIP_RTOL, atol=CLIP_ATOL * max(1.0, scale)))
+        rtol = BF16_RTOL if own is not None and low else CLIP_RTOL
+        close = bool(torch.allclose(got, want, rtol=rtol, atol=CLIP_ATOL * max(1.0, scale)))
         diff = float((got - want).abs().max()) if want.numel() else 0.0
         out.append(GradObservation(fqn, False, False, close, diff, bool(torch.equal(value, initial[fqn]))))
     return ClipObservation(**obs, params=tuple(out), frozen_grads_none=tuple(sorted(grads_none.items())),
                            seconds=time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def _own_grads(spec: CaseSpec, model: nn.Module, inner: nn.Module, params, aliases) -> dict[str, torch.Tensor]:
+    """The gradients FSDP holds (FSDP2: of ``params``), gathered whole on
+    every rank (fp32 copies), by canonical FQN: FSDP2 each DTensor
+    gradient's full_tensor(); FSDP1 with use_orig_params=True the original
+    parameters' gradients under summon_full_params(with_grads=True); with
+    False (the optimizer sees the flat parameters) the flat parameters'
+    gradients all-gathered and cut at the original parameters' offsets
+    (each alias once), and the parameters FSDP does not manage as they are."""
+    out: dict[str, torch.Tensor] = {}
+    if spec.plan.api == "fsdp2":
+        names = {id(p): f for f, p in inner.named_parameters()}
+        for p in params:
+            if p.grad is not None:
+                g = p.grad.full_tensor() if is_sharded(p.grad) else p.grad
+                out[aliases.param_canon.get(names[id(p)], names[id(p)])] = g.detach().float().clone()
+        return out
+    if spec.plan.use_orig_params:
+        # the original parameters' gradients (what the optimizer sees), whole:
+        # summon_full_params(with_grads=True), its documented way
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+            for f, p in model.named_parameters():
+                fqn = a1.clean(f)
+                if p.grad is not None:
+                    out.setdefault(aliases.param_canon.get(fqn, fqn), p.grad.detach().float().clone())
+        return out
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    for name, m in model.named_modules():
+        handle = getattr(m, "_handle", None) if isinstance(m, FSDP) else None
+        if handle is None or handle.flat_param.grad is None:
+            continue
+        fp, g = handle.flat_param, handle.flat_param.grad.detach()
+        if handle.uses_sharded_strategy:
+            full = torch.empty(g.numel() * dist.get_world_size(handle.process_group), dtype=g.dtype, device=g.device)
+            dist.all_gather_into_tensor(full, g.contiguous(), group=handle.process_group)
+            g = full
+        prefix = a1.clean(name)
+        offset = 0
+        for fqn, shape, numel, pad in zip(fp._fqns, fp._shapes, fp._numels, _paddings(fp)):
+            offset += pad
+            full_fqn = f"{prefix}.{fqn}" if prefix else fqn
+            out.setdefault(aliases.param_canon.get(full_fqn, full_fqn), g[offset:offset + numel].view(shape).float().clone())
+            offset += numel
+    for f, p in model.named_parameters():
+        if not isinstance(p, FlatParameter) and p.grad is not None and not is_sharded(p):
+            fqn = a1.clean(f)
+            out.setdefault(aliases.param_canon.get(fqn, fqn), p.grad.detach().float().clone())
+    return out
+
+
+def _paddings(fp) -> list[int]:
+    """Alignment padding before each original parameter of a flat parameter
+    (use_orig_params=True aligns them; False packs them)."""
+    mask, numels = getattr(fp, "_is_padding_mask", None), getattr(fp, "_numels_with_padding", None)
+    if not mask or numels is None:
+        return [0] * len(fp._fqns)
+    pads, run = [], 0
+    for padding, numel in zip(mask, numels):
+        if padding:
+            run += numel
+        else:
+            pads.append(run)
+            run = 0
+    return pads
+
+
+@torch.no_grad()
+def _sgd_step(model: nn.Module) -> None:
+    """SGD of lr 1 (p -= grad), as the reference's torch.optim.SGD does it;
+    by hand because FSDP1's keep_low_precision_grads leaves bf16 gradients on
+    fp32 parameters, which torch's optimizers do not promise to take."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is not None:
+            p.add_(p.grad.to(p.dtype), alpha=-1.0)
 
 
 def _empty_local(spec: CaseSpec, model: nn.Module, inner: nn.Module, params, aliases, full: dict[str, int]) -> tuple[str, ...]:

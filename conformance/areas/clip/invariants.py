@@ -14,7 +14,8 @@ catalog = Catalog()
 
 DOC_CLIP = ("torch.nn.utils.clip_grad_norm_ / get_total_norm docstrings (the norm over all gradients as if concatenated "
             "into one vector; gradients modified in place); FullyShardedDataParallel.clip_grad_norm_ docstring "
-            "(handles gradients sharded across ranks; call on every rank)")
+            "(handles gradients sharded across ranks; call on every rank; the norm in the 'largest' dtype across all "
+            "parameters/gradients); MixedPrecisionPolicy / MixedPrecision docstrings (bf16 compute and reduction)")
 
 
 def error_tag(text: str) -> str:
@@ -23,7 +24,25 @@ def error_tag(text: str) -> str:
         return "error:inf-norm-empty"
     if "mixed torch.Tensor and DTensor" in text:
         return "error:mixed-tensor-dtensor"
+    if "attempting to assign a gradient with dtype" in text or "assigned grad has data of a different type" in text:
+        return "error:grad-dtype-mismatch"
     return "error:other"
+
+
+def failure_tags(spec: CaseSpec, pred: ClipPrediction) -> set[str]:
+    """The case's facts, for a HANG or CRASH that a finding describes."""
+    return set(pred.tags)
+
+
+def ranks_tags(spec: CaseSpec, pred: ClipPrediction, obs_list: list[ClipObservation]) -> set[str]:
+    """The case's tags and the mechanism of any rank's error, for RANKS-AGREE
+    (a rank that raised where another did not)."""
+    tags = _tags(pred, obs_list)
+    for o in obs_list:
+        for err in (o.wrap_error, o.step_error, o.clip_error):
+            if err:
+                tags.add(error_tag(err))
+    return tags
 
 
 def _tags(pred: ClipPrediction, obs_list: list[ClipObservation]) -> set[str]:
@@ -39,7 +58,7 @@ def _tags(pred: ClipPrediction, obs_list: list[ClipObservation]) -> set[str]:
     api="fsdp1|fsdp2",
     scenario="clip",
     all_ranks=True,
-    statement="Clipping sharded gradients (torch.nn.utils.clip_grad_norm_ or get_total_norm + clip_grads_with_norm_ over FSDP2's DTensor gradients, of every parameter or of one module's; FSDP1's clip_grad_norm_ method) returns on every rank the single-process total norm of the same gradients (norm types 1, 2, 3, inf; foreach on, off or default): frozen parameters add nothing, a tied parameter and an ignored one (its gradient averaged by the user) count once, a rank whose local shard of a gradient is empty neither raises nor changes the norm.",
+    statement="Clipping sharded gradients (torch.nn.utils.clip_grad_norm_ or get_total_norm + clip_grads_with_norm_ over FSDP2's DTensor gradients, of every parameter or of one module's; FSDP1's clip_grad_norm_ method) returns on every rank the single-process total norm of the same gradients (norm types 1, 2, 3, inf; foreach on, off or default): frozen parameters add nothing, a tied parameter and an ignored one (its gradient averaged by the user) count once, a rank whose local shard of a gradient is empty neither raises nor changes the norm. Under mixed precision (bf16 compute, reduction in bf16 or fp32, FSDP1's keep_low_precision_grads) the gradients are the bf16 pipeline's: the norm equals that of FSDP's own gradients, gathered whole before the clip, to fp32 rounding (bf16 where returned in bf16); FSDP1's is returned in float32 where its parameters and gradients are.",
     source=DOC_CLIP,
 )
 def check_norm(spec: CaseSpec, pred: ClipPrediction, obs: list[ClipObservation]) -> list[Violation] | NotChecked:
@@ -48,7 +67,10 @@ def check_norm(spec: CaseSpec, pred: ClipPrediction, obs: list[ClipObservation])
     tags = _tags(pred, obs)
     first = obs[0]
     if first.wrap_error or first.step_error:
-        return [violation("CLIP-NORM", f"FSDP raised before clipping: {first.wrap_error or first.step_error}", tags, "kind:raised", "at:training")]
+        err = first.wrap_error or first.step_error
+        return [violation("CLIP-NORM", f"FSDP raised before clipping: {err}", tags, "kind:raised", "at:training", error_tag(err))]
+    if any(o.gather_error for o in obs):
+        return NotChecked("FSDP's gradients could not be read whole before the clip (CLIP-GRADS reports it): no norm to compare with")
     out = []
     for o in obs:
         if o.clip_error:
@@ -65,6 +87,9 @@ def check_norm(spec: CaseSpec, pred: ClipPrediction, obs: list[ClipObservation])
         if o.norm_close is False:
             out.append(violation("CLIP-NORM", f"rank {o.rank}: total norm {o.norm:.6g}, single-process {o.ref_norm:.6g} "
                                  f"(norm_type {pred.plan.norm_type})", tags, "kind:norm"))
+        if pred.norm_dtype and o.norm_dtype and o.norm_dtype != pred.norm_dtype:
+            out.append(violation("CLIP-NORM", f"rank {o.rank}: total norm returned as {o.norm_dtype}, promised {pred.norm_dtype} "
+                                 f"(the largest dtype of the parameters/gradients: {', '.join(o.grad_dtypes)})", tags, "kind:dtype"))
     return out
 
 
@@ -73,7 +98,7 @@ def check_norm(spec: CaseSpec, pred: ClipPrediction, obs: list[ClipObservation])
     group="clip",
     api="fsdp1|fsdp2",
     scenario="clip",
-    statement="After clipping, every parameter's full gradient (read as the change an SGD step of lr 1 makes) equals the single-process clipped gradient: the clipped ones scaled by max_norm / total norm when that is below 1, the others (outside the clipped module) left as they are; frozen parameters unchanged with grad None.",
+    statement="After clipping, every parameter's full gradient (read as the change an SGD step of lr 1 makes) equals the single-process clipped gradient: the clipped ones scaled by max_norm / total norm when that is below 1, the others (outside the clipped module) left as they are; frozen parameters unchanged with grad None. Under mixed precision: FSDP's own gradients gathered before the clip, scaled by max_norm / their norm (to bf16 rounding where kept in bf16).",
     source=DOC_CLIP,
 )
 def check_grads(spec: CaseSpec, pred: ClipPrediction, obs: ClipObservation) -> list[Violation] | NotChecked:
@@ -81,7 +106,11 @@ def check_grads(spec: CaseSpec, pred: ClipPrediction, obs: ClipObservation) -> l
         return NotChecked(f"training is not promised for this case: {pred.applicable}")
     tags = _tags(pred, [obs])
     if obs.wrap_error or obs.step_error:
-        return [violation("CLIP-GRADS", f"FSDP raised before clipping: {obs.wrap_error or obs.step_error}", tags, "kind:raised", "at:training")]
+        err = obs.wrap_error or obs.step_error
+        return [violation("CLIP-GRADS", f"FSDP raised before clipping: {err}", tags, "kind:raised", "at:training", error_tag(err))]
+    if obs.gather_error:
+        return [violation("CLIP-GRADS", f"reading FSDP's gradients whole before the clip raised: {obs.gather_error}", tags,
+                          "kind:grads-unreadable", error_tag(obs.gather_error))]
     if obs.failed:
         return NotChecked("clipping raised on some rank (CLIP-NORM): no clipped gradients to compare")
     frozen = set(pred.training.frozen)

@@ -19,13 +19,21 @@ class ClipObservation(Record):
     wrap_error: str | None = None
     step_error: str | None = None  # the forward or backward raised
     clip_error: str | None = None  # this rank's clipping call raised
+    # under mixed precision: reading FSDP's gradients whole before the clip
+    # raised (FSDP1 use_orig_params=True: summon_full_params(with_grads=True))
+    gather_error: str | None = None
     # this rank did not call the clipping: another rank's local part of it
     # raises before its reduction, which this rank would wait in forever
     peer_failed: bool = False
     failed: bool = False  # some rank's clipping raised (the ranks agree on it)
     norm: float | None = None  # the returned total norm (a DTensor's full value)
     norm_dtensor: bool = False  # returned as a DTensor
+    norm_dtype: str | None = None  # the returned norm's dtype ("float32")
+    grad_dtypes: tuple[str, ...] = ()  # the dtypes of the gradients clipped, as clipping found them
     ref_norm: float | None = None  # single-process clip_grad_norm_ on the same gradients
+    # under mixed precision: the norm of FSDP's own gradients before the
+    # clip, gathered whole (what norm_close and the params compare with)
+    own_norm: float | None = None
     norm_close: bool | None = None
     max_norm: float | None = None
     clipped: tuple[str, ...] = ()  # canonical FQNs of the trainable parameters clipped
@@ -46,10 +54,11 @@ class ClipObservation(Record):
 
     def comparable(self) -> dict:
         """What every rank must agree on: errors, the agreed failure and the
-        verdicts of each comparison (a rank's own error and empty shards
-        are CLIP-NORM's, which reads every rank)."""
+        verdicts of each comparison (a rank's own error, empty shards and
+        local gradients' dtypes are CLIP-NORM's, which reads every rank)."""
         d = self.to_dict()
-        for k in ("rank", "seconds", "fsdp_seconds", "clip_error", "peer_failed", "empty_local", "norm", "ref_norm", "max_norm"):
+        for k in ("rank", "seconds", "fsdp_seconds", "clip_error", "peer_failed", "empty_local", "norm", "ref_norm", "own_norm", "max_norm",
+                  "grad_dtypes", "gather_error"):
             d.pop(k)
         for p in d["params"]:
             p.pop("max_diff")

@@ -5,7 +5,13 @@ parameters, as if the norms of the individual gradients were concatenated
 into a single vector") and FullyShardedDataParallel.clip_grad_norm_ (the
 same norm, "handles the fact that gradients are sharded across ranks"):
 under FSDP the norm of the gradients the single-process model has, on every
-rank."""
+rank. Under mixed precision (the plan's precision) the gradients are
+those of a bf16 forward and backward: the norm and gradients equal the
+fp32 reference's to that rounding.
+
+FSDP1's method also promises the norm's dtype: "The total norm returned
+will have the 'largest' dtype across all parameters/gradients as defined by
+PyTorch's type promotion semantics."""
 
 from __future__ import annotations
 
@@ -23,6 +29,11 @@ class ClipPrediction:
     plan: ClipPlan
     applicable: str  # "" or why the case is outside what clipping promises
     tags: frozenset[str]  # the case's facts a finding may be matched on
+    # FSDP1's clip_grad_norm_: the returned norm's dtype ("the 'largest' dtype
+    # across all parameters/gradients"); None where the docstring leaves it
+    # open (FSDP2's nn.utils functions promise none; FSDP1 with
+    # keep_low_precision_grads: bf16 gradients on fp32 parameters)
+    norm_dtype: str | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -49,4 +60,15 @@ def predict_clip(spec: CaseSpec) -> ClipPrediction:
             ignored |= set(g.subtree_params(g.resolve_module(path)))
         if any(g.requires_grad(pid) for pid in clipped & ignored):
             tags.add("clipped:ignored-trainable")  # a plain-tensor gradient among the clipped ones
-    return ClipPrediction(training, plan, training.applicable, frozenset(tags))
+    pr = plan.precision
+    if pr is not None:
+        tags.add(f"mp:param-{pr.param_dtype}")
+        tags.add(f"mp:reduce-{pr.reduce_dtype or pr.param_dtype}")
+        if pr.keep_low_precision_grads:
+            tags.add("mp:keep-low-precision-grads")
+    norm_dtype = None
+    if spec.plan.api == "fsdp1" and not (pr is not None and pr.keep_low_precision_grads):
+        # fp32 parameters, and fp32 gradients (upcast after the reduction when
+        # mixed precision is on): fp32 whichever way "parameters/gradients" reads
+        norm_dtype = "float32"
+    return ClipPrediction(training, plan, training.applicable, frozenset(tags), norm_dtype)
