@@ -48,6 +48,20 @@ def checkpoint_detaches_region():
     return _all(mock.patch.object(tuc, "checkpoint", detached), mock.patch.object(cw, "torch_utils_checkpoint", detached))
 
 
+@fault("checkpoint-keeps-activations")
+def checkpoint_keeps_activations():
+    """torch.utils.checkpoint (and checkpoint_wrapper's use of it) runs the
+    region as a plain call: the same values and gradients, but its
+    activations are kept and nothing is recomputed in backward."""
+    import torch.utils.checkpoint as tuc
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    def plain(function, *args, use_reentrant=None, context_fn=None, **kwargs):
+        return function(*args, **kwargs)
+
+    return _all(mock.patch.object(tuc, "checkpoint", plain), mock.patch.object(cw, "torch_utils_checkpoint", plain))
+
+
 @fault("wrapper-keeps-prefix")
 def wrapper_keeps_prefix():
     """checkpoint_wrapper's state_dict post-hook leaves its

@@ -30,7 +30,7 @@ from tests.self import faults_activation_checkpointing  # noqa: F401  (registers
 
 pytestmark = pytest.mark.selfcheck
 
-AC = ("AC-PARITY", "AC-STATE-DICT", "AC-ALLGATHER")
+AC = ("AC-PARITY", "AC-STATE-DICT", "AC-ALLGATHER", "AC-RECOMPUTE")
 
 
 def model(plan: WrapPlan, ac: ActivationCheckpointPlan, *, frozen: bool = False, tie: bool = False, tail: bool = False) -> CaseSpec:
@@ -75,6 +75,9 @@ FAULTS = [
     ("AC-ALLGATHER", "fsdp2-around-nonreentrant", "fsdp2-reshard-after-recompute", "kind:extra-gathers"),
     ("AC-ALLGATHER", "fsdp2-composable-tie", "fsdp2-reshard-after-recompute", "kind:extra-gathers"),
     ("AC-ALLGATHER", "fsdp1-is-unit-utils", "fsdp1-regather-in-backward", "kind:extra-gathers"),
+    ("AC-RECOMPUTE", "fsdp2-around-nonreentrant", "checkpoint-keeps-activations", "kind:not-recomputed"),
+    ("AC-RECOMPUTE", "fsdp1-inside-reentrant-uop", "checkpoint-keeps-activations", "kind:not-recomputed"),
+    ("AC-RECOMPUTE", "fsdp1-is-unit-utils", "checkpoint-keeps-activations", "kind:not-recomputed"),
 ]
 
 

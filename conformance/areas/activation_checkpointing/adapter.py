@@ -66,6 +66,48 @@ def apply_ac(plan: ActivationCheckpointPlan, built: Built) -> None:
             m.forward = functools.partial(checkpoint, m.forward, **kwargs)
 
 
+class Calls:
+    """How often each checkpointed module's own forward runs, per step and
+    phase: counted by a wrapper of its forward, installed before the
+    checkpointing (which then checkpoints the counting forward), so that a
+    recompute in backward counts as a call in the backward phase."""
+
+    def __init__(self):
+        self.phase = "forward"
+        self.step = 0
+        self.counts: Counter = Counter()
+
+    def install(self, built: Built, targets: tuple[str, ...], saved: bool = False) -> None:
+        """``saved``: also count the tensors autograd saves for backward
+        inside each call (the same case without checkpointing: the regions
+        whose activations checkpointing must recompute)."""
+        for path in targets:
+            m = built.modules[path]
+            inner = m.forward
+
+            def counted(*args, __path=path, __inner=inner, **kwargs):
+                self.counts[(self.step, __path, self.phase)] += 1
+                if not saved:
+                    return __inner(*args, **kwargs)
+
+                def pack(t, __key=(self.step, __path, "saved")):
+                    self.counts[__key] += 1
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    return __inner(*args, **kwargs)
+
+            m.forward = counted
+
+    def saved(self, step: int, target: str) -> int:
+        return self.counts[(step, target, "saved")]
+
+    def rows(self, targets: tuple[str, ...], steps: int) -> tuple[tuple[int, str, int, int], ...]:
+        """(step, target, forward calls, backward calls) for every step and target."""
+        return tuple((s, t, self.counts[(s, t, "forward")], self.counts[(s, t, "backward")], self.counts[(s, t, "saved")])
+                     for s in range(steps) for t in targets)
+
+
 def _batches(x0: torch.Tensor, step: int, world: int) -> list[torch.Tensor]:
     """One batch per rank and step, each different (requiring grad: the
     reentrant variant computes no parameter gradient for a region none of
@@ -115,7 +157,7 @@ def _gathers(rec: Recorder, step: int, api: str) -> list[tuple[int, str, str, in
 
 
 def _train(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, steps: int, rank: int, world: int, labels: dict[int, str] | None,
-           *, reference: bool = False) -> tuple[list[float], list[tuple[int, str, str, int]]]:
+           *, reference: bool = False, calls: Calls | None = None) -> tuple[list[float], list[tuple[int, str, str, int]]]:
     """SGD steps (every parameter that trains); each step's parameter
     all-gathers by group or unit (``labels``: FSDP2's module ids, FSDP1's
     handle ids -> canonical paths; None: not attributed)."""
@@ -136,9 +178,13 @@ def _train(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, steps: int, rank:
                 mine = per_rank[rank]
             else:
                 rec.phase = "forward"
+                if calls is not None:
+                    calls.step, calls.phase = step, "forward"
                 with rec.mode:
                     loss = mine = (model(xs[rank]).float() ** 2).sum()
             rec.phase = "backward"
+            if calls is not None:
+                calls.phase = "backward"
             with rec.mode if not reference else contextlib.nullcontext():
                 loss.backward()
             if opt is not None:
@@ -194,7 +240,10 @@ def observe(spec: CaseSpec) -> ACObservation:
     x0 = built.example_input()
     t0 = time.perf_counter()
     error = None
+    calls, plain_calls = Calls(), Calls()
     try:
+        calls.install(built, plan.targets)
+        plain_calls.install(plain, plan.targets, saved=True)
         apply_ac(plan, built)
     except Exception as e:
         error = error_line(e)
@@ -212,7 +261,7 @@ def observe(spec: CaseSpec) -> ACObservation:
     losses: list[float] = []
     gathers: list = []
     try:
-        losses, gathers = _train(spec, model, x0, plan.steps, rank, world, labels)
+        losses, gathers = _train(spec, model, x0, plan.steps, rank, world, labels, calls=calls)
     except Exception as e:
         error = error_line(e)
     if any_rank_failed(error is not None):
@@ -221,7 +270,7 @@ def observe(spec: CaseSpec) -> ACObservation:
     plain_gathers, plain_error = None, None
     try:
         plain_labels = plain_aliases.canon_of_module if fsdp2 else fsdp1_units(plain_model, plain_aliases)
-        plain_gathers = tuple(_train(spec, plain_model, x0, plan.steps, rank, world, plain_labels)[1])
+        plain_gathers = tuple(_train(spec, plain_model, x0, plan.steps, rank, world, plain_labels, calls=plain_calls)[1])
     except Exception as e:  # without AC it is FSDP's own failure (other areas'): recorded, not AC's
         plain_error = error_line(e)
     if any_rank_failed(plain_error is not None):
@@ -247,5 +296,6 @@ def observe(spec: CaseSpec) -> ACObservation:
         losses_close=bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=TRAIN_RTOL, atol=TRAIN_ATOL)),
         params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), ref_stable=stable(ref_losses, ref.model),
         state_dict_keys=keys, gathers=tuple(gathers), plain_gathers=plain_gathers, plain_error=plain_error,
+        calls=calls.rows(plan.targets, plan.steps), plain_calls=plain_calls.rows(plan.targets, plan.steps),
         seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds,
     )

@@ -157,4 +157,44 @@ def check_allgather(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> l
     return out
 
 
+DOC_RECOMPUTE = ("torch.utils.checkpoint.checkpoint docstring ('the unsaved tensors are recomputed by re-invoking function in "
+                 "the backward pass as needed for gradient computation'; the reentrant variant re-runs the forward of the "
+                 "checkpointed region in backward); checkpoint_wrapper / torch.distributed._composable.checkpoint (the same "
+                 "checkpointing of a module); upstream test_checkpoint_wrapper.py (counts the wrapped forward's calls)")
+
+
+@catalog.invariant(
+    "AC-RECOMPUTE",
+    group="activation_checkpointing",
+    api="fsdp1|fsdp2",
+    scenario="activation-checkpointing",
+    statement="Checkpointing under FSDP recomputes what it promises: in every step, a checkpointed module whose forward saved tensors for backward (measured on the same FSDP run without AC) runs its forward again during that step's backward, none runs in backward more often than it ran in forward, and checkpointing changes how often none runs in forward. Counts need no values: both tiers.",
+    source=DOC_RECOMPUTE,
+)
+def check_recompute(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> list[Violation] | NotChecked:
+    if pred.applicable:
+        return NotChecked(f"training is not promised for this case: {pred.applicable}")
+    tags = set(pred.tags)
+    if obs.ac_error or obs.wrap_error or obs.step_error:
+        return NotChecked("checkpointing, wrapping or training with AC raised (AC-PARITY reports it): no step to count")
+    if obs.plain_error:
+        return NotChecked(f"the same FSDP training without AC raised ({obs.plain_error}): nothing to measure what is saved")
+    plain = {(s, t): (f, saved) for s, t, f, _, saved in obs.plain_calls}
+    out = []
+    for step, target, fwd, bwd, _ in obs.calls:
+        plain_fwd, saved = plain.get((step, target), (0, 0))
+        if fwd != plain_fwd:
+            out.append(violation("AC-RECOMPUTE", f"step {step}: {target}'s forward ran {fwd} times in forward with AC, {plain_fwd} without",
+                                 tags, "kind:forward-calls"))
+        elif fwd and saved and not bwd:
+            out.append(violation("AC-RECOMPUTE", f"step {step}: {target} saved {saved} tensors for backward without AC, and with AC "
+                                 "its forward never ran again in backward: nothing was recomputed", tags, "kind:not-recomputed"))
+        elif bwd > fwd:
+            out.append(violation("AC-RECOMPUTE", f"step {step}: {target}'s forward ran {bwd} times in backward, {fwd} in forward",
+                                 tags, "kind:extra-recompute"))
+    if not obs.calls:
+        return NotChecked("no checkpointed module was counted")
+    return out
+
+
 INVARIANTS = tuple(catalog.invariants)

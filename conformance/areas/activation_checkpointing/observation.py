@@ -35,6 +35,11 @@ class ACObservation(Record):
     # the same FSDP run of the case without AC (None: it raised)
     plain_gathers: tuple[tuple[int, str, str, int], ...] | None = None
     plain_error: str | None = None  # the same FSDP training without AC raised (FSDP's failure, not AC's)
+    # (step, checkpointed module, calls of its forward in forward, in
+    # backward, -): with AC; plain_calls: the same FSDP run without AC, the
+    # last count the tensors autograd saved for backward inside its calls
+    calls: tuple[tuple[int, str, int, int, int], ...] = ()
+    plain_calls: tuple[tuple[int, str, int, int, int], ...] = ()
     seconds: float = 0.0
     fsdp_seconds: float = 0.0
 
