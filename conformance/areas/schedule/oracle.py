@@ -96,8 +96,6 @@ def pipeline_tolerance(pred: "SchedulePrediction", world_size: int) -> float:
 
 
 def emulation_reason(spec: CaseSpec, api: str) -> str:
-    if api != "fsdp2":
-        return "FSDP1's MixedPrecision documents no dtype for gradients accumulated under no_sync: its pipeline is not emulated"
     if is_model_case(spec):
         return "a real model computes in dtypes of its own between FSDP's boundaries: its pipeline is not emulated"
     if spec.plan.ignored_params or spec.plan.ignored_modules:
