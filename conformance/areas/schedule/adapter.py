@@ -35,7 +35,7 @@ from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed
 from conformance.areas.common.training import make_optimizer, reference_loss
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
-from conformance.areas.schedule.oracle import predict_schedule
+from conformance.areas.schedule.oracle import cast_paths, predict_schedule
 from conformance.case.build import BATCH, Built, build, method_callable, read_attr
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec, Precision
@@ -239,22 +239,6 @@ def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor)
 
 def _cast_floats(tree, dtype: torch.dtype):
     return torch.utils._pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
-
-
-def cast_paths(api: str, pr: Precision | None, fsdp_paths: list[str]) -> set[str]:
-    """The canonical paths of the modules whose floating forward inputs the
-    promised pipeline casts to param_dtype (none without one). FSDP2: every
-    module given to fully_shard unless cast_forward_inputs=False. FSDP1: the
-    root where cast_root_forward_inputs ("overriding the value of
-    cast_forward_inputs"), every other instance where cast_forward_inputs."""
-    if pr is None or pr.param_dtype is None:
-        return set()
-    if api == "fsdp2":
-        return set(fsdp_paths) if pr.cast_forward_inputs is not False else set()
-    out = {p for p in fsdp_paths if p} if pr.cast_forward_inputs else set()
-    if pr.cast_root_forward_inputs:
-        out.add("")
-    return out
 
 
 class Emulation:

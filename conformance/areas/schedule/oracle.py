@@ -103,6 +103,22 @@ def emulation_reason(spec: CaseSpec, api: str) -> str:
     return ""
 
 
+def cast_paths(api: str, pr: Precision | None, fsdp_paths: list[str]) -> set[str]:
+    """The canonical paths of the modules whose floating forward inputs the
+    promised pipeline casts to param_dtype (none without one). FSDP2: every
+    module given to fully_shard unless cast_forward_inputs=False. FSDP1: the
+    root where cast_root_forward_inputs ("overriding the value of
+    cast_forward_inputs"), every other instance where cast_forward_inputs."""
+    if pr is None or pr.param_dtype is None:
+        return set()
+    if api == "fsdp2":
+        return set(fsdp_paths) if pr.cast_forward_inputs is not False else set()
+    out = {p for p in fsdp_paths if p} if pr.cast_forward_inputs else set()
+    if pr.cast_root_forward_inputs:
+        out.add("")
+    return out
+
+
 def effective(pr: Precision | None, api: str) -> dict:
     """The dtypes a precision setting means (docstring defaults applied)."""
     pr = pr or Precision()
