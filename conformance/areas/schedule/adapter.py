@@ -509,6 +509,16 @@ class Runner:
             return None
         return self.emu.grads
 
+    def flat_err(self, g: torch.Tensor | None, flat: torch.Tensor, path: str, emu: dict[str, torch.Tensor]) -> float | None:
+        """A flat gradient's error against the emulated shard; None where it
+        is no shard (fsdp1-mixed-precision-forward-without-backward: an
+        unsharded gradient after a forward without backward, the optimizer
+        then raises, MP-DTYPES and ACCUM report it)."""
+        shard = self.emulated_shard(flat, path, emu)
+        if g is not None and g.numel() != shard.numel():
+            return None
+        return _err_rel(g, shard, shard) if shard.numel() else None
+
     def emulated_shard(self, flat: torch.Tensor, path: str, emu: dict[str, torch.Tensor]) -> torch.Tensor:
         """FSDP1 use_orig_params=False: this rank's shard of the unit's flat
         parameter as the emulated gradients fill it: each original
@@ -684,8 +694,8 @@ class Runner:
             for path, g, flat in self.flat_grads():
                 # (a rank whose shard of a unit unused in the last microbatch is empty has none)
                 err = None
-                if emu is not None and not self.uop and flat.numel():
-                    err = _err_rel(g, self.emulated_shard(flat, path, emu), flat)
+                if emu is not None and not self.uop:
+                    err = self.emulate(self.flat_err, g, flat, path, emu)
                 obs["flat"].append(ValueSeen(si, f"<flat parameter of {path or 'the root'}>", None if g is None else _name(g.dtype), g is None, False, None,
                                              emulated_err=err))
         grads = self.full_grads()
