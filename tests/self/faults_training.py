@@ -155,6 +155,21 @@ def fsdp1_reduce_dtype_ignored():
     return mock.patch.object(_flat_param.FlatParamHandle, "__init__", init)
 
 
+@fault("fsdp1-reduce-in-param-dtype")
+def fsdp1_reduce_in_param_dtype():
+    """FSDP1 skips the cast to reduce_dtype: gradients reduced in param_dtype."""
+    from torch.distributed.fsdp import _flat_param
+
+    orig = _flat_param.FlatParamHandle.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        if self._fwd_bwd_param_dtype is not None:
+            self._reduce_dtype = self._fwd_bwd_param_dtype
+
+    return mock.patch.object(_flat_param.FlatParamHandle, "__init__", init)
+
+
 @fault("fsdp1-reduced-grads-rounded-to-param-dtype")
 def fsdp1_reduced_grads_rounded_to_param_dtype():
     """FSDP1 casts the reduced sharded gradient back to the parameter's

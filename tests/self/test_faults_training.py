@@ -89,6 +89,8 @@ FAULTS = [
     ("MP-PIPELINE", "fsdp2-accum", "fsdp2-unsynced-grads-dropped", "kind:grad"),
     ("MP-DTYPES", "fsdp1-mp-bf16-reduce", "fsdp1-reduce-dtype-ignored", "kind:reduce-dtype"),
     ("MP-PIPELINE", "fsdp1-mp-bf16-reduce", "fsdp1-reduce-dtype-ignored", "kind:grad"),
+    ("MP-DTYPES", "fsdp1-mp-synced", "fsdp1-reduce-in-param-dtype", "kind:reduce-dtype"),
+    ("MP-PIPELINE", "fsdp1-mp-synced", "fsdp1-reduce-in-param-dtype", "kind:grad"),
     ("MP-PIPELINE", "fsdp1-mp-synced", "fsdp1-reduced-grads-rounded-to-param-dtype", "kind:grad"),
     ("MP-PIPELINE", "fsdp1-mp", "fsdp1-reduced-grads-rounded-to-param-dtype", "kind:grad"),
     ("ACCUM", "fsdp2-accum", "fsdp2-sync-ignored", "kind:reduced-unsynced"),

@@ -2,7 +2,9 @@
 masks that change between steps, microbatches with gradient sync off on all
 but the last, mixed precision) under FSDP1 or FSDP2 next to fp32
 single-process training of the same model on every rank's data, and record
-what FSDP did. Reads FSDP internals only for FSDP1's flat gradients.
+what FSDP did; MP-PIPELINE's emulation of the promised pipeline runs next
+to it. Reads FSDP internals only for FSDP1's flat gradients (and, for
+MP-PIPELINE, their layout: _fqns, _numels_with_padding, _is_padding_mask).
 
 A generated case's microbatch loss is (model(x) ** 2).sum() on a tensor; a
 real model's (ModelCase) is its target's own loss on the target's inputs at
