@@ -1,8 +1,8 @@
 """MP-DTYPES, MP-PIPELINE and ACCUM: training schedules (optimizer steps,
 freeze changes, microbatches with and without gradient sync, mixed
 precision) under FSDP1 and FSDP2 against fp32 single-process training on
-every rank's data, and (FSDP2, MP-PIPELINE) against an emulation of the
-promised mixed-precision pipeline. Each example runs its schedule once;
+every rank's data, and (MP-PIPELINE) against an emulation of the promised
+mixed-precision pipeline (FSDP1: the gradients of fully synced steps). Each example runs its schedule once;
 every invariant of its API is checked on it. Values need real
 collectives: real ranks only.
 
@@ -20,7 +20,7 @@ from conformance.strategies.schedule import schedule_specs
 from conformance.suite.budget import examples
 
 SCHEDULE = [inv.id for inv in AREA.invariants]
-BY_API = {api: [inv.id for inv in AREA.invariants if api in inv.apis] for api in ("fsdp1", "fsdp2")}  # MP-PIPELINE: FSDP2 only
+BY_API = {api: [inv.id for inv in AREA.invariants if api in inv.apis] for api in ("fsdp1", "fsdp2")}
 
 
 @pytest.mark.needs_ranks
@@ -30,5 +30,5 @@ BY_API = {api: [inv.id for inv in AREA.invariants if api in inv.apis] for api in
 def test_schedule(spec, engine, conformance):
     ids = BY_API[spec.plan.api]
     if conformance.selected is not None and not set(ids) & set(conformance.selected):
-        return  # e.g. --invariant MP-PIPELINE on an FSDP1 schedule: nothing selected applies to this example
+        return  # nothing selected applies to this example's API
     conformance.check_example(ids, spec, engine, engine.tier)

@@ -205,6 +205,43 @@ def fsdp1_forward_prefetch_ignored():
     return mock.patch.object(ru, "_get_handle_to_prefetch", get)
 
 
+@fault("fsdp1-backward-prefetch-off-by-one")
+def fsdp1_backward_prefetch_off_by_one():
+    """Backward prefetch off by one: a unit prefetches the unit two before
+    it in post-forward order, not the next to run backward."""
+    from torch.distributed.fsdp._exec_order_utils import _ExecOrderData
+
+    def get(self, current_handle):
+        i = current_handle._post_forward_index
+        return None if i is None or i < 2 else self.handles_post_forward_order[i - 2]
+
+    return mock.patch.object(_ExecOrderData, "get_handle_to_backward_prefetch", get)
+
+
+@fault("fsdp1-backward-pre-prefetches-post")
+def fsdp1_backward_pre_prefetches_post():
+    """BACKWARD_PRE treated as BACKWARD_POST: the next unit is prefetched
+    in the post-backward hook, after the current gradient computation."""
+    from torch.distributed.fsdp import BackwardPrefetch
+    from torch.distributed.fsdp import _runtime_utils as ru
+    from torch.distributed.fsdp._flat_param import HandleTrainingState
+
+    orig = ru._get_handle_to_prefetch
+
+    def get(state, handle):
+        if state.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and handle._training_state == HandleTrainingState.BACKWARD_PRE:
+            return None
+        if state.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and handle._training_state == HandleTrainingState.BACKWARD_POST:
+            state.backward_prefetch = BackwardPrefetch.BACKWARD_POST
+            try:
+                return orig(state, handle)
+            finally:
+                state.backward_prefetch = BackwardPrefetch.BACKWARD_PRE
+        return orig(state, handle)
+
+    return mock.patch.object(ru, "_get_handle_to_prefetch", get)
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.comm import adapter

@@ -138,6 +138,58 @@ def fsdp1_no_sync_ignored():
     return mock.patch.object(FSDP, "no_sync", lambda self: contextlib.nullcontext())
 
 
+@fault("fsdp1-reduce-dtype-ignored")
+def fsdp1_reduce_dtype_ignored():
+    """FSDP1 ignores reduce_dtype (and its param_dtype default): gradients
+    are reduced in float32 where a low precision was asked (MP-DTYPES sees
+    the collective's dtype; MP-PIPELINE the values, a bf16 rounding off)."""
+    import torch
+    from torch.distributed.fsdp import _flat_param
+
+    orig = _flat_param.FlatParamHandle.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self._reduce_dtype = torch.float32
+
+    return mock.patch.object(_flat_param.FlatParamHandle, "__init__", init)
+
+
+@fault("fsdp1-reduce-in-param-dtype")
+def fsdp1_reduce_in_param_dtype():
+    """FSDP1 skips the cast to reduce_dtype: gradients reduced in param_dtype."""
+    from torch.distributed.fsdp import _flat_param
+
+    orig = _flat_param.FlatParamHandle.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        if self._fwd_bwd_param_dtype is not None:
+            self._reduce_dtype = self._fwd_bwd_param_dtype
+
+    return mock.patch.object(_flat_param.FlatParamHandle, "__init__", init)
+
+
+@fault("fsdp1-reduced-grads-rounded-to-param-dtype")
+def fsdp1_reduced_grads_rounded_to_param_dtype():
+    """FSDP1 casts the reduced sharded gradient back to the parameter's
+    dtype through param_dtype (keep_low_precision_grads' cast applied
+    unconditionally first): with reduce_dtype=float32 the gradient ends in
+    float32, as promised, but rounded to bf16 once more. Inside MP-DTYPES'
+    dtype-aware tolerance, outside MP-PIPELINE's."""
+    from torch.distributed.fsdp import _runtime_utils
+
+    orig = _runtime_utils._cast_grad_to_param_dtype
+
+    def cast(state, sharded_grad, param):
+        low = state._handle._fwd_bwd_param_dtype
+        if sharded_grad.dtype != low:
+            sharded_grad.data = sharded_grad.data.to(low)
+        return orig(state, sharded_grad, param)
+
+    return mock.patch.object(_runtime_utils, "_cast_grad_to_param_dtype", cast)
+
+
 # --- one rank fails, the others go on (the suite must not wait for it) ---
 def _on_rank_1(orig):
     def fail_on_rank_1(*args, **kwargs):

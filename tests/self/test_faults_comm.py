@@ -54,6 +54,7 @@ CASES = {
                                                      backward_prefetch=(("layers.2", ("layers.1", "layers.0")),))),
     "fsdp1-full": lambda: model(FSDP1, CommPlan(iterations=2)),
     "fsdp1-mp": lambda: model(FSDP1, CommPlan(**BF16_FP32)),
+    "fsdp1-post": lambda: model(FSDP1, CommPlan(fsdp1_backward_prefetch="BACKWARD_POST")),
     "fsdp1-prefetch": lambda: model(FSDP1, CommPlan(iterations=2, fsdp1_forward_prefetch=True, limit_all_gathers=False)),
 }
 
@@ -71,6 +72,9 @@ FAULTS = [
     ("COMM-FSDP1-COUNTS", "fsdp1-full", "fsdp1-root-reshards-after-forward", "kind:extra"),
     ("COMM-FSDP1-COUNTS", "fsdp1-mp", "fsdp1-reduce-in-param-dtype", "kind:dtype"),
     ("COMM-FSDP1-PREFETCH", "fsdp1-full", "fsdp1-backward-prefetch-ignored", "kind:not-prefetched"),
+    ("COMM-FSDP1-PREFETCH", "fsdp1-full", "fsdp1-backward-prefetch-off-by-one", "kind:order"),
+    ("COMM-FSDP1-PREFETCH", "fsdp1-post", "fsdp1-backward-prefetch-off-by-one", "kind:order"),
+    ("COMM-FSDP1-PREFETCH", "fsdp1-full", "fsdp1-backward-pre-prefetches-post", "kind:context"),
     ("COMM-FSDP1-PREFETCH", "fsdp1-prefetch", "fsdp1-forward-prefetch-ignored", "kind:context"),
 ]
 
@@ -108,7 +112,7 @@ def pool():
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("invariant,case,fault,kind", [FAULTS[0], FAULTS[-2]], ids=["fsdp2", "fsdp1"])
+@pytest.mark.parametrize("invariant,case,fault,kind", [FAULTS[0], next(f for f in FAULTS if f[2] == "fsdp1-backward-prefetch-ignored")], ids=["fsdp2", "fsdp1"])
 def test_fault_is_caught_inside_the_pool_ranks(invariant, case, fault, kind, pool):
     spec = CASES[case]()
     assert run(invariant, spec, pool).verdict == PASS

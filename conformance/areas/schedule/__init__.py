@@ -1,6 +1,7 @@
-"""Training schedules (MP-DTYPES, ACCUM): optimizer steps with freeze
-changes, microbatches with gradient sync off on all but the last, and mixed
-precision, under either API against fp32 single-process training."""
+"""Training schedules (MP-DTYPES, ACCUM, MP-PIPELINE): optimizer steps with
+freeze changes, microbatches with gradient sync off on all but the last, and
+mixed precision, under either API against fp32 single-process training and
+(MP-PIPELINE) an emulation of the promised mixed-precision pipeline."""
 
 from conformance.areas.common.area import Area, AreaScenario
 from conformance.areas.schedule import invariants, repro, scenario

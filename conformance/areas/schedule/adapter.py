@@ -2,7 +2,9 @@
 masks that change between steps, microbatches with gradient sync off on all
 but the last, mixed precision) under FSDP1 or FSDP2 next to fp32
 single-process training of the same model on every rank's data, and record
-what FSDP did. Reads FSDP internals only for FSDP1's flat gradients.
+what FSDP did; MP-PIPELINE's emulation of the promised pipeline runs next
+to it. Reads FSDP internals only for FSDP1's flat gradients (and, for
+MP-PIPELINE, their layout: _fqns, _numels_with_padding, _is_padding_mask).
 
 A generated case's microbatch loss is (model(x) ** 2).sum() on a tensor; a
 real model's (ModelCase) is its target's own loss on the target's inputs at
@@ -35,7 +37,7 @@ from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed
 from conformance.areas.common.training import make_optimizer, reference_loss
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
-from conformance.areas.schedule.oracle import predict_schedule
+from conformance.areas.schedule.oracle import cast_paths, predict_schedule
 from conformance.case.build import BATCH, Built, build, method_callable, read_attr
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec, Precision
@@ -242,25 +244,52 @@ def _cast_floats(tree, dtype: torch.dtype):
 
 
 class Emulation:
-    """FSDP2's promised mixed-precision pipeline on one process (MP-PIPELINE),
-    the MixedPrecisionPolicy docstring step by step: the model computes with
-    its parameters in param_dtype; every module given to fully_shard casts
-    its floating forward inputs to param_dtype (cast_forward_inputs) and the
-    root its output to output_dtype; each rank's microbatch runs forward and
-    backward on its own; while gradient sync is disabled each rank's
-    gradients accumulate in reduce_dtype; a synced microbatch reduces them
-    (the sum over ranks, then the mean, in reduce_dtype) and the sharded
-    gradient, in the parameter's dtype, accumulates the reductions."""
+    """The promised mixed-precision pipeline on one process (MP-PIPELINE).
+
+    FSDP2: the MixedPrecisionPolicy docstring step by step: the model
+    computes with its parameters in param_dtype; every module given to
+    fully_shard casts its floating forward inputs to param_dtype
+    (cast_forward_inputs) and the root its output to output_dtype; each
+    rank's microbatch runs forward and backward on its own; while gradient
+    sync is disabled each rank's gradients accumulate in reduce_dtype; a
+    synced microbatch reduces them (the sum over ranks, then the mean, in
+    reduce_dtype) and the sharded gradient, in the parameter's dtype,
+    accumulates the reductions.
+
+    FSDP1: the MixedPrecision docstring: parameters in param_dtype for
+    forward and backward, floating buffers in buffer_dtype; the root casts
+    its forward inputs to param_dtype (cast_root_forward_inputs), every
+    other FSDP instance too where cast_forward_inputs; a synced microbatch's
+    gradients are reduced in reduce_dtype (their mean over ranks), then cast
+    back to the parameter's dtype, in which the sharded gradient accumulates
+    over synced microbatches. FSDP1 documents no dtype for gradients
+    accumulated under no_sync: a step with an unsynced microbatch has no
+    promised gradient (``unpromised``); its losses are still the pipeline's.
+    FSDP1 pre-divides the gradient by a power of two before the
+    reduce-scatter and post-divides the rest after it
+    (_get_gradient_predivide_factor, against overflow): implemented, not
+    documented; with two ranks the pre-division is by 2 and the
+    post-division by 1, both exact, so the mean computed here as sum then
+    division rounds identically (see oracle.pipeline_tolerance)."""
 
     def __init__(self, spec: CaseSpec, pred, fsdp_paths: list[str], world: int):
+        """``fsdp_paths``: the canonical paths of the modules given to
+        fully_shard (FSDP2) or wrapped as FSDP1 units (the root's is "")."""
         self.spec, self.world = spec, world
+        self.api = spec.plan.api
         self.built = placed(build(spec))
         self.compute, self.reduce = _dtype(pred.compute_dtype), _dtype(pred.reduce_dtype)
         self.names = list(pred.trainable)
         pr = spec.schedule.precision
-        casting = pr is not None and pr.param_dtype is not None and pr.cast_forward_inputs is not False
-        self.cast_paths = set(fsdp_paths) if casting else set()
+        self.cast_paths = cast_paths(self.api, pr, fsdp_paths)
         model = self.built.model
+        if self.api == "fsdp1" and pr is not None and pr.buffer_dtype is not None:
+            # "FSDP casts them to buffer_dtype in the first forward pass and keeps them in that dtype thereafter"
+            for m in model.modules():
+                for n, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m._buffers[n] = b.to(_dtype(pr.buffer_dtype))
+        self.unpromised = False  # FSDP1: this step has an unsynced microbatch (no promised gradient)
         for path in self.cast_paths:
             model.get_submodule(path).register_forward_pre_hook(
                 lambda mod, args, kwargs: (_cast_floats(args, self.compute), _cast_floats(kwargs, self.compute)), with_kwargs=True)
@@ -278,6 +307,7 @@ class Emulation:
                 p.requires_grad_(f not in frozen)
         self.acc = [{} for _ in range(self.world)]
         self.grads = {}
+        self.unpromised = False
 
     def _callable(self, first: int):
         if first < 0:
@@ -302,6 +332,8 @@ class Emulation:
     def microbatch(self, si: int, k: int, first: int, sync: bool, in_dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's microbatch; its losses by rank."""
         fn = self._callable(first)
+        if self.api == "fsdp1" and not sync:
+            self.unpromised = True
         params = {f: read_attr(self.built.model, f) for f in self.names}
         losses = []
         for r in range(self.world):
@@ -381,8 +413,11 @@ class Runner:
         (the fake tier's collectives move no data)."""
         if self.pred.emulation or dist.get_backend() == "fake":
             return
-        _, FSDPModule, _ = a2.fsdp2_api()
-        paths = [n for n, m in self.model.named_modules() if isinstance(m, FSDPModule)]
+        if self.api == "fsdp1":
+            paths = [self.aliases.canon_of_module[id(u.module)] for u in FSDP.fsdp_modules(self.model)]
+        else:
+            _, FSDPModule, _ = a2.fsdp2_api()
+            paths = [n for n, m in self.model.named_modules() if isinstance(m, FSDPModule)]
         self.emulate(lambda: setattr(self, "emu", Emulation(self.spec, self.pred, paths, self.world)))
 
     def emulate(self, what, *args):
@@ -452,15 +487,58 @@ class Runner:
         with FSDP.summon_full_params(self.model, writeback=False, with_grads=True):
             return {f: (None if read_attr(self.model, f).grad is None else read_attr(self.model, f).grad.clone()) for f in self.names}
 
-    def flat_grads(self) -> list[tuple[str, torch.Tensor | None]]:
-        """FSDP1: (unit path, its flat parameter's gradient) per unit (internals)."""
+    def flat_grads(self) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:
+        """FSDP1: (unit path, its flat parameter's gradient, the flat
+        parameter) per unit (internals)."""
 
         out = []
         for unit in FSDP.fsdp_modules(self.model):
             handle = getattr(unit, "_handle", None)
             if handle is not None and handle.flat_param is not None:
-                out.append((self.aliases.canon_of_module.get(id(unit.module), "?"), handle.flat_param.grad))
+                out.append((self.aliases.canon_of_module.get(id(unit.module), "?"), handle.flat_param.grad, handle.flat_param))
         return out
+
+    def emulated_grads(self) -> dict[str, torch.Tensor] | None:
+        """The emulated pipeline's gradients of this step (MP-PIPELINE), or
+        None where it promises none: not emulated; FSDP1 with an unsynced
+        microbatch in the step (no documented accumulation dtype); FSDP1
+        keep_low_precision_grads (the gradient's dtype is a known deviation,
+        fsdp1-keep-low-precision-grads-param-dtype: MP-DTYPES reports it)."""
+        if self.emu is None:
+            return None
+        pr = self.spec.schedule.precision
+        if self.api == "fsdp1" and (self.emu.unpromised or (pr is not None and pr.keep_low_precision_grads)):
+            return None
+        return self.emu.grads
+
+    def flat_err(self, g: torch.Tensor | None, flat: torch.Tensor, path: str, emu: dict[str, torch.Tensor]) -> float | None:
+        """A flat gradient's error against the emulated shard; None where it
+        is no shard (fsdp1-mixed-precision-forward-without-backward: an
+        unsharded gradient after a forward without backward, the optimizer
+        then raises, MP-DTYPES and ACCUM report it)."""
+        shard = self.emulated_shard(flat, path, emu)
+        if g is not None and g.numel() != shard.numel():
+            return None
+        return _err_rel(g, shard, shard) if shard.numel() else None
+
+    def emulated_shard(self, flat: torch.Tensor, path: str, emu: dict[str, torch.Tensor]) -> torch.Tensor:
+        """FSDP1 use_orig_params=False: this rank's shard of the unit's flat
+        parameter as the emulated gradients fill it: each original
+        parameter's gradient flattened in the flat parameter's order (zeros
+        for padding and for parameters without one), the whole padded to a
+        multiple of the world size and chunked by rank (internals: _fqns,
+        _numels_with_padding, _is_padding_mask)."""
+        parts, fqns = [], iter(flat._fqns)
+        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+            g = None
+            if not padding:
+                fqn = a1.clean(f"{path}.{next(fqns)}" if path else next(fqns))
+                g = emu.get(self.aliases.param_canon.get(fqn, fqn))
+            parts.append(torch.zeros(numel) if g is None else g.detach().float().reshape(-1).cpu())
+        full = torch.cat(parts) if parts else torch.zeros(0)
+        chunk = -(-full.numel() // self.world)
+        full = torch.nn.functional.pad(full, (0, chunk * self.world - full.numel()))
+        return full[self.rank * chunk:(self.rank + 1) * chunk].to(flat.device)
 
     def set_frozen(self, frozen: set[str]) -> None:
         for f, p in self.handles().items():
@@ -613,10 +691,15 @@ class Runner:
 
     def _record_grads(self, si: int, obs: dict) -> None:
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
+        emu = self.emulated_grads()
         if self.api == "fsdp1":
-            for path, g in self.flat_grads():
+            for path, g, flat in self.flat_grads():
                 # (a rank whose shard of a unit unused in the last microbatch is empty has none)
-                obs["flat"].append(ValueSeen(si, f"<flat parameter of {path or 'the root'}>", None if g is None else _name(g.dtype), g is None, False, None))
+                err = None
+                if emu is not None and not self.uop:
+                    err = self.emulate(self.flat_err, g, flat, path, emu)
+                obs["flat"].append(ValueSeen(si, f"<flat parameter of {path or 'the root'}>", None if g is None else _name(g.dtype), g is None, False, None,
+                                             emulated_err=err))
         grads = self.full_grads()
         # whether a (frozen) parameter has a gradient: FSDP1's own sharded
         # views, where the unsharded gradients of summon_full_params may be zeros
@@ -625,7 +708,6 @@ class Runner:
             for f, none in own.items():
                 obs["grads"].append(ValueSeen(si, f, None, none, ref[f].grad is None, None))
             return
-        emu = self.emu.grads if self.emu is not None else None
         for f in self.names:
             g, r = grads[f], ref[f].grad
             obs["grads"].append(ValueSeen(si, f, None if g is None else _name(g.dtype), own.get(f, g is None), r is None, _err_rel(g, r, ref[f]),
