@@ -21,7 +21,7 @@ AREA = Area(
     name="tp",
     title="Tensor parallelism + FSDP2 on a (dp, tp) mesh: layout, full tensors, training, state dicts, mixed precision and clipping",
     invariants=invariants.INVARIANTS,
-    scenarios=(AreaScenario("tp", scenario.tp, TpObservation, predict_tp, ranks_tags=_ranks_tags,
+    scenarios=(AreaScenario("tp", scenario.tp, TpObservation, predict_tp, ranks_tags=_ranks_tags, failure_tags=invariants.failure_tags,
                             fsdp_seconds=lambda obs: obs.fsdp_seconds),),
     applies=lambda case: getattr(case, "tp", None) is not None,
     unavailable=lambda case: fsdp2_unavailable(),

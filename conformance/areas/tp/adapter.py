@@ -25,7 +25,7 @@ from conformance.areas.common.support import fsdp2_mesh, placed, rank_device
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
 from conformance.areas.tp.observation import LayoutSeen, TpObservation, ValueSeen
 from conformance.areas.tp.oracle import predict_tp
-from conformance.case.build import build, is_sharded, read_attr
+from conformance.case.build import build, is_sharded
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
 
@@ -190,6 +190,23 @@ def _chunk_size(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Every FSDP2 module resharded (FSDPModule.reshard): a forward with no
+    backward after it (every parameter frozen) leaves the root's unsharded
+    parameters registered where reshard_after_forward is False."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def requires_grad_changed(model: nn.Module, aliases, before: dict[str, bool]) -> tuple[str, ...]:
+    """Parameters whose requires_grad after parallelize_module and fully_shard
+    is not the unsharded model's."""
+    return tuple(sorted(f for n, p in model.named_parameters() if before.get(f := aliases.param_canon.get(n, n), p.requires_grad) != p.requires_grad))
+
+
 def full_values(model: nn.Module, aliases) -> dict[str, torch.Tensor]:
     """{canonical FQN: full value} (collective: every rank calls it)."""
     return {aliases.param_canon.get(n, n): full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
@@ -242,6 +259,7 @@ def train(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, aliases, dtypes: d
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+    reshard_all(model)
     return losses
 
 
@@ -318,6 +336,7 @@ def clip(spec: CaseSpec, model: nn.Module, ref: nn.Module, aliases, ref_aliases,
     loss = (model(batch(x0, t.steps, d)).float() ** 2).sum()
     if loss.requires_grad:
         loss.backward()
+    reshard_all(model)
     params = [p for n, p in model.named_parameters() if aliases.param_canon.get(n, n) in clipped]
     grads = [p.grad for p in params if p.grad is not None]
     out["clip_meshes"] = tuple(sorted({tuple(g.device_mesh.shape) if is_sharded(g) else () for g in grads}))
@@ -414,7 +433,9 @@ def observe(spec: CaseSpec) -> TpObservation:
         error = error_line(e)
     if any_rank_failed(error is not None):
         return TpObservation(**base, wrap_error=error or "another rank's wrapping raised", seconds=time.perf_counter() - t0)
-    obs: dict = dict(base, layout=layout(spec, model, aliases, unsharded, not fake), tp_empty=tp_empty(model, aliases))
+    frozen_before = {ref_aliases.param_canon.get(n, n): p.requires_grad for n, p in ref.model.named_parameters()}
+    obs: dict = dict(base, layout=layout(spec, model, aliases, unsharded, not fake), tp_empty=tp_empty(model, aliases),
+                     requires_grad_changed=requires_grad_changed(model, aliases, frozen_before))
     if fake:  # structure only: the fake tier's collectives carry no data
         return TpObservation(**obs, seconds=time.perf_counter() - t0)
     now = full_values(model, aliases)

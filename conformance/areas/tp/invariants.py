@@ -33,8 +33,12 @@ DOC_CLIP = ("torch.nn.utils.clip_grad_norm_ docstring (the norm over the gradien
 
 def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str]:
     t = spec.tp
-    tags = {"api:fsdp2", pred.mesh_tag(), backend_tag(obs), f"optim:{t.optimizer}", f"precision:{t.precision}"}
+    tags = {"api:fsdp2", pred.mesh_tag(), backend_tag(obs), f"optim:{t.optimizer}", f"precision:{t.precision}", f"norm:{t.norm_type}"}
     tags |= {f"style:{s}" for _, s in t.styles}
+    if obs.requires_grad_changed:
+        tags.add("requires-grad:changed")  # wrapping made a frozen parameter trainable (or the reverse)
+    if pred.strided_uneven:
+        tags.add("shard:strided-uneven")  # a _StridedShard parameter whose TP-local rows split unevenly over dp
     if pred.training.frozen:
         tags.add("frozen")
     if spec.ties:
@@ -42,8 +46,23 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
     return tags
 
 
-def _empty_tags(obs_list: list[TpObservation]) -> set[str]:
-    return {"shard:tp-empty"} if any(o.tp_empty for o in obs_list) else set()
+def failure_tags(spec: CaseSpec, pred: TpPrediction) -> set[str]:
+    """The facts of a HANG or CRASH (no observation): what the spec alone says."""
+    tags = {"api:fsdp2", pred.mesh_tag(), f"precision:{spec.tp.precision}"} | {f"style:{s}" for _, s in spec.tp.styles}
+    if pred.tp_empty:
+        tags.add("shard:tp-empty")
+    return tags
+
+
+def _empty_tags(obs_list: list[TpObservation], pred: TpPrediction | None = None) -> set[str]:
+    """shard:tp-empty: some rank's TP-local piece of a parameter is empty;
+    shard:empty: some rank's local shard of a clipped parameter is."""
+    tags = {"shard:tp-empty"} if any(o.tp_empty for o in obs_list) else set()
+    if pred is not None:
+        full = {p.fqn: p.shape for p in pred.params if p.fqn in pred.clipped}
+        if any(p.fqn in full and 0 in p.local_shape and 0 not in full[p.fqn] for o in obs_list for p in o.layout):
+            tags.add("shard:empty")
+    return tags
 
 
 def _trained(spec, pred, obs_list) -> NotChecked | None:
@@ -64,7 +83,7 @@ def _trained(spec, pred, obs_list) -> NotChecked | None:
     api="fsdp2",
     scenario="tp",
     all_ranks=True,
-    statement="After parallelize_module over the mesh's tp dim and fully_shard(mesh=mesh['dp']), every parameter a style shards or replicates is a DTensor on the 2-D (dp, tp) mesh with placements (the dp placement, the style's TP placement): on dp _StridedShard(0, split_factor=tp) where the TP placement is Shard(0) over more than one rank, else Shard(0); every other parameter a DTensor on the dp mesh with (Shard(0),); each rank (d, t) holds torch.chunk's piece d (over dp, of dim 0) of piece t (over tp, of the style's dim) of the unsharded parameter: that shape (uneven and empty pieces included) and, on real ranks, those values.",
+    statement="After parallelize_module over the mesh's tp dim and fully_shard(mesh=mesh['dp']), every parameter a style shards or replicates is a DTensor on the 2-D (dp, tp) mesh with placements (the dp placement, the style's TP placement): on dp _StridedShard(0, split_factor=tp) where the TP placement is Shard(0) over more than one rank, else Shard(0); every other parameter a DTensor on the dp mesh with (Shard(0),); every parameter keeps its requires_grad; each rank (d, t) holds torch.chunk's piece d (over dp, of dim 0) of piece t (over tp, of the style's dim) of the unsharded parameter: that shape (uneven and empty pieces included) and, on real ranks, those values.",
     source=f"{DOC_TP}; {DOC_FULLY_SHARD}",
 )
 def check_layout(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -> list[Violation] | NotChecked:
@@ -74,6 +93,9 @@ def check_layout(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -
         return [violation("TP-LAYOUT", f"parallelize_module / fully_shard raised {first.wrap_error}", tags, "kind:raised")]
     want = pred.by_fqn()
     out = []
+    for f in first.requires_grad_changed:
+        out.append(violation("TP-LAYOUT", f"{f}'s requires_grad is {not want[f].requires_grad if f in want else '?'} after "
+                             "parallelize_module and fully_shard, the unsharded model's the opposite", tags, "kind:requires-grad"))
     for o in obs:
         seen = {p.fqn: p for p in o.layout}
         if set(seen) != set(want):
@@ -161,6 +183,8 @@ def _error_tag(text: str) -> str:
         return "error:chunk-cat-empty"
     if "norm on an empty tensor" in text:
         return "error:inf-norm-empty"
+    if "got mixed torch.Tensor and DTensor" in text:
+        return "error:mixed-tensor-dtensor"
     if "must have the same mesh" in text:
         return "error:mixed-meshes"
     if text.startswith("AssertionError") and text.rstrip(": ") == "AssertionError":
@@ -249,9 +273,9 @@ def check_clip(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -> 
     if skip is not None:
         return skip
     first = obs[0]
-    tags = case_tags(spec, pred, first) | _empty_tags(obs)
-    if len(first.clip_meshes) > 1:
-        tags.add("mesh:mixed")
+    tags = case_tags(spec, pred, first) | _empty_tags(obs, pred)
+    if pred.mixed_meshes or len(first.clip_meshes) > 1:
+        tags.add("mesh:mixed")  # clipped gradients on the 2-D mesh and on the dp mesh
     if any(o.norm is None and o.ref_norm is None and o.clip_error for o in obs):
         return NotChecked(f"the backward before clipping raised (TP-PARITY): {first.clip_error}")
     if not pred.clipped:

@@ -35,6 +35,7 @@ class ValueSeen:
 class TpObservation(RankRecord):
     mesh: tuple[int, ...] = ()
     layout: tuple[LayoutSeen, ...] = ()
+    requires_grad_changed: tuple[str, ...] = ()  # parameters whose requires_grad wrapping changed
     # TP-FULL-TENSOR: full_tensor() of each parameter right after wrapping,
     # bitwise equal to the unsharded model's (fqn, equal)
     full_equal: tuple[tuple[str, bool], ...] = ()

@@ -103,6 +103,21 @@ class TpPrediction:
         return {p.fqn: p for p in self.params}
 
     @property
+    def tp_empty(self) -> bool:
+        """Some parameter's TP-sharded dim is smaller than tp: a tp rank holds an empty piece."""
+        tp = self.mesh[1]
+        return any(p.tp.startswith("Shard(dim=") and p.shape and p.shape[int(p.tp[len("Shard(dim="):-1])] < tp for p in self.params)
+
+    @property
+    def strided_uneven(self) -> bool:
+        """Some parameter is _StridedShard on dp (TP shards its dim 0) and a
+        tp rank's rows do not split evenly over dp."""
+        dp, tp = self.mesh
+        if dp == 1 or tp == 1:
+            return False
+        return any(p.tp == "Shard(dim=0)" and p.shape and any(chunk(p.shape[0], tp, t) % dp for t in range(tp)) for p in self.params)
+
+    @property
     def mixed_meshes(self) -> bool:
         """Some clipped parameter is on the 2-D mesh and another on the dp mesh only."""
         meshes = {len(p.mesh) for p in self.params if p.fqn in self.clipped}
