@@ -411,6 +411,12 @@ def dcp_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(k for k in set(want) | set(got) if not same(want.get(k), got.get(k))))
 
 
+def error_text(e: BaseException) -> str:
+    """The error, its whole message on one line (load_state_dict's first line
+    names only the model; the cause follows)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+
+
 # ---- one observation ------------------------------------------------------------------
 
 
@@ -489,7 +495,7 @@ def observe(spec: CaseSpec) -> TpObservation:
         try:
             done[name] = run()
         except Exception as e:  # noqa: BLE001
-            error = error_line(e)
+            error = error_text(e)
         if any_rank_failed(error is not None):
             errors.append((name, error or "another rank's state dict raised"))
     keys, to_flat = done.get("to-flat", ((), ()))
