@@ -29,7 +29,7 @@ from conformance.suite.budget import examples
 TP = [inv.id for inv in AREA.invariants]
 STRUCTURE = ["TP-LAYOUT"]  # what the fake tier can compare
 FAKE_WORLD = 4
-# examples(10) for the value test: each is four models (2-D, reference, two
+# examples(8) for the value test: each is four models (2-D, reference, two
 # flat FSDP ones) on up to 4 ranks sharing 2 cores
 
 
@@ -37,7 +37,7 @@ FAKE_WORLD = 4
 def worlds(engine):
     # an example takes a few seconds; a hung one (fsdp2-tp-empty-piece-full-tensor-hang)
     # should not cost the base pool's minute
-    w = Worlds(engine, deadline=20.0)
+    w = Worlds(engine, deadline=15.0)
     yield w
     w.close()
 
@@ -53,7 +53,7 @@ def fake_tier(engine):
 
 
 @pytest.mark.needs_ranks
-@settings(max_examples=examples(10))
+@settings(max_examples=examples(8))
 @given(spec=tp_specs())
 def test_tp(spec, worlds, conformance):
     if worlds.backend == "nccl" and torch.cuda.device_count() < spec.tp.world:

@@ -10,7 +10,7 @@ from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.tp.observation import TpObservation
 from conformance.areas.tp.oracle import TpPrediction
 from conformance.case.spec import CaseSpec
-from conformance.case.tree import join, walk
+from conformance.case.tree import join
 from conformance.case.violation import Violation
 
 catalog = Catalog()
@@ -44,9 +44,11 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
         tags.add("frozen")
     if spec.ties:
         tags.add("tie")
-        owner = {join(p, q.name): p for p, m in walk(spec.tree) for q in m.params}
-        if any(owner.get(t.source) == t.module for t in spec.ties):
-            tags.add("tie:same-module")  # one module holds the Parameter under two names
+        aliases: dict[str, set[str]] = {}
+        for t in spec.ties:
+            aliases.setdefault(t.source, {t.source}).add(join(t.module, t.name))
+        if any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in aliases.values()):
+            tags.add("tie:same-module")  # one module holds a Parameter under two of its names
     return tags
 
 
