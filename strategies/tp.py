@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.case.spec import NORM_TYPES, TP_MESHES, TP_OPTIMIZERS, TP_PRECISIONS, TP_STYLES, CaseSpec, TpPlan
+from conformance.case.spec import CLIP_WAYS, NORM_TYPES, TP_MESHES, TP_OPTIMIZERS, TP_PRECISIONS, TP_STYLES, CaseSpec, TpPlan
 from conformance.case.tree import join, walk
 from conformance.strategies._common import maybe, pick
 from conformance.strategies.groups import fsdp2_case_specs
@@ -39,6 +39,7 @@ def _tp_specs(draw: Any, cases: SearchStrategy, meshes: tuple[tuple[int, int], .
     norm_type = pick(draw, NORM_TYPES)
     foreach = draw(st.booleans())
     clip_all = not maybe(draw, 2)
+    clip_way = pick(draw, CLIP_WAYS[:2])
     # an empty TP shard (a dim smaller than tp) sometimes: FSDP2 raises on it
     # (fsdp2-tp-empty-local-shard-chunk-cat), which would hide the rest
     allow_empty = not maybe(draw, 3)
@@ -56,7 +57,7 @@ def _tp_specs(draw: Any, cases: SearchStrategy, meshes: tuple[tuple[int, int], .
     for _, s in styles:
         event(f"tp: style {s}")
     event(f"tp: mesh {mesh}")
-    plan = TpPlan(tuple(mesh), tuple(styles), steps, optimizer, 0.05, precision, norm_type, foreach, clip_all)
+    plan = TpPlan(tuple(mesh), tuple(styles), steps, optimizer, 0.05, precision, norm_type, foreach, clip_all, clip_way)
     return dataclasses.replace(spec, tp=plan, methods=(), calls=())
 
 
@@ -68,8 +69,9 @@ def tp_specs(*, worlds: tuple[int, ...] = (4, 2), max_modules: int = 8, max_dept
     ColwiseParallel or RowwiseParallel and LayerNorm leaves SequenceParallel
     (at least one leaf, none a tie touches; sometimes a style that leaves a
     tp rank an empty piece), 1..2 steps of SGD or Adam, sometimes bf16 mixed
-    precision, and a clip of norm type 2, 1, 3 or inf, foreach or not, over
-    every parameter or only the TP ones."""
+    precision, and a clip (clip_grad_norm_, or get_total_norm + clip_grads_with_norm_)
+    of norm type 2, 1, 3 or inf, foreach or not, over every parameter or
+    only the TP ones."""
     meshes = tuple(m for m in TP_MESHES if m[0] * m[1] in worlds)
     if not worlds or not meshes:
         raise InvalidArgument(f"worlds={worlds!r}: no mesh of {TP_MESHES} has that many ranks")

@@ -507,6 +507,7 @@ class TpPlan:
     norm_type: str = "2"
     foreach: bool = False
     clip_all: bool = True
+    clip_way: str = "clip_grad_norm_"  # or "get_total_norm": get_total_norm then clip_grads_with_norm_
 
     @property
     def world(self) -> int:
@@ -521,6 +522,8 @@ def validate_tp(spec: "CaseSpec") -> None:
         raise SpecError(f"tp plan {t!r}: mesh one of {TP_MESHES}, optimizer one of {TP_OPTIMIZERS}, precision one of {TP_PRECISIONS}")
     if not 1 <= t.steps <= 3 or not t.lr > 0 or t.norm_type not in NORM_TYPES or t.foreach not in (True, False) or t.clip_all not in (True, False):
         raise SpecError(f"tp plan {t!r}: 1..3 steps, lr > 0, norm_type one of {NORM_TYPES}, foreach and clip_all booleans")
+    if t.clip_way not in CLIP_WAYS[:2]:
+        raise SpecError(f"tp plan {t!r}: clip_way one of {CLIP_WAYS[:2]}")
     if spec.plan.api != "fsdp2":
         raise SpecError("tp plan: tensor parallelism composes with FSDP2 (fully_shard(mesh=mesh['dp']))")
     if spec.plan.ignored_modules or spec.plan.ignored_params or spec.shared or spec.methods:

@@ -42,7 +42,8 @@ def model(tp: TpPlan, *, frozen_bias: bool = False) -> CaseSpec:
 # on this torch (fsdp2-tp-clip-mixed-meshes), which these cases do not test
 CASES = {
     "2x2": lambda: model(TpPlan((2, 2), STYLES, clip_all=False)),
-    "2x2-adam-frozen-inf": lambda: model(TpPlan((2, 2), STYLES, optimizer="Adam", clip_all=False, norm_type="inf", foreach=True),
+    "2x2-adam-frozen-inf": lambda: model(TpPlan((2, 2), STYLES, optimizer="Adam", clip_all=False, norm_type="inf", foreach=True,
+                                                 clip_way="get_total_norm"),
                                          frozen_bias=True),
     "2x2-bf16": lambda: model(TpPlan((2, 2), STYLES, clip_all=False, precision="bf16-fp32-reduce")),
 }

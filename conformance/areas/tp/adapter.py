@@ -346,7 +346,11 @@ def clip(spec: CaseSpec, model: nn.Module, ref: nn.Module, aliases, ref_aliases,
     error, norm = None, None
     if call:
         try:
-            tn = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=t.foreach)
+            if t.clip_way == "get_total_norm":
+                tn = torch.nn.utils.get_total_norm(grads, norm_type, foreach=t.foreach)
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, tn, foreach=t.foreach)
+            else:
+                tn = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=t.foreach)
             norm = float(full_tensor(tn.detach()))
         except Exception as e:  # noqa: BLE001
             error = error_line(e)

@@ -28,13 +28,13 @@ DOC_SD = ("torch.distributed.checkpoint.state_dict docstrings (get_model_state_d
           "test_fully_shard_state_dict.py (2D)")
 DOC_MP = ("MixedPrecisionPolicy docstring (param_dtype: the dtype of the unsharded parameter, for forward and backward; "
           "reduce_dtype: the gradient reduction's; the sharded parameters and gradients stay in the original dtype)")
-DOC_CLIP = ("torch.nn.utils.clip_grad_norm_ docstring (the norm over the gradients of all parameters as if concatenated into one "
+DOC_CLIP = ("torch.nn.utils.clip_grad_norm_ / get_total_norm / clip_grads_with_norm_ docstrings (the norm over the gradients of all parameters as if concatenated into one "
             "vector; gradients modified in place; norm_type 'inf' too)")
 
 
 def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str]:
     t = spec.tp
-    tags = {"api:fsdp2", pred.mesh_tag(), backend_tag(obs), f"optim:{t.optimizer}", f"precision:{t.precision}", f"norm:{t.norm_type}"}
+    tags = {"api:fsdp2", pred.mesh_tag(), backend_tag(obs), f"optim:{t.optimizer}", f"precision:{t.precision}", f"norm:{t.norm_type}", f"clip:{t.clip_way}"}
     tags |= {f"style:{s}" for _, s in t.styles}
     if obs.requires_grad_changed:
         tags.add("requires-grad:changed")  # wrapping made a frozen parameter trainable (or the reverse)
@@ -271,7 +271,7 @@ def check_mp(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> list[Vio
     api="fsdp2",
     scenario="tp",
     all_ranks=True,
-    statement="torch.nn.utils.clip_grad_norm_ (norm types 1, 2, 3, inf; foreach True or False) over the TP + FSDP2 gradients (every parameter's: those on the 2-D mesh and those on the dp mesh only together; or the 2-D ones alone) returns on every rank the single-process total norm of the same gradients, and leaves each full gradient equal to the single-process gradient scaled by max_norm / total norm; it raises on no rank (mixed meshes and empty local shards included).",
+    statement="torch.nn.utils.clip_grad_norm_, or get_total_norm then clip_grads_with_norm_ (norm types 1, 2, 3, inf; foreach True or False), over the TP + FSDP2 gradients (every parameter's: those on the 2-D mesh and those on the dp mesh only together; or the 2-D ones alone) returns on every rank the single-process total norm of the same gradients, and leaves each full gradient equal to the single-process gradient scaled by max_norm / total norm; it raises on no rank (mixed meshes and empty local shards included).",
     source=f"{DOC_CLIP}; {DOC_FULLY_SHARD}",
 )
 def check_clip(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -> list[Violation] | NotChecked:
@@ -289,7 +289,7 @@ def check_clip(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -> 
     out = []
     for o in obs:
         if o.clip_error:
-            out.append(violation("TP-CLIP", f"rank {o.rank}: clip_grad_norm_ raised {o.clip_error}", tags, "kind:raised", _error_tag(o.clip_error)))
+            out.append(violation("TP-CLIP", f"rank {o.rank}: {spec.tp.clip_way} raised {o.clip_error}", tags, "kind:raised", _error_tag(o.clip_error)))
     if out:
         skipped = [o.rank for o in obs if o.clip_peer_failed]
         if skipped:
