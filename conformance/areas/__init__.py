@@ -24,6 +24,7 @@ from conformance.areas import (
     parity,
     schedule,
     summon,
+    tp,
 )
 from conformance.areas.common.area import Area, AreaScenario
 from conformance.areas.common.catalog import Invariant, UnknownInvariant
@@ -31,7 +32,7 @@ from conformance.engine import scenarios as engine_scenarios
 
 AREAS: tuple[Area, ...] = (
     autowrap.AREA, fully_shard.AREA, summon.AREA, parity.AREA, checkpoint.AREA, schedule.AREA, clip.AREA, comm.AREA,
-    microbatch.AREA, activation_checkpointing.AREA, init_order.AREA, hsdp.AREA,
+    microbatch.AREA, activation_checkpointing.AREA, init_order.AREA, hsdp.AREA, tp.AREA,
 )
 
 # Derived indexes (not registries: every entry comes from AREAS).

@@ -480,6 +480,79 @@ def validate_activation_checkpoint(spec: "CaseSpec") -> None:
         raise SpecError("activation checkpoint plan: no shared modules, ignored modules or ignored parameters")
 
 
+# ---- tensor parallelism + FSDP2 (tp area) ------------------------------------
+
+# The parallel style a leaf takes (torch.distributed.tensor.parallel), each so
+# that the leaf takes and returns plain, replicated tensors as the case's
+# forward passes them: "colwise": ColwiseParallel(output_layouts=Replicate())
+# (Linear, Embedding); "rowwise": RowwiseParallel(input_layouts=Replicate())
+# (Linear, Embedding); "sequence": SequenceParallel(sequence_dim=0) on a
+# LayerNorm, its input made a Replicate DTensor and its output gathered back
+# (PrepareModuleInputOutput).
+TP_STYLES = {"Linear": ("colwise", "rowwise"), "Embedding": ("colwise", "rowwise"), "LayerNorm": ("sequence",)}
+# (dp, tp) shapes: the 2-D mesh on 4 ranks, its degenerate forms on 2
+TP_MESHES = ((2, 2), (1, 2), (2, 1))
+TP_OPTIMIZERS = ("SGD", "Adam")
+# FSDP2 MixedPrecisionPolicy: none; param_dtype bf16 (reduce_dtype unset);
+# param_dtype bf16 with reduce_dtype fp32
+TP_PRECISIONS = ("none", "bf16", "bf16-fp32-reduce")
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """Tensor parallelism + FSDP2 on a (dp, tp) = ``mesh`` DeviceMesh:
+    parallelize_module over its "tp" dim with ``styles`` ((leaf path, style)),
+    then fully_shard(mesh=mesh["dp"]) on the plan's groups and the root;
+    ``steps`` optimizer steps of loss = (model(x) ** 2).sum() on data that
+    differs by dp rank (the same across a dp rank's tp ranks), under the
+    ``precision`` policy; then one more backward and its gradients clipped
+    (clip_grad_norm_, norm ``norm_type``, ``foreach``) over every parameter
+    (``clip_all``) or only those TP shards (on the 2-D mesh)."""
+
+    mesh: tuple[int, int] = (2, 2)
+    styles: tuple[tuple[str, str], ...] = ()
+    steps: int = 2
+    optimizer: str = "SGD"
+    lr: float = 0.05
+    precision: str = "none"
+    norm_type: str = "2"
+    foreach: bool = False
+    clip_all: bool = True
+    clip_way: str = "clip_grad_norm_"  # or "get_total_norm": get_total_norm then clip_grads_with_norm_
+
+    @property
+    def world(self) -> int:
+        return self.mesh[0] * self.mesh[1]
+
+
+def validate_tp(spec: "CaseSpec") -> None:
+    t = spec.tp
+    if t is None:
+        return
+    if tuple(t.mesh) not in TP_MESHES or t.optimizer not in TP_OPTIMIZERS or t.precision not in TP_PRECISIONS:
+        raise SpecError(f"tp plan {t!r}: mesh one of {TP_MESHES}, optimizer one of {TP_OPTIMIZERS}, precision one of {TP_PRECISIONS}")
+    if not 1 <= t.steps <= 3 or not t.lr > 0 or t.norm_type not in NORM_TYPES or t.foreach not in (True, False) or t.clip_all not in (True, False):
+        raise SpecError(f"tp plan {t!r}: 1..3 steps, lr > 0, norm_type one of {NORM_TYPES}, foreach and clip_all booleans")
+    if t.clip_way not in CLIP_WAYS[:2]:
+        raise SpecError(f"tp plan {t!r}: clip_way one of {CLIP_WAYS[:2]}")
+    if spec.plan.api != "fsdp2":
+        raise SpecError("tp plan: tensor parallelism composes with FSDP2 (fully_shard(mesh=mesh['dp']))")
+    if spec.plan.ignored_modules or spec.plan.ignored_params or spec.shared or spec.methods:
+        raise SpecError("tp plan: no ignored modules or parameters, no shared modules, no forward methods")
+    mods = dict(walk(spec.tree))
+    paths = [p for p, _ in t.styles]
+    if len(set(paths)) != len(paths):
+        raise SpecError(f"tp plan {t!r}: a leaf takes one style")
+    for path, style in t.styles:
+        m = mods.get(path)
+        if m is None or style not in TP_STYLES.get(m.cls, ()):
+            raise SpecError(f"tp plan {t!r}: {path!r} must be a Linear, Embedding or LayerNorm leaf taking a style of {TP_STYLES}")
+    owner = {join(p, q.name): p for p, m in walk(spec.tree) for q in m.params}
+    for tie in spec.ties:
+        if tie.module in paths or owner.get(tie.source) in paths:
+            raise SpecError(f"tp plan: tie {tie!r} touches a tensor-parallel leaf (its parameter would be replaced under the tie)")
+
+
 @dataclass(frozen=True)
 class CaseSpec:
     tree: ModuleSpec
@@ -499,6 +572,7 @@ class CaseSpec:
     activation_checkpoint: ActivationCheckpointPlan | None = None  # AC-PARITY, AC-STATE-DICT, AC-ALLGATHER
     init: InitPlan | None = None  # INIT-ORDER, INIT-META, INIT-SYNC, INIT-DIVERGENT
     hsdp: HsdpPlan | None = None  # HSDP-* (2-D meshes, FSDP1's hybrid strategies)
+    tp: TpPlan | None = None  # TP-* (tensor parallelism + FSDP2 on a (dp, tp) mesh)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -884,6 +958,7 @@ def validate(spec: CaseSpec) -> None:
     validate_activation_checkpoint(spec)
     validate_init(spec)
     validate_hsdp(spec)
+    validate_tp(spec)
 
 
 def _check_shared_acyclic(spec: CaseSpec) -> None:
@@ -1096,6 +1171,7 @@ _TYPES = {
         Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan, MicrobatchStep, MicrobatchPlan, ActivationCheckpointPlan,
         InitPlan,
         HsdpPlan,
+        TpPlan,
     )
 }
 

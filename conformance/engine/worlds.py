@@ -52,9 +52,12 @@ class Worlds:
         h = getattr(spec, "hsdp", None)
         if h is not None:  # an HSDP case runs on as many ranks as its mesh has
             return self._run(h.world, scenario, spec)
+        t = getattr(spec, "tp", None)
+        if t is not None:  # so does a tensor-parallel one
+            return self._run(t.world, scenario, spec)
         ck = getattr(spec, "ckpt", None)
         if ck is None:
-            raise EngineError("Worlds runs checkpoint cases (spec.ckpt) and HSDP cases (spec.hsdp)")
+            raise EngineError("Worlds runs checkpoint cases (spec.ckpt), HSDP cases (spec.hsdp) and TP cases (spec.tp)")
         phases = self.phases.get(scenario) or get_scenario(scenario).phases
         if not phases:
             return self._run(ck.save_world, scenario, spec)

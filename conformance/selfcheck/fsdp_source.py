@@ -31,10 +31,12 @@ ENV_VAR = "FSDP_CONFORMANCE_FSDP_SOURCE"
 PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 REQUIRED = PACKAGES[0]
 # Single modules outside those packages that the areas composed with FSDP
-# exercise (gradient clipping, activation checkpointing): overlaid file by
+# exercise (gradient clipping, activation checkpointing, tensor parallelism's
+# styles): overlaid file by
 # file where the source holds them. torch imports them while it starts, so
 # the overlay must be in effect before torch is imported.
-MODULES = ("torch.nn.utils.clip_grad", "torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+MODULES = ("torch.nn.utils.clip_grad", "torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+           "torch.distributed.tensor.parallel.style")
 
 
 class SourceError(Exception):
