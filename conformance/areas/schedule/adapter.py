@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err2
 from conformance.areas.common.fsdp2_adapter import full_tensor
+from conformance.areas.common.precision import dtype as _dtype
+from conformance.areas.common.precision import precision_api, wrap_kwargs
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed
 from conformance.areas.common.training import make_optimizer, reference_loss
@@ -40,7 +41,7 @@ from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, 
 from conformance.areas.schedule.oracle import cast_paths, predict_schedule
 from conformance.case.build import BATCH, Built, build, method_callable, read_attr
 from conformance.case.model_case import is_model_case
-from conformance.case.spec import CaseSpec, Precision
+from conformance.case.spec import CaseSpec
 from conformance.case.target import cached_target, target_loss
 from conformance.case.tree import walk
 
@@ -53,23 +54,8 @@ def _err(e: BaseException) -> str:
     return re.sub(r" at 0x[0-9a-f]+", "", _err2(e))
 
 
-def _dtype(name: str | None):
-    return None if name is None else getattr(torch, name)
-
-
 def _name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
-
-
-def precision_api() -> tuple[type, type]:
-    """(MixedPrecision, MixedPrecisionPolicy): public in torch.distributed.fsdp
-    from 2.6, MixedPrecisionPolicy in torch.distributed._composable.fsdp before."""
-
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-    except ImportError:  # torch 2.4, 2.5
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
-    return MixedPrecision, MixedPrecisionPolicy
 
 
 def missing_api() -> str | None:
@@ -94,31 +80,6 @@ def missing_api() -> str | None:
     if not hasattr(FSDP, "no_sync"):
         return f"torch {torch.__version__}: FullyShardedDataParallel lacks no_sync"
     return None
-
-
-def wrap_kwargs(spec: CaseSpec, pr: Precision | None):
-    """FSDP1: the mixed_precision kwarg; FSDP2: a function of a group's
-    modules giving its mp_policy (output_dtype on the root's only: it casts
-    the model's output, not every group's)."""
-    MixedPrecision, MixedPrecisionPolicy = precision_api()
-    if pr is None:
-        return {} if spec.plan.api == "fsdp1" else None
-    if spec.plan.api == "fsdp1":
-        kw = dict(param_dtype=_dtype(pr.param_dtype), reduce_dtype=_dtype(pr.reduce_dtype), buffer_dtype=_dtype(pr.buffer_dtype),
-                  keep_low_precision_grads=pr.keep_low_precision_grads, cast_root_forward_inputs=pr.cast_root_forward_inputs)
-        if pr.cast_forward_inputs is not None:
-            kw["cast_forward_inputs"] = pr.cast_forward_inputs
-        return {"mixed_precision": MixedPrecision(**kw)}
-
-    def for_group(modules: tuple[str, ...]) -> dict:
-        kw = dict(param_dtype=_dtype(pr.param_dtype), reduce_dtype=_dtype(pr.reduce_dtype))
-        if pr.cast_forward_inputs is not None:
-            kw["cast_forward_inputs"] = pr.cast_forward_inputs
-        if modules == ("",) and pr.output_dtype:
-            kw["output_dtype"] = _dtype(pr.output_dtype)
-        return {"mp_policy": MixedPrecisionPolicy(**kw)}
-
-    return for_group
 
 
 def data(spec: CaseSpec, step: int, micro: int, rank: int):
