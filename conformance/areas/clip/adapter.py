@@ -17,7 +17,7 @@ from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
 from conformance.areas.common.observation import GradObservation
-from conformance.areas.common.precision import wrap_kwargs
+from conformance.areas.common.precision_adapter import wrap_kwargs
 from conformance.areas.common.ranks import failed_ranks
 from conformance.areas.common.support import placed
 from conformance.areas.common.training import reference_loss

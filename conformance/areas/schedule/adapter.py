@@ -32,8 +32,8 @@ from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err2
 from conformance.areas.common.fsdp2_adapter import full_tensor
-from conformance.areas.common.precision import dtype as _dtype
-from conformance.areas.common.precision import precision_api, wrap_kwargs
+from conformance.areas.common.precision_adapter import dtype as _dtype
+from conformance.areas.common.precision_adapter import precision_api, wrap_kwargs
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed
 from conformance.areas.common.training import make_optimizer, reference_loss
