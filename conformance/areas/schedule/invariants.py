@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from conformance.areas.common.catalog import Catalog, NotChecked
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
-from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, group_rerun_after_frozen_embedding, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import (
+    container_given_to_fully_shard,
+    fsdp2_case_tags,
+    group_rerun_after_frozen_embedding,
+    predict_fsdp2,
+)
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.schedule.observation import ScheduleObservation
 from conformance.areas.schedule.oracle import SchedulePrediction, pipeline_tolerance, step_tolerance, used_params
@@ -52,6 +57,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("freeze-changes")
         if pred.api == "fsdp2" and _group_trainable_later(spec):
             tags.add("group-trainable-later")
+    if pred.api == "fsdp2" and not is_model_case(spec) and _multi_frozen_embedding(spec):
+        tags.add("group:multi-frozen-embedding")  # fsdp2-frozen-list-group-freed-in-backward's mechanism
     if any(st.frozen for st in s.steps):
         tags.add("frozen")
         if pred.api == "fsdp2" and _group_rerun_after_frozen_embedding(spec):
@@ -70,6 +77,14 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
         tags.add("forward-only")  # a microbatch whose loss needs no gradient: no backward
     return tags
+
+
+def _multi_frozen_embedding(spec: CaseSpec) -> bool:
+    """A list group with a module whose output needs no gradient (the
+    fully_shard area's tag, conformance.areas.common.fsdp2_oracle.fsdp2_case_tags)."""
+    import torch
+
+    return "group:multi-frozen-embedding" in fsdp2_case_tags(spec, predict_fsdp2(spec, torch.__version__))
 
 
 def _group_rerun_after_frozen_embedding(spec: CaseSpec) -> bool:
