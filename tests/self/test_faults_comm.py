@@ -119,3 +119,24 @@ def test_fault_is_caught_inside_the_pool_ranks(invariant, case, fault, kind, poo
     res = run(invariant, spec, pool, f"fault:comm:{fault}")
     assert res.verdict == FAIL, res.describe()
     assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+def test_backward_post_from_a_frozen_unit_is_not_promised(fake_engine):
+    """BACKWARD_POST prefetches "after the current set of parameters'
+    gradient computation": an all-frozen unit (use_orig_params=True) has
+    none, and its reshard-only hook fires with its inputs' gradients, the
+    moment the unit before it starts its own backward. Whether that unit is
+    gathered by the prefetch or by its own pre-backward hook is autograd's
+    hook order, not a promise (seed 2141 drew this case and FSDP gathered it
+    in its pre-backward)."""
+    from conformance.case.spec import ModuleWrap
+
+    tree = ModuleSpec("", "ModelSeq", (), children=(
+        ModuleSpec("0", "Block", (ParamSpec("weight", (1, 1), False), ParamSpec("bias", (1,), True))),
+        ModuleSpec("1", "Block", (ParamSpec("weight", (1, 1), False),)),
+    ))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("ModelSeq", "Sequential"), ClassSpec("Block")),
+                    plan=WrapPlan("fsdp1", ModuleWrap(("Block",)), True),
+                    comm=CommPlan(iterations=1, fsdp1_backward_prefetch="BACKWARD_POST"))
+    res = run("COMM-FSDP1-PREFETCH", spec, fake_engine)
+    assert res.verdict == PASS, res.describe()

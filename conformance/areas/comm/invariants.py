@@ -127,9 +127,9 @@ def check_fsdp1_prefetch(spec: CaseSpec, pred: CommPrediction, obs: CommObservat
         # business (the post-backward hook fires when the gradient is ready)
         w = [(c.phase, c.op, c.group, c.context) for c in want.collectives if c.op == "all_gather"]
         g = [(c.phase, c.op, c.group, c.context) for c in got.collectives if c.op == "all_gather"]
-        if w == g:
+        if all(_same(a, b) for a, b in zip(w, g)) and len(w) == len(g):
             continue
-        k = next(j for j, (a, b) in enumerate(zip(w, g)) if a != b)
+        k = next(j for j, (a, b) in enumerate(zip(w, g)) if not _same(a, b))
         kind = "kind:context" if w[k][:3] == g[k][:3] else "kind:order"
         if kind == "kind:context" and g[k][3] == f"pre_backward {g[k][2]}":
             kind = "kind:not-prefetched"
@@ -138,6 +138,12 @@ def check_fsdp1_prefetch(spec: CaseSpec, pred: CommPrediction, obs: CommObservat
     if not compared and not out:
         return NotChecked("the collectives differ from the promised ones in every iteration (COMM-FSDP1-COUNTS)")
     return out
+
+
+def _same(want, got) -> bool:
+    """An all-gather where promised; a promised context "A or B" (a
+    prefetch the docs leave to autograd's hook order) is met by either."""
+    return want[:3] == got[:3] and got[3] in want[3].split(" or ")
 
 
 def _fmt1(c) -> str:

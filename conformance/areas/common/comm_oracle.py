@@ -459,12 +459,14 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
                 needs_bw[p] = s.grad
                 post_order.append(p)
         if loss:
-            def prefetch(p: str, phase: str, ctx: str) -> None:
+            def prefetch(p: str, phase: str, ctx: str, either: bool = False) -> None:
                 i = post_order.index(p)
                 if i > 0:
                     t = post_order[i - 1]
                     if needs_bw[t] and not prefetched[t]:
-                        unshard(t, phase, ctx)
+                        # either: the prefetch or the target's own pre-backward
+                        # gather, whichever autograd's hook order runs first
+                        unshard(t, phase, f"{ctx} or pre_backward {t}" if either else ctx)
                         prefetched[t] = True
 
             for s in backward_order(steps):
@@ -487,7 +489,12 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
                     ran_post_bw[p] = True
                     reshard(p)
                     if c.fsdp1_backward_prefetch == "BACKWARD_POST":
-                        prefetch(p, "backward", ctx)
+                        # a frozen unit has no gradient computation to prefetch
+                        # after ("after the current set of parameters' gradient
+                        # computation"): its reshard-only hook fires with its
+                        # inputs' gradients, which may be the next unit's own
+                        # pre-backward moment; where it gathers is not promised
+                        prefetch(p, "backward", ctx, either=not units[p][1])
                     if units[p][1]:
                         op = "reduce_scatter" if sharded else "all_reduce"
                         colls.append(Collective("backward", op, p, full[p], world, rs_dtype, ctx))
