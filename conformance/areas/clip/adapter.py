@@ -240,7 +240,7 @@ def _own_grads(spec: CaseSpec, model: nn.Module, inner: nn.Module, params, alias
     gradient's full_tensor(); FSDP1 with use_orig_params=True the original
     parameters' gradients under summon_full_params(with_grads=True); with
     False (the optimizer sees the flat parameters) the flat parameters'
-    gradients all-gathered and cut at the original parameters' offsets
+    gradients all-gathered and cut at the original parameters' offsets (a1.flat_layout)
     (each alias once), and the parameters FSDP does not manage as they are."""
     out: dict[str, torch.Tensor] = {}
     if spec.plan.api == "fsdp2":
@@ -271,33 +271,17 @@ def _own_grads(spec: CaseSpec, model: nn.Module, inner: nn.Module, params, alias
             dist.all_gather_into_tensor(full, g.contiguous(), group=handle.process_group)
             g = full
         prefix = a1.clean(name)
-        offset = 0
-        for fqn, shape, numel, pad in zip(fp._fqns, fp._shapes, fp._numels, _paddings(fp)):
-            offset += pad
-            full_fqn = f"{prefix}.{fqn}" if prefix else fqn
-            out.setdefault(aliases.param_canon.get(full_fqn, full_fqn), g[offset:offset + numel].view(shape).float().clone())
+        offset, shapes = 0, iter(fp._shapes)
+        for fqn, numel in a1.flat_layout(fp):
+            if fqn is not None:
+                full_fqn = f"{prefix}.{fqn}" if prefix else fqn
+                out.setdefault(aliases.param_canon.get(full_fqn, full_fqn), g[offset:offset + numel].view(next(shapes)).float().clone())
             offset += numel
     for f, p in model.named_parameters():
         if not isinstance(p, FlatParameter) and p.grad is not None and not is_sharded(p):
             fqn = a1.clean(f)
             out.setdefault(aliases.param_canon.get(fqn, fqn), p.grad.detach().float().clone())
     return out
-
-
-def _paddings(fp) -> list[int]:
-    """Alignment padding before each original parameter of a flat parameter
-    (use_orig_params=True aligns them; False packs them)."""
-    mask, numels = getattr(fp, "_is_padding_mask", None), getattr(fp, "_numels_with_padding", None)
-    if not mask or numels is None:
-        return [0] * len(fp._fqns)
-    pads, run = [], 0
-    for padding, numel in zip(mask, numels):
-        if padding:
-            run += numel
-        else:
-            pads.append(run)
-            run = 0
-    return pads
 
 
 @torch.no_grad()

@@ -116,3 +116,16 @@ def wrap(spec: CaseSpec, built: Built, policy=None, **extra) -> FSDP:
     if spec.plan.ignored_params:
         kwargs["ignored_states"] = [model.get_parameter(f) for f in spec.plan.ignored_params]
     return FSDP(model, **kwargs)
+
+
+def flat_layout(flat) -> list[tuple[str | None, int]]:
+    """A flat parameter's entries in flat order: (the original parameter's
+    FQN relative to its unit, numel), or (None, numel) for alignment padding
+    (use_orig_params=True aligns each parameter; False packs them). The
+    final padding to a multiple of the world size is not an entry
+    (internals: _fqns, _numels, _numels_with_padding, _is_padding_mask)."""
+    mask, numels = getattr(flat, "_is_padding_mask", None), getattr(flat, "_numels_with_padding", None)
+    if not mask or numels is None:
+        return list(zip(flat._fqns, flat._numels))
+    fqns = iter(flat._fqns)
+    return [(None if padding else next(fqns), numel) for padding, numel in zip(mask, numels)]

@@ -487,13 +487,12 @@ class Runner:
         parameter as the emulated gradients fill it: each original
         parameter's gradient flattened in the flat parameter's order (zeros
         for padding and for parameters without one), the whole padded to a
-        multiple of the world size and chunked by rank (internals: _fqns,
-        _numels_with_padding, _is_padding_mask)."""
-        parts, fqns = [], iter(flat._fqns)
-        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+        multiple of the world size and chunked by rank (a1.flat_layout)."""
+        parts = []
+        for name, numel in a1.flat_layout(flat):
             g = None
-            if not padding:
-                fqn = a1.clean(f"{path}.{next(fqns)}" if path else next(fqns))
+            if name is not None:
+                fqn = a1.clean(f"{path}.{name}" if path else name)
                 g = emu.get(self.aliases.param_canon.get(fqn, fqn))
             parts.append(torch.zeros(numel) if g is None else g.detach().float().reshape(-1).cpu())
         full = torch.cat(parts) if parts else torch.zeros(0)
