@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import signal
 import sys
 import tempfile
 import threading
@@ -24,11 +25,6 @@ if TYPE_CHECKING:
 
 
 def cmd_selfcheck(ns) -> int:
-    if getattr(ns, "mutants", False):  # the suite's mutation score
-        from conformance.selfcheck import mutants
-
-        return mutants.run(ns)
-
     checkout = paths.PACKAGE.parent
     if not (checkout / "tests" / "self").is_dir():
         raise UsageError("the suite's own tests (tests/self) are in a checkout of fsdp-conformance, not in the installed package")
@@ -100,6 +96,7 @@ def cmd_mutants(ns) -> int:
     from conformance.areas import CATALOG
     from conformance.selfcheck.mutants import (
         DEFAULT_EXAMPLES,
+        STOPPING,
         Baseline,
         MutantError,
         Outcome,
@@ -110,6 +107,7 @@ def cmd_mutants(ns) -> int:
         render_text,
         run_one,
         select,
+        stop_all,
     )
 
 
@@ -152,9 +150,13 @@ def cmd_mutants(ns) -> int:
     finished: list[Outcome] = []
 
     def one(m: Mutant, tmp: str, baseline: Baseline) -> Outcome:
+        if STOPPING.is_set():
+            raise KeyboardInterrupt
         o = run_one(m, profile=ns.profile, examples=ns.examples, tiers=ns.tiers, work=Path(tmp),
                     timeout=ns.timeout, stop_first=not ns.all_kills, skip=tuple(ns.skip_invariant))
         o = confirm_kill(o, baseline)
+        if STOPPING.is_set():  # a run the interruption stopped says nothing about its mutant (not a crash kill)
+            raise KeyboardInterrupt
         with lock:
             finished.append(o)
             if ns.json:  # as the run goes: a long run stopped half-way keeps what it measured
@@ -168,9 +170,23 @@ def cmd_mutants(ns) -> int:
         # a kill counts only where the unmodified torch passes the same test
         baseline = Baseline(Path(tmp), profile=ns.profile, examples=ns.examples, tiers=ns.tiers, timeout=ns.timeout,
                             python=sys.executable, skip=tuple(ns.skip_invariant))
-        # each mutant runs in its own process group; threads only wait on them
-        with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
-            outcomes = list(pool.map(lambda m: one(m, tmp, baseline), mutants))
+        # each mutant runs in its own process group; threads only wait on
+        # them. SIGINT / SIGTERM: those runs and their ranks are stopped
+        # first (their own sessions do not hear the signal), then the
+        # interruption ends the command (the JSON keeps what finished).
+        def interrupted(signum, frame):
+            stop_all()
+            print(f"fsdp-conformance: selfcheck interrupted ({signal.Signals(signum).name}); its mutant runs were stopped",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+
+        before = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
+                outcomes = list(pool.map(lambda m: one(m, tmp, baseline), mutants))
+        finally:
+            for s, h in before.items():
+                signal.signal(s, h)
     sys.stdout.write(render_text(outcomes))
     if ns.output:
         data.write_text(Path(ns.output), render_md(outcomes, meta))

@@ -1,7 +1,8 @@
 """pytest plugin for mutant runs (conformance.selfcheck.mutants): the cheapest tests
 most likely to catch a mutant of the given API run first, so that `-x` ends
 a killed mutant early: the fake tier before the rank pool, and within a tier
-the areas of the mutated API before the slow forward-method and parity tests."""
+the areas of the mutated API before the slow forward-method and parity tests;
+a mutant's own `first` areas (its catalog entry) lead, on the pool."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 
 ENV_VAR = "FSDP_CONFORMANCE_MUTANT_API"
 FILE_VAR = "FSDP_CONFORMANCE_MUTANT_FILE"
+FIRST_VAR = "FSDP_CONFORMANCE_MUTANT_FIRST"  # the catalog's first areas, comma-separated
 # Files whose mutants change values (gradient reduction, parameter state),
 # which only the rank pool's training checks see: parity first, by area
 # before tier.
@@ -32,10 +34,11 @@ def pytest_collection_modifyitems(session, config, items):
     runtime = file.endswith(RUNTIME_FILES)
     if runtime:
         order = ("parity", *[a for a in order if a != "parity"])
-    first = next((a for f, a in AREA_FILES.items() if file.endswith(f)), None)
-    if first is not None:  # values of one area: its tests, on the pool, first
+    named = tuple(a for a in os.environ.get(FIRST_VAR, "").split(",") if a)
+    first = named or tuple(a for f, a in AREA_FILES.items() if file.endswith(f))[:1]
+    if first:  # values of these areas: their tests, on the pool, first
         runtime = True
-        order = (first, *[a for a in order if a != first])
+        order = (*first, *[a for a in order if a not in first])
 
     def key(item):
         cs = getattr(item, "callspec", None)

@@ -57,6 +57,7 @@ class Mutant:
     description: str
     count: int = 1
     equivalent: str | None = None
+    first: tuple[str, ...] = ()  # areas whose conformance tests run before the rest (where the mutated code is used)
 
     @property
     def path(self) -> str:
@@ -99,9 +100,15 @@ def load(path: Path = CATALOG_PATH) -> list[Mutant]:
             raise MutantError(f"{path}: duplicate mutant id {e['id']}")
         if e["find"] == e["replace"]:
             raise MutantError(f"{path}: mutant {e['id']}: find and replace are the same text")
+        first = e.get("first", [])
+        if not isinstance(first, list) or not all(isinstance(a, str) for a in first):
+            raise MutantError(f"{path}: mutant {e['id']}: first must be a list of area names")
+        unknown = [a for a in first if not (paths.SUITE / f"test_{a}.py").is_file()]
+        if unknown:
+            raise MutantError(f"{path}: mutant {e['id']}: first names {unknown[0]!r}, which has no conformance tests (conformance/suite/test_{unknown[0]}.py)")
         seen.add(e["id"])
         out.append(Mutant(e["id"], e["api"], e["file"], e["find"], e["replace"], e["description"],
-                          int(e.get("count", 1)), e.get("equivalent")))
+                          int(e.get("count", 1)), e.get("equivalent"), tuple(first)))
     return out
 
 
@@ -183,14 +190,14 @@ def run_one(m: Mutant, *, profile: str, examples: int | None, tiers: str, work: 
         return Outcome(m, "error", detail=str(e), seconds=time.monotonic() - t0)
     try:
         rc = _run_tests(m.api, m.path, src, mdir, [str(paths.SUITE)], profile=profile, examples=examples, tiers=tiers,
-                        timeout=timeout, python=python, stop_first=stop_first, skip=skip)
+                        timeout=timeout, python=python, stop_first=stop_first, skip=skip, first=m.first)
     except subprocess.TimeoutExpired:
         return Outcome(m, "timeout", detail=f"no verdict in {timeout:g}s (log: {mdir / 'run.log'})", seconds=time.monotonic() - t0)
     return _outcome(m, rc, mdir / "report", mdir / "run.log", time.monotonic() - t0)
 
 
 def _run_tests(api: str, file: str, src: Path, rundir: Path, tests: list[str], *, profile: str, examples: int | None,
-               tiers: str, timeout: float, python: str, stop_first: bool, skip: tuple[str, ...]) -> int:
+               tiers: str, timeout: float, python: str, stop_first: bool, skip: tuple[str, ...], first: tuple[str, ...] = ()) -> int:
     """pytest on ``tests`` with FSDP imported from ``src`` and the invariants
     of ``api``; its report in rundir/report, its log in rundir/run.log. The
     exit status; TimeoutExpired after ``timeout`` seconds (the run stopped)."""
@@ -210,15 +217,38 @@ def _run_tests(api: str, file: str, src: Path, rundir: Path, tests: list[str], *
     if stop_first:
         cmd.append("-x")
     env = {**os.environ, "FSDP_CONFORMANCE_SHRINK": "0", "FSDP_CONFORMANCE_DATABASE": "none", fsdp_source.ENV_VAR: str(src),
-           "FSDP_CONFORMANCE_MUTANT_API": api, "FSDP_CONFORMANCE_MUTANT_FILE": file}
+           "FSDP_CONFORMANCE_MUTANT_API": api, "FSDP_CONFORMANCE_MUTANT_FILE": file, "FSDP_CONFORMANCE_MUTANT_FIRST": ",".join(first)}
     rundir.mkdir(parents=True, exist_ok=True)
+    if STOPPING.is_set():  # the selfcheck was interrupted: no run starts after that
+        raise KeyboardInterrupt
     with open(rundir / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=rundir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with _LIVE_LOCK:
+            LIVE.add(proc)
         try:
             return proc.wait(timeout=timeout)
         except BaseException:
             _stop(proc)
             raise
+        finally:
+            with _LIVE_LOCK:
+                LIVE.discard(proc)
+
+
+# The mutant runs under way (each in its own session, so a signal to the
+# selfcheck does not reach them): stop_all() ends them when the selfcheck is
+# interrupted, or they would outlive it with their rank processes.
+LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
+STOPPING = threading.Event()
+
+
+def stop_all() -> None:
+    STOPPING.set()
+    with _LIVE_LOCK:
+        procs = list(LIVE)
+    for proc in procs:
+        _stop(proc)
 
 
 class Baseline:

@@ -5,8 +5,10 @@ self-test of the mutation score; the full table is reports/mutants.md)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,6 +42,69 @@ def test_mutant_copy_changes_only_its_file(tmp_path):
     m = next(x for x in mutants.load() if x.id == SAMPLE[0])
     root = mutants.make_source(m, tmp_path / "src")
     assert fsdp_source.differs_from_installed(root) == [m.path]
+
+
+def test_first_areas_run_ahead_of_the_rest(tmp_path, monkeypatch):
+    """A mutant's `first` areas lead the run's tests (on the pool, the run
+    stopping at its first failing test); every other test still follows."""
+    from conformance.selfcheck import mutant_plugin
+
+    class Item:
+        def __init__(self, area, tier):
+            self.nodeid = f"test_{area}.py::test_x[{tier}]"
+            self.callspec = type("C", (), {"params": {"engine": tier}})()
+
+    items = [Item(a, t) for t in ("gloo", "fake") for a in ("autowrap", "checkpoint", "fully_shard", "tp")]
+    monkeypatch.setenv(mutant_plugin.ENV_VAR, "fsdp2")
+    monkeypatch.setenv(mutant_plugin.FILE_VAR, "torch/distributed/tensor/parallel/style.py")
+    monkeypatch.setenv(mutant_plugin.FIRST_VAR, "tp")
+    got = list(items)
+    mutant_plugin.pytest_collection_modifyitems(None, None, got)
+    assert [i.nodeid for i in got[:2]] == ["test_tp.py::test_x[gloo]", "test_tp.py::test_x[fake]"]
+    assert sorted(i.nodeid for i in got) == sorted(i.nodeid for i in items)
+    tp = [m for m in mutants.load() if m.file.startswith("tensor/parallel/") or "-tp-" in m.id]
+    assert len(tp) == 4 and all(m.first == ("tp",) for m in tp)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[mutant]]\nid = "x"\napi = "fsdp2"\nfile = "fsdp/wrap.py"\nfind = "a"\nreplace = "b"\n'
+                   'description = "a mutant with a first area of nothing"\nfirst = ["no_such_area"]\n')
+    with pytest.raises(mutants.MutantError, match="first names 'no_such_area', which has no conformance tests"):
+        mutants.load(bad)
+
+
+def test_sigterm_stops_the_mutant_runs_it_started(tmp_path):
+    """Each mutant run has its own session (a signal to the selfcheck does
+    not reach it): an interrupted selfcheck stops them and their ranks, and
+    records no outcome for the run it cut short."""
+    from tests.self.test_report_run import _descendants, pid_alive
+
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, "-m", "conformance.cli", "selfcheck", "--mutants", "--mutant", SAMPLE[0],
+                             "--examples", "100000", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, tree = time.monotonic() + 120, set()
+    while time.monotonic() < deadline and proc.poll() is None:
+        tree |= _descendants(proc.pid)
+        if any("pytest" in _cmdline(p) for p in tree):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    time.sleep(1.0)
+    tree |= _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "selfcheck interrupted (SIGTERM)" in err
+    end = time.monotonic() + 20
+    while time.monotonic() < end and any(pid_alive(p) for p in tree):
+        time.sleep(0.1)
+    assert not [p for p in tree if pid_alive(p)], "mutant runs survived the selfcheck"
+    assert not out.exists() or not json.loads(out.read_text())["outcomes"]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return ""
 
 
 def test_unknown_mutant_is_one_line():
