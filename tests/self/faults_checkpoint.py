@@ -70,6 +70,16 @@ def load_assigns():
     return mock.patch.object(nn.Module, "load_state_dict", load)
 
 
+@fault("lazy-init-keeps-old-shards")
+def lazy_init_keeps_old_shards():
+    """FSDP2's lazy init no longer re-reads the sharded parameters: one that
+    load_state_dict(assign=True) replaced before the first forward is not
+    picked up, and the all-gathers keep reading the old shards."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return mock.patch.object(FSDPParam, "reset_sharded_param", lambda self: None)
+
+
 @fault("load-skips-model")
 def load_skips_model():
     """dcp.load reads the optimizer but leaves the model's tensors as the
@@ -139,6 +149,12 @@ def full_frozen_kept(spec: CaseSpec) -> dict:
 @scenario("fault:ckpt-ties:load-assigns", test_only=True)
 def ties_assign(spec: CaseSpec) -> dict:
     with FAULTS["load-assigns"]():
+        return _adapter().observe_ties(spec).to_dict()
+
+
+@scenario("fault:ckpt-ties:lazy-init-keeps-old-shards", test_only=True)
+def ties_stale(spec: CaseSpec) -> dict:
+    with FAULTS["lazy-init-keeps-old-shards"]():
         return _adapter().observe_ties(spec).to_dict()
 
 

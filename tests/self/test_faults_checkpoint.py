@@ -74,6 +74,9 @@ VALUES = [
     ("SD-FULL", lm(CheckpointPlan(full_sd="dcp-full")), "fault:ckpt-full:full-sd-perturbed", None, "kind:values"),
     ("SD-FULL", lm(CheckpointPlan(full_sd="dcp-full", ignore_frozen=True)), "fault:ckpt-full:frozen-not-ignored", None, "kind:frozen-kept"),
     ("TIES-KEPT", lm(CheckpointPlan(load_path="set_model_state_dict")), "fault:ckpt-ties:load-assigns", None, "kind:untied"),
+    # untied: assign=True unties a tie (the finding load-state-dict-assign-unties)
+    ("TIES-KEPT", dataclasses.replace(lm(CheckpointPlan(load_path="load_state_dict-assign")), ties=()),
+     "fault:ckpt-ties:lazy-init-keeps-old-shards", None, "kind:forward-stale"),
     pytest.param("CKPT-RESHARD", lm(ROUNDTRIP), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
     # FSDP2 at the load: FSDP1's get_optimizer_state_dict raises for a
     # parameter without state (a red verdict too, but not the kind asked for)

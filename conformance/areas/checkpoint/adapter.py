@@ -344,8 +344,23 @@ def observe_ties(spec: CaseSpec) -> CkptObservation:
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="state_dict")
     wrong = tuple(sorted(f for f, v in values.items() if not _same(v, source[f])))
-    return CkptObservation(**base, ties=_ties(built.model, tied), params_before=before, params_after=_count(model),
-                           wrong_values=wrong, seconds=(("load", seconds),))
+    ties, after = _ties(built.model, tied), _count(model)  # as the load left them (FSDP2's lazy init re-registers parameters)
+    losses = None
+    if base["backend"] != "fake":
+        # the first forward after the load computes with the loaded values
+        # (FSDP2 re-reads a parameter load_state_dict(assign=True) replaced
+        # at lazy init: FSDPParamGroup.lazy_init -> reset_sharded_param)
+        try:
+            with torch.no_grad():
+                got = step_loss(spec, built, model, 0).item()
+        except ERRORS as e:
+            return CkptObservation(**base, error=_err(e), phase="forward")
+        ref = placed(build(spec))
+        ref.model.load_state_dict(source)
+        with torch.no_grad():
+            losses = (got, step_loss(spec, ref, ref.model, 0).item())
+    return CkptObservation(**base, ties=ties, params_before=before, params_after=after,
+                           wrong_values=wrong, forward_loss=losses, seconds=(("load", seconds),))
 
 
 def _agreed_error(err: str | None) -> str | None:

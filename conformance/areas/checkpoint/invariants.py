@@ -6,11 +6,13 @@ sizes (CKPT-RESHARD) and optimizer state through a save and load
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from conformance.areas.checkpoint.observation import CkptObservation
 from conformance.areas.checkpoint.oracle import CkptPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
+from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL
 from conformance.areas.common.violations import violation
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
@@ -247,7 +249,7 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
     api="fsdp1|fsdp2",
     scenario="ckpt-ties",
     all_ranks=True,
-    statement="Every load path (load_state_dict incl. assign=True, set_model_state_dict incl. broadcast_from_rank0, meta-device init + to_empty + load) loads the values and leaves tied names sharing one Parameter, with the parameter count unchanged.",
+    statement="Every load path (load_state_dict incl. assign=True, set_model_state_dict incl. broadcast_from_rank0, meta-device init + to_empty + load) loads the values and leaves tied names sharing one Parameter, with the parameter count unchanged; the first forward after the load computes with the loaded values.",
     source=f"{DOC_DCP_SD} (set_model_state_dict, broadcast_from_rank0); {DOC_FSDP2}; FullyShardedDataParallel param_init_fn",
 )
 def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation] | NotChecked:
@@ -267,6 +269,12 @@ def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
             out.append(violation("TIES-KEPT", f"rank {o.rank}: {o.params_after} parameters after the load, {o.params_before} before", tags, "kind:param-count"))
         if o.wrong_values and o.values_meaningful:
             out.append(violation("TIES-KEPT", f"rank {o.rank}: {list(o.wrong_values)} do not hold the loaded values", tags, "kind:values"))
+        if o.forward_loss is not None and o.values_meaningful:
+            loss, ref = o.forward_loss
+            if not (abs(loss - ref) <= TRAIN_ATOL + TRAIN_RTOL * abs(ref) or (math.isnan(loss) and math.isnan(ref))):
+                out.append(violation("TIES-KEPT", f"rank {o.rank}: the first forward after the load gives loss {loss!r}, "
+                                     f"the unwrapped model with the loaded state {ref!r}: FSDP computes with other values than it loaded",
+                                     tags, "kind:forward-stale"))
     return out
 
 

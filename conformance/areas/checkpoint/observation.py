@@ -27,6 +27,7 @@ class CkptObservation(Record):
     ties: tuple[tuple[str, bool], ...] = ()  # (canonical FQN, every alias is one Parameter)
     params_before: int = 0
     params_after: int = 0
+    forward_loss: tuple[float, float] | None = None  # (the loaded model's first loss, the unwrapped model's with the same state); None: not run (fake tier)
     # CKPT-RESHARD / OPTIM-STATE (load side; the save side's record is ``save``)
     model_diff: tuple[str, ...] = ()  # loaded model value differs from the saved one (or key missing / extra)
     optim_saved: tuple[str, ...] = ()  # FQNs with optimizer state in the saved full optimizer state dict
