@@ -247,7 +247,9 @@ class CheckpointPlan:
     requires_grad flips after the first step (before the save);
     ``load_frozen``: the parameters frozen at load (and after it).
     ``full_sd``/``rank0_only``/``offload``/``ignore_frozen``: how SD-FULL takes
-    the full state dict; ``load_path``: how TIES-KEPT loads one."""
+    the full state dict; ``load_path``: how TIES-KEPT loads one;
+    ``warm``: TIES-KEPT's model runs one forward before the load (a load
+    into a model in use, FSDP2's lazy init done)."""
 
     save_world: int = 2
     load_world: int = 2
@@ -262,6 +264,7 @@ class CheckpointPlan:
     offload: bool = False
     ignore_frozen: bool = False
     load_path: str = "load_state_dict"
+    warm: bool = False
 
 
 # ---- gradient clipping (clip area) -------------------------------------------

@@ -75,7 +75,8 @@ def add_mutant_arguments(p) -> None:
     p.add_argument("--mutants", action="store_true", help="measure the suite's mutation score (conformance/mutants.toml) instead of running tests/self")
     p.add_argument("--profile", default="ci", help="Hypothesis profile of the mutant runs (default ci)")
     p.add_argument("--mutant", action="append", metavar="ID", help="only these mutants (repeatable)")
-    p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help=f"examples per test in a mutant run (default {DEFAULT_EXAMPLES})")
+    p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
+                   help=f"examples per test in a mutant run (default {DEFAULT_EXAMPLES}; 0: the profile's own budget, as a run of it draws)")
     p.add_argument("--tiers", default="fake,gloo", help="tiers of the mutant runs (default fake,gloo)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds before a mutant run is stopped")
     p.add_argument("--all-kills", action="store_true", help="do not stop a mutant at its first failing test: list every invariant that catches it")
@@ -115,8 +116,10 @@ def cmd_mutants(ns) -> int:
         profiles.selected(ns.profile)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if ns.examples is not None and ns.examples < 1:
-        raise UsageError(f"--examples must be >= 1, got {ns.examples}")
+    if ns.examples is not None and ns.examples < 0:
+        raise UsageError(f"--examples must be >= 0 (0: the profile's budget), got {ns.examples}")
+    if ns.examples == 0:
+        ns.examples = None
 
     bad = [i for i in ns.skip_invariant if i not in CATALOG]
     if bad:
@@ -138,7 +141,7 @@ def cmd_mutants(ns) -> int:
     import torch
 
     meta = {"command": "fsdp-conformance selfcheck --mutants" + (f" --profile {ns.profile}" if ns.profile != "ci" else "")
-            + (f" --examples {ns.examples}" if ns.examples != DEFAULT_EXAMPLES else ""),
+            + (f" --examples {ns.examples or 0}" if ns.examples != DEFAULT_EXAMPLES else ""),
             "torch": torch.__version__, "profile": ns.profile, "examples": ns.examples, "tiers": ns.tiers,
             "suite": _suite_revision(), "skipped_invariants": list(ns.skip_invariant), "baseline_checked": True,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}

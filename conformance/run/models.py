@@ -171,7 +171,8 @@ def check_model(
 
     Raises TargetError (one line naming the target and what is wrong) before
     anything runs when the target cannot be used, UnknownInvariant for a bad
-    name. ``engines`` (tier -> engine) lets a caller reuse its own; the ones
+    name. ``engines`` (tier -> engine, or a Worlds over one, which then also
+serves the scenarios that load on other world sizes) lets a caller reuse its own; the ones
     made here are closed before returning, so no rank process outlives the
     call. ``progress(line)`` hears one line per invariant and tier done."""
     check_target(target)
@@ -198,10 +199,14 @@ def check_model(
             if not runnable:
                 continue
             eng = (engines or {}).get(tier)
+            worlds = None
+            if eng is not None and hasattr(eng, "base") and hasattr(eng, "engine"):
+                # a caller's Worlds (engine.worlds): its pools serve the
+                # save / load-elsewhere scenarios, its base the others
+                worlds, eng = eng, eng.base
             if eng is None:
                 eng = make_engine(tier, world_size=world_size, fake_world_size=fake_world_size, deadline=deadline)
                 own.append(eng)
-            worlds = None
             for scenario, apis, ids in groups(runnable):
                 engine = eng
                 if scenario in LIFECYCLE and scenario.startswith("ckpt"):

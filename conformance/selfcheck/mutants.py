@@ -420,7 +420,7 @@ def render_md(outcomes: list[Outcome], meta: dict) -> str:
         "",
         f"`{meta['command']}`: each mutant of `conformance/mutants.toml` applied alone to a copy of the installed",
         f"FSDP (torch {meta['torch']}), the invariants of its API run against it (profile `{meta['profile']}`,",
-        f"{meta['examples'] if meta['examples'] is not None else 'the profile''s'} examples per test, tiers `{meta['tiers']}`, "
+        f"{meta['examples'] if meta['examples'] is not None else 'the profile' + chr(39) + 's'} examples per test, tiers `{meta['tiers']}`, "
         f"first failing test ends a mutant, no shrinking{'; each run below says its own' if meta.get('runs') else ''}).",
         "",
         f"**{k}/{n} non-equivalent mutants killed ({100.0 * k / n if n else 0:.0f}%)**; "

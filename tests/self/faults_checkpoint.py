@@ -80,6 +80,25 @@ def lazy_init_keeps_old_shards():
     return mock.patch.object(FSDPParam, "reset_sharded_param", lambda self: None)
 
 
+@fault("load-post-hook-keeps-old-shards")
+def load_post_hook_keeps_old_shards():
+    """FSDPParam's load_state_dict post-hook no longer re-reads the sharded
+    parameter: after a load with assign=True into a model that has run (lazy
+    init done), the all-gathers keep reading the old shards."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    orig = FSDPParam.reset_sharded_param
+
+    def reset(self):
+        import traceback
+
+        if any(f.name == "_load_from_state_dict" or "load_state_dict" in f.name for f in traceback.extract_stack()[:-1]):
+            return None
+        return orig(self)
+
+    return mock.patch.object(FSDPParam, "reset_sharded_param", reset)
+
+
 @fault("load-skips-model")
 def load_skips_model():
     """dcp.load reads the optimizer but leaves the model's tensors as the
@@ -155,6 +174,12 @@ def ties_assign(spec: CaseSpec) -> dict:
 @scenario("fault:ckpt-ties:lazy-init-keeps-old-shards", test_only=True)
 def ties_stale(spec: CaseSpec) -> dict:
     with FAULTS["lazy-init-keeps-old-shards"]():
+        return _adapter().observe_ties(spec).to_dict()
+
+
+@scenario("fault:ckpt-ties:load-post-hook-keeps-old-shards", test_only=True)
+def ties_stale_after_use(spec: CaseSpec) -> dict:
+    with FAULTS["load-post-hook-keeps-old-shards"]():
         return _adapter().observe_ties(spec).to_dict()
 
 

@@ -77,6 +77,8 @@ VALUES = [
     # untied: assign=True unties a tie (the finding load-state-dict-assign-unties)
     ("TIES-KEPT", dataclasses.replace(lm(CheckpointPlan(load_path="load_state_dict-assign")), ties=()),
      "fault:ckpt-ties:lazy-init-keeps-old-shards", None, "kind:forward-stale"),
+    ("TIES-KEPT", dataclasses.replace(lm(CheckpointPlan(load_path="load_state_dict-assign", warm=True)), ties=()),
+     "fault:ckpt-ties:load-post-hook-keeps-old-shards", None, "kind:forward-stale"),
     pytest.param("CKPT-RESHARD", lm(ROUNDTRIP), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
     # FSDP2 at the load: FSDP1's get_optimizer_state_dict raises for a
     # parameter without state (a red verdict too, but not the kind asked for)

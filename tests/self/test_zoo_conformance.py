@@ -55,12 +55,13 @@ def test_zoo_model_holds_every_applicable_invariant(name):
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", ZOO)
-def test_zoo_model_through_the_lifecycle(name):
+def test_zoo_model_through_the_lifecycle(name, worlds):
     """Every lifecycle invariant runs on the target (none silently left
     out) and compares values on at least one example, its natural
-    configurations among them."""
+    configurations among them. One pool, and one pool per other world
+    size, serve every model (as a run's session pools do)."""
     ref = f"conformance.models.zoo.{name}:target"
-    run = check_model(ref, invariants=LIFECYCLE, examples=1, seed=0)
+    run = check_model(ref, invariants=LIFECYCLE, examples=1, seed=0, engines={"gloo": worlds})
     assert run.ok, run.summary()
     assert not run.skipped, run.skipped
     rows = _rows(run)
@@ -130,11 +131,21 @@ def test_a_budget_of_three_reaches_the_lora_frozen_error_and_warning():
 @pytest.fixture(scope="module")
 def pool():
     from conformance.engine.pool import RankPool
+    from conformance.engine.scenarios import default_preload
 
-    p = RankPool(2, "gloo", deadline=120.0, preload=("tests.self.faults_checkpoint", "tests.self.faults_training"))
+    p = RankPool(2, "gloo", deadline=120.0, preload=(*default_preload(), "tests.self.faults_checkpoint", "tests.self.faults_training"))
     p.tier = "gloo"
     yield p
     p.close()
+
+
+@pytest.fixture(scope="module")
+def worlds(pool):
+    from conformance.engine.worlds import Worlds
+
+    w = Worlds(pool)
+    yield w
+    w.close()
 
 
 def _lora(lifecycle, api="fsdp2"):

@@ -323,6 +323,15 @@ def observe_ties(spec: CaseSpec) -> CkptObservation:
             model = wrap(spec, built, meta_init=meta)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap")
+    if spec.ckpt.warm:  # a model in use: one forward before the load (FSDP2's lazy init done)
+        try:
+            with torch.no_grad():
+                step_loss(spec, built, model, 1)
+            err = None
+        except ERRORS as e:
+            err = _err(e)
+        if (err := _agreed_error(err)) is not None:
+            return CkptObservation(**base, error=err, phase="forward-before-load")
     try:
         if path in ("load_state_dict", "load_state_dict-assign") and not (path.endswith("assign") and spec.plan.api == "fsdp1"):
             _load_state_dict(spec, model, source, assign=path.endswith("assign"))
@@ -348,8 +357,8 @@ def observe_ties(spec: CaseSpec) -> CkptObservation:
     losses = None
     if base["backend"] != "fake":
         # the first forward after the load computes with the loaded values
-        # (FSDP2 re-reads a parameter load_state_dict(assign=True) replaced
-        # at lazy init: FSDPParamGroup.lazy_init -> reset_sharded_param)
+        # (FSDP2 re-reads a parameter load_state_dict(assign=True) replaced:
+        # FSDPParam's load post-hook and, before the first forward, lazy init)
         try:
             with torch.no_grad():
                 got = step_loss(spec, built, model, 0).item()

@@ -117,6 +117,9 @@ def ties_kept():
         model = wrap(model, mods, SAVE_PLAN)
     else:
         model = wrap(model, mods, SAVE_PLAN)
+        if WARM:  # a model in use: one forward before the load
+            with torch.no_grad():
+                model(torch.linspace(-1.0, 1.0, 2) * 1.25)
         if LOAD_PATH.startswith("load_state_dict"):
             if SAVE_PLAN[0] == "fsdp1":
                 with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
@@ -137,6 +140,12 @@ def ties_kept():
             WRONG.append(f"after the load ({LOAD_PATH}) the tied names {list(group)} are {len(objs)} Parameters, expected one")
     if len(list(model.parameters())) != n_before:
         WRONG.append(f"the model has {len(list(model.parameters()))} parameters after the load, {n_before} before")
+    if dist.get_backend() != "fake":  # the first forward after the load computes with the loaded values
+        with torch.no_grad():
+            got = (model(torch.linspace(-1.0, 1.0, 2)) ** 2).sum().item()
+            want = (other(torch.linspace(-1.0, 1.0, 2)) ** 2).sum().item()
+        if not abs(got - want) <= 1e-5 + 1e-3 * abs(want):
+            WRONG.append(f"the first forward after the load gives loss {got!r}; the unwrapped model with the loaded state gives {want!r}")
 
 
 def save(path):
@@ -312,7 +321,7 @@ def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "",
         f"LOAD_PLAN = ({(ck.load_plan or spec.plan).api!r}, 1)",
         f"OPTIMIZER, STEPS = {ck.optimizer!r}, {ck.steps}",
         f"FULL_SD, OFFLOAD, RANK0_ONLY, IGNORE_FROZEN = {ck.full_sd!r}, {ck.offload}, {ck.rank0_only}, {ck.ignore_frozen}",
-        f"LOAD_PATH = {ck.load_path!r}",
+        f"LOAD_PATH, WARM = {ck.load_path!r}, {ck.warm!r}  # WARM: a forward before the load",
         f"SAVE_WORLD, LOAD_WORLD = {ck.save_world}, {ck.load_world}  # the case's world sizes",
         f"FROZEN_NAMES = {sorted({a for _, pid in graph.named_parameters() if not graph.requires_grad(pid) for a in graph.aliases(pid)})!r}",
     ]) + "\n"
