@@ -44,6 +44,12 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     for flag in ("rank0_only", "offload", "ignore_frozen"):
         if getattr(ck, flag):
             tags.add(flag)
+    if ck.warm:
+        tags.add("load-after-forward")
+        if spec.plan.api == "fsdp2" and _root_group_has_params(spec):
+            # the root does not reshard after forward (reshard_after_forward
+            # None -> False): its unsharded parameters stay registered
+            tags.add("root-unsharded-after-forward")
     # a real model's ties and shared modules are in its graph, not its case
     shared = bool(spec.shared) or (is_model_case(spec) and graph_of(spec).shared_modules())
     if spec.ties or shared or (is_model_case(spec) and pred is not None and pred.tied):
@@ -151,6 +157,14 @@ def _renamed_tags(pred: CkptPrediction, obs: CkptObservation) -> tuple[str, ...]
     canon = _canon(pred)
     same = all({canon.get(n, n) for n in got} == {canon.get(n, n) for n in want} for _, got, want in obs.groups_params)
     return ("params:renamed-alias",) if same else ()
+
+
+def _root_group_has_params(spec: CaseSpec) -> bool:
+    import torch
+
+    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+
+    return any(g.root and g.managed for g in predict_fsdp2(spec, torch.__version__).groups)
 
 
 def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
