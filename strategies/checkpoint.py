@@ -95,7 +95,11 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
             # with use_orig_params=False FSDP1's parameters are flat: no
             # per-name Parameter to tie
             spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, use_orig_params=True))
-        return dataclasses.replace(spec, ckpt=CheckpointPlan(save_world=save_world, load_path=path))
+        # a load into a model that has run (lazy init done): where the load
+        # happens after wrapping (not meta init, not FSDP1's assign before it)
+        warm = path != "meta-to_empty" and not (api == "fsdp1" and path == "load_state_dict-assign") and maybe(draw, 1)
+        event(f"load into a model that ran: {warm}")
+        return dataclasses.replace(spec, ckpt=CheckpointPlan(save_world=save_world, load_path=path, warm=warm))
     load_api = pick(draw, (api, "fsdp2" if api == "fsdp1" else "fsdp1"))
     load_plan = draw_load_plan(draw, spec, load_api)
     load_world = pick(draw, WORLDS)
