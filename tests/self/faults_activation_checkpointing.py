@@ -62,6 +62,51 @@ def checkpoint_keeps_activations():
     return _all(mock.patch.object(tuc, "checkpoint", plain), mock.patch.object(cw, "torch_utils_checkpoint", plain))
 
 
+@fault("checkpoint-recomputes-twice")
+def checkpoint_recomputes_twice():
+    """torch.utils.checkpoint (and checkpoint_wrapper's use of it) runs the
+    region's forward twice whenever it recomputes: the same values and
+    gradients, twice the recompute (seen on the reentrant variant, which
+    re-runs the whole region; the non-reentrant one stops early)."""
+    import torch.utils.checkpoint as tuc
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    orig = tuc.checkpoint
+
+    def twice(function, *args, **kwargs):
+        calls = [0]
+
+        def region(*a, **k):
+            calls[0] += 1
+            if calls[0] > 1:  # a recompute: once more than asked
+                function(*a, **k)
+            return function(*a, **k)
+
+        return orig(region, *args, **kwargs)
+
+    return _all(mock.patch.object(tuc, "checkpoint", twice), mock.patch.object(cw, "torch_utils_checkpoint", twice))
+
+
+@fault("checkpoint-probes-region-in-forward")
+def checkpoint_probes_region_in_forward():
+    """torch.utils.checkpoint (and checkpoint_wrapper's use of it) runs the
+    region once without grad before the checkpointed call (a probe of its
+    outputs): the same values and gradients, one forward more per step."""
+    import torch
+    import torch.utils.checkpoint as tuc
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    orig = tuc.checkpoint
+
+    def probed(function, *args, **kwargs):
+        with torch.no_grad():
+            function(*args, **{k: v for k, v in kwargs.items() if k not in ("use_reentrant", "context_fn", "preserve_rng_state",
+                                                                              "determinism_check", "debug")})
+        return orig(function, *args, **kwargs)
+
+    return _all(mock.patch.object(tuc, "checkpoint", probed), mock.patch.object(cw, "torch_utils_checkpoint", probed))
+
+
 @fault("wrapper-keeps-prefix")
 def wrapper_keeps_prefix():
     """checkpoint_wrapper's state_dict post-hook leaves its

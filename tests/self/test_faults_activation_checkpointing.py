@@ -78,6 +78,10 @@ FAULTS = [
     ("AC-RECOMPUTE", "fsdp2-around-nonreentrant", "checkpoint-keeps-activations", "kind:not-recomputed"),
     ("AC-RECOMPUTE", "fsdp1-inside-reentrant-uop", "checkpoint-keeps-activations", "kind:not-recomputed"),
     ("AC-RECOMPUTE", "fsdp1-is-unit-utils", "checkpoint-keeps-activations", "kind:not-recomputed"),
+    ("AC-RECOMPUTE", "fsdp1-inside-reentrant-uop", "checkpoint-recomputes-twice", "kind:extra-recompute"),
+    ("AC-RECOMPUTE", "fsdp2-is-unit-reentrant", "checkpoint-recomputes-twice", "kind:extra-recompute"),
+    ("AC-RECOMPUTE", "fsdp2-around-nonreentrant", "checkpoint-probes-region-in-forward", "kind:forward-calls"),
+    ("AC-RECOMPUTE", "fsdp1-inside-reentrant-uop", "checkpoint-probes-region-in-forward", "kind:forward-calls"),
 ]
 
 
