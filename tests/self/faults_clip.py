@@ -121,6 +121,19 @@ def fsdp1_clip_coef_not_clamped():
     return _fsdp1_method_with(patches)
 
 
+@fault("fsdp1-summon-with-grads-raises")
+def fsdp1_summon_with_grads_raises():
+    """FSDP1's summon_full_params(with_grads=True) cannot gather the
+    gradients (FlatParamHandle.unshard_grad raises): the documented way to
+    read them whole before the clip fails."""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    def unshard_grad(self):
+        raise RuntimeError("unshard_grad: the sharded gradient has no flat view")
+
+    return mock.patch.object(FlatParamHandle, "unshard_grad", unshard_grad)
+
+
 @fault("fsdp1-norm-returned-in-bf16")
 def fsdp1_norm_returned_in_bf16():
     """FSDP1's clip_grad_norm_ returns the total norm in the compute dtype

@@ -78,6 +78,7 @@ FAULTS = [
     ("CLIP-NORM", "fsdp1-mp-uop", "fsdp1-norm-returned-in-bf16", "kind:dtype"),
     ("CLIP-GRADS", "fsdp2-mp-reduce-fp32", "clip-coef-not-applied", "kind:grad"),
     ("CLIP-GRADS", "fsdp1-mp-flat-keep-low", "fsdp1-clip-coef-not-clamped", "kind:grad"),
+    ("CLIP-GRADS", "fsdp1-mp-uop", "fsdp1-summon-with-grads-raises", "kind:grads-unreadable"),
 ]
 
 
