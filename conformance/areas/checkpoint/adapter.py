@@ -48,13 +48,28 @@ def _errors() -> tuple[type[BaseException], ...]:
 ERRORS = _errors()
 
 
+def _load_cause(e: BaseException) -> str:
+    """nn.Module.load_state_dict's first line only names the module ("Error(s)
+    in loading state_dict for X:"): the first copy that failed, and why, as
+    ' <name>: <its exception>', so that a finding can match its own cause."""
+    text = str(e)
+    if not text.startswith("Error(s) in loading state_dict for "):
+        return ""
+    name, sep, rest = text.partition('While copying the parameter named "')
+    if not sep:
+        return ""
+    param, _, after = rest.partition('"')
+    why = after.partition("an exception occurred : (")[2].split("\n")[0].strip(" ('\",).")
+    return f" {param}: {' '.join(why.split())[:200]}" if why else ""
+
+
 def _err(e: BaseException) -> str:
     """'Type: first line'; for a CheckpointException (whose first line only
     names the ranks) the first failing rank's own exception as well:
     'CheckpointException: rank R: InnerType: its first line'."""
     failures = getattr(e, "failures", None)
     if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
-        return _err1(e)
+        return _err1(e) + _load_cause(e)
     rank = min(failures)
     wrapped = failures[rank]
     # a (exception, stack summary) pair, or an object with .exc in other releases

@@ -175,6 +175,10 @@ def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
     names (key:model, key:optim-state, key:param-groups) and key:alias when
     its FQN is not the first of a Parameter's names (``aliases``: those
     other names)."""
+    if "got mixed torch.Tensor and DTensor" in error or "placement changes are not supported" in error:
+        # load_state_dict copying a DTensor into a registered plain (unsharded)
+        # tensor, or into a DTensor of another placement
+        return ("cause:copy-into-unsharded",)
     head, sep, rest = error.partition(": rank ")
     if head != "CheckpointException" or not sep:
         return _optim_conversion_tags(error, aliases)
