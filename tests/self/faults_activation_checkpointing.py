@@ -157,6 +157,27 @@ def fsdp1_regather_in_backward():
     return mock.patch.object(FlatParamHandle, "unshard", unshard)
 
 
+@fault("fsdp2-recompute-gathers-twice")
+def fsdp2_recompute_gathers_twice():
+    """FSDP2's pre-forward of a forward recomputed in backward all-gathers
+    the group twice (it reshards what it just gathered and gathers again):
+    the values are the same; only the count shows it."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    orig = FSDPParamGroup.pre_forward
+
+    def pre_forward(self, module, args, kwargs):
+        out = orig(self, module, args, kwargs)
+        if torch._C._current_graph_task_id() != -1:  # inside a backward: the recompute
+            self.reshard()
+            self.unshard()
+            self.wait_for_unshard()
+        return out
+
+    return mock.patch.object(FSDPParamGroup, "pre_forward", pre_forward)
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.activation_checkpointing import adapter

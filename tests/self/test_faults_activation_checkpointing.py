@@ -48,6 +48,24 @@ def model(plan: WrapPlan, ac: ActivationCheckpointPlan, *, frozen: bool = False,
     return CaseSpec(tree=tree, classes=classes, ties=ties, plan=plan, activation_checkpoint=ac, seed=3)
 
 
+def frozen_in_region(plan: WrapPlan) -> CaseSpec:
+    """root -> outer (checkpoint_wrapper, non-reentrant) -> embed0, embed1
+    (Embeddings: nothing to differentiate through them) and proj (Linear,
+    after them), every parameter frozen (the gradient flows to the input
+    alone): the recompute of outer re-runs embed0's forward in backward, the
+    only reader of its parameters there (FSDP2's backward prefetch from the
+    root reaches embed1, the last group, not embed0). Seed 2601's case,
+    reduced."""
+    outer = ModuleSpec("outer", "Outer", children=(
+        ModuleSpec("embed0", "Embedding", (ParamSpec("weight", (3, 2), False),)),
+        ModuleSpec("embed1", "Embedding", (ParamSpec("weight", (2, 2), False),)),
+        ModuleSpec("proj", "Linear", (ParamSpec("weight", (2, 2), False),)),
+    ))
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,), False),), children=(outer,))
+    classes = tuple(ClassSpec(c) for c in ("Model", "Outer"))
+    return CaseSpec(tree=tree, classes=classes, plan=plan, activation_checkpoint=ActivationCheckpointPlan("wrapper-non-reentrant", ("outer",), steps=2), seed=5)
+
+
 FSDP2 = WrapPlan(api="fsdp2", groups=(ShardGroup(("outer.block",)), ShardGroup(("head",))))
 FSDP1 = WrapPlan(api="fsdp1", policy=CustomWrap(("outer.block", "head")))
 FSDP1_UOP = WrapPlan(api="fsdp1", policy=CustomWrap(("outer.block", "head")), use_orig_params=True)
@@ -63,6 +81,9 @@ CASES = {
     "fsdp1-around-nonreentrant": lambda: model(FSDP1, ActivationCheckpointPlan("wrapper-non-reentrant", ("outer",))),
     "fsdp1-inside-reentrant-uop": lambda: model(FSDP1_UOP, ActivationCheckpointPlan("wrapper-reentrant", ("outer.block.inner",))),
     "fsdp1-is-unit-utils": lambda: model(FSDP1, ActivationCheckpointPlan("utils-checkpoint", ("outer.block", "head"), steps=2)),
+    # a frozen unit in the region, with no backward of its own: the recompute gathers it
+    "fsdp2-frozen-group-in-region": lambda: frozen_in_region(WrapPlan(api="fsdp2", groups=(ShardGroup(("outer.embed0",)), ShardGroup(("outer.embed1",))))),
+    "fsdp1-frozen-unit-in-region": lambda: frozen_in_region(WrapPlan(api="fsdp1", policy=CustomWrap(("outer.embed0",)), use_orig_params=True)),
 }
 
 FAULTS = [
@@ -75,6 +96,7 @@ FAULTS = [
     ("AC-ALLGATHER", "fsdp2-around-nonreentrant", "fsdp2-reshard-after-recompute", "kind:extra-gathers"),
     ("AC-ALLGATHER", "fsdp2-composable-tie", "fsdp2-reshard-after-recompute", "kind:extra-gathers"),
     ("AC-ALLGATHER", "fsdp1-is-unit-utils", "fsdp1-regather-in-backward", "kind:extra-gathers"),
+    ("AC-ALLGATHER", "fsdp2-frozen-group-in-region", "fsdp2-recompute-gathers-twice", "kind:extra-gathers"),
     ("AC-RECOMPUTE", "fsdp2-around-nonreentrant", "checkpoint-keeps-activations", "kind:not-recomputed"),
     ("AC-RECOMPUTE", "fsdp1-inside-reentrant-uop", "checkpoint-keeps-activations", "kind:not-recomputed"),
     ("AC-RECOMPUTE", "fsdp1-is-unit-utils", "checkpoint-keeps-activations", "kind:not-recomputed"),
@@ -123,6 +145,24 @@ def test_the_oracle_tags_where_ac_sits():
     assert "ac:is-unit" in predict_ac(CASES["fsdp2-is-unit-reentrant"]()).tags
     assert {"ac:inside-unit", "ac:frozen-inside", "frozen"} <= predict_ac(CASES["fsdp2-inside-selective-frozen"]()).tags
     assert "tie" in predict_ac(CASES["fsdp2-composable-tie"]()).tags
+    for case, units in (("fsdp2-frozen-group-in-region", {"outer.embed0", "outer.embed1"}), ("fsdp1-frozen-unit-in-region", {"outer.embed0"})):
+        pred = predict_ac(CASES[case]())
+        assert "ac:frozen-unit-in-region" in pred.tags and pred.frozen_in_region == units, case
+    assert not predict_ac(CASES["fsdp2-around-nonreentrant"]()).frozen_in_region
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", ["fsdp2-frozen-group-in-region", "fsdp1-frozen-unit-in-region"])
+def test_the_recompute_of_a_frozen_unit_is_the_only_backward_gather(case, pool):
+    """The frozen unit's forward runs again in backward (AC-RECOMPUTE's
+    count) and is gathered for it, which the unit structure alone (0 in
+    backward) does not imply: the allowance is used, not idle."""
+    spec = CASES[case]()
+    obs = observations(pool, spec, "activation-checkpointing", ACObservation.from_dict)
+    back = {(s, g): n for s, ph, g, n in obs[0].gathers if ph == "backward"}
+    plain = {(s, g): n for s, ph, g, n in obs[0].plain_gathers if ph == "backward"}
+    for step in (0, 1):
+        assert back.get((step, "outer.embed0"), 0) == 1 and plain.get((step, "outer.embed0"), 0) == 0, (obs[0].gathers, obs[0].plain_gathers)
 
 
 @pytest.mark.gloo

@@ -20,7 +20,11 @@ AC-STATE-DICT, AC-ALLGATHER), from the docstrings alone:
   in backward reads parameters FSDP already gathers for that backward (a
   region inside a unit runs while its unit is unsharded; a region around a
   unit runs that unit's forward just before the unit's own backward): AC
-  adds no all-gather to what the unit structure implies.
+  adds no all-gather to what the unit structure implies. A unit in a
+  checkpointed region whose parameters are all frozen may have no backward
+  of its own (nothing to differentiate through it): the recompute, which
+  re-invokes its forward, is then the only reader of its parameters in
+  backward, and may gather it once for each time the forward gathered it.
 
 The oracle never runs torch.distributed or FSDP."""
 
@@ -45,6 +49,10 @@ class ACPrediction:
     plan: ActivationCheckpointPlan
     applicable: str  # "" or why training is outside what FSDP promises
     tags: frozenset[str]
+    # units (FSDP2 group's first module / FSDP1 unit path) inside a
+    # checkpointed region with every parameter frozen: the recompute may be
+    # the only reader of their parameters in backward
+    frozen_in_region: frozenset[str] = frozenset()
 
     def expect(self, world: int) -> Expected:
         """The collectives of the plan's steps without AC (what the unit
@@ -89,12 +97,17 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
     g = graph_of(spec)
     tags = {f"api:{spec.plan.api}", f"ac:{plan.kind}"}
     groups: list[tuple[str, ...]] = []
+    all_frozen: set[tuple[str, ...]] = set()  # the units that manage parameters, none trainable
     if spec.plan.api == "fsdp1":
         tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
         if training.fsdp1 is not None and training.fsdp1.error is None:
             groups = [(u.path,) for u in training.fsdp1.units if u.path]
+            all_frozen = {(u.path,) for u in training.fsdp1.units if u.path and u.managed and not u.trainable}
     elif training.fsdp2 is not None:
         groups = [grp.modules for grp in training.fsdp2.groups if not grp.root]
+        all_frozen = {grp.modules for grp in training.fsdp2.groups if not grp.root and grp.managed and not grp.trainable}
+    wrapper = plan.kind in WRAPPERS
+    frozen_in_region = set()
     for t in plan.targets:
         for mods in groups:
             if len(mods) > 1 and any(t == m or below(t, m) or below(m, t) for m in mods):
@@ -107,11 +120,16 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
                 tags.add("ac:around-unit" if len(inside) == len(mods) else "ac:across-unit")
             if any(below(m, t) for m in mods):
                 tags.add("ac:inside-unit")  # inside a non-root unit
-    wrapper = plan.kind in WRAPPERS
+            # a wrapper stays outside the module it checkpoints, so that
+            # unit's hooks run inside the region; a patched forward does not
+            if mods in all_frozen and any(below(t, m) or (wrapper and t == m) for m in mods):
+                frozen_in_region.add(mods[0])
     if "ac:around-unit" in tags or "ac:across-unit" in tags or ("ac:is-unit" in tags and wrapper):
         # a unit's forward runs inside a checkpointed region (a wrapper stays
         # outside the module FSDP wraps or shards): recompute runs its hooks
         tags.add("ac:unit-in-region")
+    if frozen_in_region:
+        tags.add("ac:frozen-unit-in-region")
     if not any(tag in tags for tag in ("ac:is-unit", "ac:around-unit", "ac:across-unit", "ac:inside-unit")):
         tags.add("ac:root-unit")  # only the root unit manages it
     if training.frozen:
@@ -120,4 +138,4 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
             tags.add("ac:frozen-inside")
     if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):
         tags.add("tie")
-    return ACPrediction(spec, training, plan, training.applicable, frozenset(tags))
+    return ACPrediction(spec, training, plan, training.applicable, frozenset(tags), frozenset(frozen_in_region))
