@@ -82,6 +82,21 @@ def fsdp2_unsynced_grads_accumulate_in_param_dtype():
     return mock.patch.object(_fsdp2_param(), "to_accumulated_grad_if_needed", lambda self: None)
 
 
+@fault("fsdp2-accumulated-grad-rounded-to-param-dtype")
+def fsdp2_accumulated_grad_rounded_to_param_dtype():
+    """The reduce_dtype (fp32) running sum of unsynced gradients is rounded
+    to the gradient's param_dtype (bf16) before each microbatch's gradient is
+    added: the selfcheck mutant of the same name, as a fault."""
+
+    def accumulate(self):
+        if self.unsharded_accumulated_grad is not None and self.unsharded_param.grad is not None:
+            acc = self.unsharded_accumulated_grad
+            acc.copy_(acc.to(self.unsharded_param.grad.dtype) + self.unsharded_param.grad)
+            self.unsharded_param.grad = None
+
+    return mock.patch.object(_fsdp2_param(), "accumulate_unsharded_grad_if_needed", accumulate)
+
+
 @fault("fsdp2-frozen-get-zero-grads")
 def fsdp2_frozen_get_zero_grads():
     """Frozen parameters of a group that reduced get a (zero) gradient, as if

@@ -24,6 +24,7 @@ from conformance.case.spec import (
     Schedule,
     ScheduleStep,
     ShardGroup,
+    TiedParam,
     WrapPlan,
 )
 from conformance.run.runner import FAIL, PASS, evaluate, observations
@@ -34,16 +35,18 @@ pytestmark = pytest.mark.selfcheck
 BF16_FP32 = Precision("bfloat16", "float32")
 
 
-def model(plan: WrapPlan, schedule: Schedule, *, frozen_bias: bool = False) -> CaseSpec:
+def model(plan: WrapPlan, schedule: Schedule, *, frozen_bias: bool = False, tie: bool = False) -> CaseSpec:
     """root (scale, a buffer) -> block (w, proj: Linear 3x3) and head
-    (Linear 4x3, uneven over two ranks)."""
+    (Linear 4x3, uneven over two ranks); ``tie``: block.t is block.w
+    (a reused parameter, read twice by block's forward)."""
     block = ModuleSpec("block", "Block", (ParamSpec("w", (3,)),), children=(
         ModuleSpec("proj", "Linear", (ParamSpec("weight", (3, 3)), ParamSpec("bias", (3,), not frozen_bias))),
     ))
     tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), (BufferSpec("running", (3,)),), children=(
         block, ModuleSpec("head", "Linear", (ParamSpec("weight", (4, 3)),)),
     ))
-    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), plan=plan, schedule=schedule, seed=5)
+    ties = (TiedParam("block", "t", "block.w"),) if tie else ()
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), ties=ties, plan=plan, schedule=schedule, seed=5)
 
 
 def accumulate(k: int = 3, *, skip_first: tuple[str, ...] = ("head",), frozen: tuple[str, ...] = ()) -> tuple[ScheduleStep, ...]:
@@ -65,6 +68,8 @@ FSDP1_UOP = WrapPlan(api="fsdp1", policy=CustomWrap(("block",)), use_orig_params
 CASES = {
     # no skips under reduce_dtype: see fsdp2-accumulated-grads-mixed-reduce-dtype
     "fsdp2-mp": lambda: model(FSDP2, Schedule(accumulate(2, skip_first=()), precision=BF16_FP32)),
+    # a tie elsewhere: only the tied parameter's gradient gets the reuse slack
+    "fsdp2-mp-tied": lambda: model(FSDP2, Schedule(accumulate(2, skip_first=()), precision=BF16_FP32), tie=True),
     "fsdp2-accum": lambda: model(FSDP2, Schedule(accumulate(3, frozen=("block.proj.bias",))), frozen_bias=True),
     "fsdp1-mp": lambda: model(FSDP1, Schedule(accumulate(2), precision=Precision("bfloat16", "float32", buffer_dtype="bfloat16"))),
     # MP-PIPELINE's FSDP1 cases: every step synced; original parameters and flat ones
@@ -127,6 +132,8 @@ def test_cases_hold_on_unmodified_torch(case, pool):
 # the reduction (or accumulation) dtype away from the promised pipeline.
 PIPELINE_ONLY = [
     ("fsdp2-mp", "fsdp2-unsynced-grads-accumulate-in-param-dtype"),
+    ("fsdp2-mp", "fsdp2-accumulated-grad-rounded-to-param-dtype"),
+    ("fsdp2-mp-tied", "fsdp2-accumulated-grad-rounded-to-param-dtype"),
     ("fsdp1-mp-synced", "fsdp1-reduced-grads-rounded-to-param-dtype"),
     ("fsdp1-mp", "fsdp1-reduced-grads-rounded-to-param-dtype"),
 ]
