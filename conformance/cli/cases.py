@@ -97,7 +97,9 @@ def check_case_file(spec, selected, backend: str, world_size: int) -> int:
         if backend == "fake":  # values and world sizes: the suite runs these on real ranks only
             raise UsageError("a checkpoint or training-schedule case needs real ranks: use --backend gloo (or nccl)")
     base = engine = make_engine(backend, world_size)
-    if getattr(spec, "ckpt", None) is not None:  # a save world and a load world, phase by phase
+    if backend != "fake" and any(getattr(spec, f, None) is not None for f in ("ckpt", "hsdp", "tp")):
+        # a save world and a load world, phase by phase; an HSDP or TP case
+        # on as many ranks as its mesh has, whatever --world-size says
         from conformance.engine.worlds import Worlds
 
         engine = Worlds(base)

@@ -111,3 +111,22 @@ def test_local_shape_is_torch_chunk():
             for j in range(shard):
                 want = tuple(chunks[j].shape) if j < len(chunks) else (0, 2)
                 assert local_shape((rows, 2), shard, j) == want, (rows, shard, j)
+
+
+@pytest.mark.gloo
+def test_fsdp2_list_group_finding_is_known_on_a_2d_mesh(pool):
+    """fully_shard([a.proj, b.emb]) on a (2, 2) mesh, both frozen, the
+    Embedding run last (seed 4242's case, reduced): the backward through the
+    Linear finds the group freed (fsdp2-frozen-list-group-freed-in-backward,
+    the same mechanism as on a flat mesh) and HSDP-PARITY reads it KNOWN,
+    its tags carrying the FSDP2 list-group fact."""
+    from conformance.run.runner import KNOWN
+
+    a = ModuleSpec("a", "Block", children=(ModuleSpec("proj", "Linear", (ParamSpec("weight", (2, 2), False),)),))
+    b = ModuleSpec("b", "Block", children=(ModuleSpec("emb", "Embedding", (ParamSpec("weight", (3, 2), False),)),))
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (2,)),), children=(a, b))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), seed=5, hsdp=HsdpPlan((2, 2)),
+                    plan=WrapPlan(api="fsdp2", groups=(ShardGroup(("a.proj", "b.emb")),)))
+    res = run("HSDP-PARITY", spec, pool)
+    assert res.verdict == KNOWN and {f for _, f in res.known} == {"fsdp2-frozen-list-group-freed-in-backward"}, res.describe()
+    assert all("group:multi-frozen-embedding" in v.tags for v, _ in res.known)

@@ -139,6 +139,21 @@ def test_skip_reasons_and_failed_tests():
     assert {r["invariant"]: r["reason"] for r in sel["results"]}["TIES"] == "not selected"
 
 
+def test_a_skipped_model_test_gives_no_reason_to_the_synthetic_rows():
+    """Without --target every real model's test skips ("no --target
+    given"); a synthetic row no synthetic test ran on its tier (a gloo-only
+    invariant's fake row in a two-tier run) says so instead."""
+    tests = [
+        {"nodeid": "conformance/suite/test_models.py::test_model_natural[fake-no-target-TIES]", "outcome": "skipped",
+         "invariants": ["TIES", "FSDP2-GROUPS"], "tier": "fake", "message": "no --target given", "snapshot": False},
+        {"nodeid": "conformance/suite/test_fully_shard.py::test_groups[fake]", "outcome": "skipped",
+         "invariants": ["FSDP2-GROUPS"], "tier": "fake", "message": "needs several real ranks", "snapshot": False},
+    ]
+    rows = {r["invariant"]: r for r in build([], tests=tests)["results"]}
+    assert rows["TIES"]["reason"] == "no test ran it on this tier"
+    assert rows["FSDP2-GROUPS"]["reason"] == "needs several real ranks"
+
+
 @pytest.mark.parametrize(
     "mutate, needle",
     [

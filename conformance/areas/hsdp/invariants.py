@@ -9,6 +9,7 @@ import math
 from collections import Counter
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
+from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.hsdp.observation import HsdpObservation
 from conformance.areas.hsdp.oracle import PLACEMENTS_2D, HsdpPrediction, local_shape
@@ -34,6 +35,10 @@ def case_tags(spec: CaseSpec, pred: HsdpPrediction, obs: HsdpObservation) -> set
         tags.add("frozen")
     if spec.ties:
         tags.add("tie")
+    if pred.training.fsdp2 is not None:
+        # the FSDP2 list-group facts FSDP2's own findings match on (a group
+        # whose last module's output needs no gradient), mesh or not
+        tags |= {t for t in fsdp2_case_tags(spec, pred.training.fsdp2) if t.startswith("group:multi-frozen-embedding")}
     return tags
 
 
