@@ -136,6 +136,27 @@ def test_a_known_finding_turns_fixed_when_its_deviation_is_patched_away(tmp_path
         corpus.load.cache_clear()
 
 
+def test_a_corpus_case_passing_an_invariant_it_does_not_list_fixes_nothing(tmp_path, monkeypatch, fake_engine):
+    """The corpus case is listed for WRAP-UNITS; its finding also matches
+    WRAP-FQNS. Checked on WRAP-FQNS alone (a run that selects only that
+    one: the case runs as its area's explicit example), it passes, which
+    says nothing of the finding: not FIXED (it once was)."""
+    spec = cases.two_blocks()
+    text = SYNTHETIC + '[[finding.match]]\ninvariant = "WRAP-FQNS"\nwhen = ["kind:never-produced"]\n'
+    known_path = _synthetic_corpus(tmp_path, monkeypatch, text, "synthetic-dropped-unit", spec)
+    try:
+        s = Session(known_path=known_path)
+        assert s.check("WRAP-FQNS", spec, fake_engine, "fake").verdict == PASS
+        r = _report(s)
+        assert [k["status"] for k in r["known_failures"]] != ["fixed"]
+        assert all(x["verdict"] != "FIXED" for x in r["results"]), [x for x in r["results"] if x["verdict"] == "FIXED"]
+        s = Session(known_path=known_path)
+        assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == PASS
+        assert [k["status"] for k in _report(s)["known_failures"]] == ["fixed"]
+    finally:
+        corpus.load.cache_clear()
+
+
 MASKING = SYNTHETIC + """
 [[finding]]
 id = "synthetic-masked"
