@@ -22,6 +22,9 @@ and when the Embedding trains.
 
 Expected: the gradients of the model without checkpointing (input's here).
 
+Torch 2.8.0 and 2.12.1 train it: their selective checkpoint looked up saved
+ops only; 2.13 counts every op of the region, the recomputed ones too.
+
 Finding: fsdp1-selective-ac-rate-limiter-op-mismatch
 Run: torchrun --nproc-per-node 2 fsdp1-selective-ac-rate-limiter-op-mismatch.py
 Not shown by: python fsdp1-selective-ac-rate-limiter-op-mismatch.py: FSDP1 does not shard on one rank (no all-gather, no rate limiter)
