@@ -68,9 +68,14 @@ def mesh_dims_swapped():
     def no_state_dict(*args, **kwargs):
         raise RuntimeError("injected: no state dict round trip under swapped mesh dims")
 
-    # the full state dict's gathers pair up the wrong ranks under this fault
-    # and hang: the observation stops before them (LAYOUT reads the layout)
-    return _both(mock.patch.object(_fully_shard, "_get_mesh_info", swapped), mock.patch.object(adapter, "_sd_differs", no_state_dict))
+    def no_sync(spec):
+        return "injected: no sync from rank 0 under swapped mesh dims", (), ()
+
+    # the full state dict's gathers (and the sync's) pair up the wrong ranks
+    # under this fault and hang: the observation stops before them (LAYOUT
+    # reads the layout)
+    return _both(mock.patch.object(_fully_shard, "_get_mesh_info", swapped), mock.patch.object(adapter, "_sd_differs", no_state_dict),
+                 mock.patch.object(adapter, "sync_from_rank0", no_sync))
 
 
 @fault("one-rank-replicate-all-reduces-world")
@@ -123,6 +128,28 @@ def dcp_load_dropped():
     import torch.distributed.checkpoint as dcp
 
     return mock.patch.object(dcp, "load", lambda *a, **k: None)
+
+
+@fault("sync-buffers-first-replica-only")
+def sync_buffers_first_replica_only():
+    """set_model_state_dict(broadcast_from_rank0=True) broadcasts the
+    plain tensors (buffers) to rank 0's replica only: on a (2, 2) mesh the
+    ranks of the second replica (ranks 2 and 3) keep their own buffers, as
+    FSDP1's HYBRID_SHARD sync_module_states once synced within the shard
+    group only."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _state_dict_utils as sdu
+
+    orig = sdu._broadcast_tensors
+
+    def broadcast(full_state_dict, local_state_dict, keys, device, pg=None):
+        keep = {k: v for k, v in local_state_dict.items() if k in keys and isinstance(v, torch.Tensor) and not hasattr(v, "placements")}
+        orig(full_state_dict, local_state_dict, keys, device, pg)
+        if dist.get_rank() >= dist.get_world_size() // 2:
+            local_state_dict.update(keep)
+
+    return mock.patch.object(sdu, "_broadcast_tensors", broadcast)
 
 
 @contextlib.contextmanager

@@ -15,12 +15,12 @@ import pytest
 
 from conformance.areas.hsdp.observation import HsdpObservation
 from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, CustomWrap, HsdpPlan, ModuleSpec, ParamSpec, ShardGroup, WrapPlan
-from conformance.run.runner import FAIL, PASS, UNCHECKED, evaluate, observations
+from conformance.run.runner import FAIL, KNOWN, PASS, UNCHECKED, evaluate, observations
 from tests.self import faults_hsdp  # noqa: F401  (registers the fault scenarios in the driver)
 
 pytestmark = pytest.mark.selfcheck
 
-INVARIANTS = ("HSDP-PARITY", "HSDP-REPLICAS", "HSDP-DEGENERATE", "HSDP-LAYOUT", "HSDP-STATE-DICT", "HSDP-COMMS")
+INVARIANTS = ("HSDP-PARITY", "HSDP-REPLICAS", "HSDP-DEGENERATE", "HSDP-LAYOUT", "HSDP-STATE-DICT", "HSDP-COMMS", "HSDP-SYNC")
 
 
 def model(plan: WrapPlan, hsdp: HsdpPlan, *, frozen_bias: bool = False) -> CaseSpec:
@@ -65,7 +65,11 @@ FAULTS = [
     ("HSDP-STATE-DICT", "fsdp1-pg-2x2-zero2", "dcp-load-dropped", "kind:dcp-to-flat"),
     ("HSDP-COMMS", "fsdp2-2x2", "no-replicate-all-reduce", "kind:missing"),
     ("HSDP-COMMS", "fsdp1-pg-2x2-zero2", "no-replicate-all-reduce", "kind:missing"),
+    ("HSDP-SYNC", "fsdp2-2x2", "sync-buffers-first-replica-only", "kind:not-synced"),
+    ("HSDP-SYNC", "fsdp2-2x2-adam-frozen", "full-state-dict-load-dropped", "kind:not-synced"),
 ]
+# FSDP1's sync_module_states rejects CPU modules (fsdp1-sync-module-states-rejects-cpu)
+KNOWN_ON_CPU = {("HSDP-SYNC", c) for c in CASES if c.startswith("fsdp1")}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +92,7 @@ def test_cases_hold_on_unmodified_torch(case, pool):
     obs = observations(pool, spec, "hsdp", HsdpObservation.from_dict)
     for invariant in INVARIANTS:
         res = evaluate(invariant, spec, obs)
-        want = UNCHECKED if (invariant, case) in NOT_APPLICABLE else PASS
+        want = UNCHECKED if (invariant, case) in NOT_APPLICABLE else KNOWN if (invariant, case) in KNOWN_ON_CPU else PASS
         assert res.verdict == want, res.describe()
 
 
@@ -120,8 +124,6 @@ def test_fsdp2_list_group_finding_is_known_on_a_2d_mesh(pool):
     Linear finds the group freed (fsdp2-frozen-list-group-freed-in-backward,
     the same mechanism as on a flat mesh) and HSDP-PARITY reads it KNOWN,
     its tags carrying the FSDP2 list-group fact."""
-    from conformance.run.runner import KNOWN
-
     a = ModuleSpec("a", "Block", children=(ModuleSpec("proj", "Linear", (ParamSpec("weight", (2, 2), False),)),))
     b = ModuleSpec("b", "Block", children=(ModuleSpec("emb", "Embedding", (ParamSpec("weight", (3, 2), False),)),))
     tree = ModuleSpec("", "Model", (ParamSpec("scale", (2,)),), children=(a, b))

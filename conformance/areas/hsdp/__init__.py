@@ -1,4 +1,4 @@
-"""HSDP and 2-D meshes (HSDP-PARITY, HSDP-REPLICAS, HSDP-DEGENERATE,
+"""HSDP and 2-D meshes (HSDP-PARITY, HSDP-REPLICAS, HSDP-DEGENERATE, HSDP-SYNC,
 HSDP-LAYOUT, HSDP-STATE-DICT, HSDP-COMMS): FSDP2's fully_shard over a
 (replicate, shard) DeviceMesh and FSDP1's HYBRID_SHARD /
 _HYBRID_SHARD_ZERO2 (a device_mesh or a process-group pair), trained on
@@ -20,7 +20,7 @@ def _ranks_tags(spec, pred, obs) -> set[str]:
 
 AREA = Area(
     name="hsdp",
-    title="HSDP and 2-D meshes: training, replicas, degenerate meshes, layout, state dicts and collectives over (replicate, shard)",
+    title="HSDP and 2-D meshes: training, replicas, degenerate meshes, layout, state dicts, sync from rank 0 and collectives over (replicate, shard)",
     invariants=invariants.INVARIANTS,
     scenarios=(AreaScenario("hsdp", scenario.hsdp, HsdpObservation, predict_hsdp, ranks_tags=_ranks_tags,
                             fsdp_seconds=lambda obs: obs.fsdp_seconds),),

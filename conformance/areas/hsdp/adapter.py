@@ -9,6 +9,7 @@ touches FSDP internals (FSDP1's flat parameters' sizes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import tempfile
@@ -107,14 +108,14 @@ def _shard2(spec: CaseSpec, built, mesh) -> nn.Module:
     return built.model
 
 
-def wrap_hsdp(spec: CaseSpec, built) -> nn.Module:
+def wrap_hsdp(spec: CaseSpec, built, **fsdp1_kwargs) -> nn.Module:
     h = spec.hsdp
     if h.way == "fsdp2-mesh":
         return _shard2(spec, built, hsdp_mesh(h.mesh))
     strategy = ShardingStrategy[h.strategy]
     if h.way == "fsdp1-mesh":
-        return a1.wrap(spec, built, sharding_strategy=strategy, device_mesh=hsdp_mesh(h.mesh))
-    return a1.wrap(spec, built, sharding_strategy=strategy, process_group=process_group_pair(h.mesh))
+        return a1.wrap(spec, built, sharding_strategy=strategy, device_mesh=hsdp_mesh(h.mesh), **fsdp1_kwargs)
+    return a1.wrap(spec, built, sharding_strategy=strategy, process_group=process_group_pair(h.mesh), **fsdp1_kwargs)
 
 
 def wrap_flat(spec: CaseSpec, built) -> nn.Module:
@@ -282,6 +283,66 @@ def _dcp_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(k for k in set(want) | set(got) if not same(want.get(k), got.get(k))))
 
 
+# ---- sync from rank 0 -----------------------------------------------------------------
+
+# Buffers the sync adds to the root (the drawn trees hold few): one the state
+# dict carries, one it does not; built from each rank's own seed.
+SYNC_BUFFERS = (("hsdp_sync_persistent", True), ("hsdp_sync_non_persistent", False))
+
+
+def _sync_buffer(seed: int, i: int) -> torch.Tensor:
+    return torch.randn(3, generator=torch.Generator().manual_seed(7_919 * (i + 1) + seed))
+
+
+def _rank_seeded(spec: CaseSpec, seed: int):
+    built = placed(build(dataclasses.replace(spec, seed=seed)))
+    for i, (name, persistent) in enumerate(SYNC_BUFFERS):
+        built.model.register_buffer(name, _sync_buffer(seed, i).to(rank_device()), persistent=persistent)
+    return built
+
+
+def sync_from_rank0(spec: CaseSpec) -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
+    """Every rank builds the case from its own seed (spec.seed + rank), then
+    the HSDP layout makes it rank 0's: FSDP2 by set_model_state_dict(rank 0's
+    full state dict, broadcast_from_rank0=True) on the 2-D mesh, FSDP1 by
+    sync_module_states=True. Returns (the error, the names compared, those
+    whose full value here differs from rank 0's): every parameter and
+    persistent buffer; FSDP1's non-persistent buffers too (its docstring:
+    "module parameters and buffers"), not FSDP2's (outside a state dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank()
+    want = _rank_seeded(spec, spec.seed)  # rank 0's model, which every rank can build (and keeps unwrapped)
+    own = _rank_seeded(spec, spec.seed + rank)
+    aliases = a1.Aliases(own.model)
+    fsdp1 = spec.plan.api == "fsdp1"
+    error = None
+    try:
+        if fsdp1:
+            model = wrap_hsdp(spec, own, sync_module_states=True)
+        else:
+            rank0_sd = {k: v.detach().clone() for k, v in want.model.state_dict().items()}
+            model = wrap_hsdp(spec, own)
+            set_model_state_dict(model, rank0_sd if rank == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    except Exception as e:  # noqa: BLE001 - FSDP's failure is the observation
+        error = error_line(e)
+    if any_rank_failed(error is not None):
+        return error or "another rank's sync raised", (), ()
+    got = final_values(spec, model, own.model, aliases)
+    ref = dict(want.model.named_parameters(remove_duplicate=False))
+    differs = [f for f, v in got.items() if not same(v, ref[f].detach())]
+    checked = list(got)
+    persistent = set(want.model.state_dict())
+    ref_bufs = dict(want.model.named_buffers())
+    for f, b in own.model.named_buffers():
+        if f in ref_bufs and (fsdp1 or f in persistent):
+            checked.append(f)
+            if not same(b.detach(), ref_bufs[f].detach()):
+                differs.append(f)
+    return None, tuple(sorted(checked)), tuple(sorted(differs))
+
+
 # ---- one observation ------------------------------------------------------------------
 
 
@@ -355,6 +416,7 @@ def observe(spec: CaseSpec) -> HsdpObservation:
     obs.update(vs_flat=_compare(final, flat_final), flat_layout=flat_layout, flat_initial_equal=tuple(same_init),
                flat_final_close=tuple(close_final))
 
+    obs["sync_error"], obs["sync_checked"], obs["sync_differs"] = sync_from_rank0(spec)
     if not unsharded_keys:  # nothing to save: DCP rejects an empty model state dict
         return HsdpObservation(**obs, seconds=time.perf_counter() - t0)
     # full state dicts both ways: HSDP's into a fresh flat FSDP, flat FSDP's into a fresh HSDP

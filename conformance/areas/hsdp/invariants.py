@@ -35,6 +35,10 @@ def case_tags(spec: CaseSpec, pred: HsdpPrediction, obs: HsdpObservation) -> set
         tags.add("frozen")
     if spec.ties:
         tags.add("tie")
+    if any(t.module == t.source.rpartition(".")[0] for t in spec.ties):
+        tags.add("tie:same-module")  # one Parameter under two names of one module
+    if spec.shared:
+        tags.add("shared-module")
     if pred.training.fsdp2 is not None:
         # the FSDP2 list-group facts FSDP2's own findings match on (a group
         # whose last module's output needs no gradient), mesh or not
@@ -320,6 +324,54 @@ def check_comms(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation]
                 got_numel = sorted((c.op, c.ranks, c.numel) for c in reductions)
                 if got_numel != want_numel:
                     out.append(violation("HSDP-COMMS", f"{where}: reductions of {got_numel}, promised {want_numel}", tags, "kind:numel"))
+    return out
+
+
+def sync_error_tag(text: str) -> str:
+    """The mechanism of a sync's error, for findings to match on."""
+    if "requires them to be on GPU" in text:
+        return "error:sync-needs-gpu"
+    if "mixed torch.Tensor and DTensor" in text:
+        return "error:mixed-tensor-dtensor"
+    return "error:other"
+
+
+DOC_SYNC = ("FullyShardedDataParallel docstring (sync_module_states: 'each FSDP module will broadcast module parameters and "
+            "buffers from rank 0 to ensure that they are replicated across ranks'); torch.distributed.checkpoint.state_dict "
+            "StateDictOptions (broadcast_from_rank0: 'rank0 should receive a full state_dict and will broadcast the tensors "
+            "in the state_dict/optim_state_dict one by one to other ranks') and set_model_state_dict docstrings")
+
+
+@catalog.invariant(
+    "HSDP-SYNC",
+    group="hsdp",
+    api="fsdp1|fsdp2",
+    scenario="hsdp",
+    all_ranks=True,
+    statement="Every rank built from its own seed, the HSDP layout synced from rank 0 (FSDP2: set_model_state_dict of rank 0's full state dict with broadcast_from_rank0=True on the 2-D mesh; FSDP1: sync_module_states=True) leaves every rank of every replica with rank 0's parameters and persistent buffers, bit for bit; FSDP1 with rank 0's non-persistent buffers too; FSDP2's non-persistent buffers are outside a state dict and not compared.",
+    source=f"{DOC_SYNC}; {DOC_FULLY_SHARD}; {DOC_STRATEGY}",
+)
+def check_sync(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation]) -> list[Violation] | NotChecked:
+    skip = _raised(spec, pred, obs)
+    if skip is not None:
+        return skip
+    first = obs[0]
+    if not first.values_meaningful:
+        return VALUES_UNCHECKED
+    if first.flat_error:
+        return NotChecked(f"flat FSDP raised before the sync ran (HSDP-PARITY reports it): {first.flat_error}")
+    tags = case_tags(spec, pred, first) | {"at:sync"}
+    if first.sync_error:
+        return [violation("HSDP-SYNC", f"the sync from rank 0 raised {first.sync_error}", tags, "kind:raised", sync_error_tag(first.sync_error))]
+    if not first.sync_checked:
+        return NotChecked("the model has no parameters or buffers to sync")
+    params = {f for f, _, _ in pred.shapes}
+    out = []
+    for o in obs:
+        if o.sync_differs:
+            what = "sync:buffer" if any(n not in params for n in o.sync_differs) else "sync:param"
+            out.append(violation("HSDP-SYNC", f"rank {o.rank} (replica {o.rank // pred.shard}): after the sync from rank 0, "
+                                 f"{list(o.sync_differs)[:6]} differ from rank 0's", tags, "kind:not-synced", what))
     return out
 
 

@@ -69,6 +69,13 @@ class HsdpObservation(RankRecord):
     sd_from_flat_differs: tuple[str, ...] = ()
     # a torch.distributed.checkpoint save of HSDP's sharded state dict loaded into flat FSDP
     dcp_to_flat_differs: tuple[str, ...] = ()
+    # every rank built from its own seed, then synced from rank 0 on the HSDP
+    # layout (FSDP2: set_model_state_dict broadcast_from_rank0; FSDP1:
+    # sync_module_states): the error, the names compared, those whose full
+    # value on this rank differs from rank 0's
+    sync_error: str | None = None
+    sync_checked: tuple[str, ...] = ()
+    sync_differs: tuple[str, ...] = ()
     seconds: float = 0.0
     fsdp_seconds: float = 0.0
 
@@ -84,7 +91,7 @@ class HsdpObservation(RankRecord):
         d = self.to_dict()
         for k in ("rank", "seconds", "fsdp_seconds", "layout", "steps", "losses", "ref_losses", "flat_layout",
                   "flat_initial_equal", "flat_final_close", "losses_close",
-                  "sd_to_flat_differs", "sd_from_flat_differs", "dcp_to_flat_differs"):
+                  "sd_to_flat_differs", "sd_from_flat_differs", "dcp_to_flat_differs", "sync_differs"):
             d.pop(k)
         for key in ("vs_reference", "vs_flat"):
             for p in d[key]:
