@@ -132,3 +132,21 @@ def test_fsdp2_list_group_finding_is_known_on_a_2d_mesh(pool):
     res = run("HSDP-PARITY", spec, pool)
     assert res.verdict == KNOWN and {f for _, f in res.known} == {"fsdp2-frozen-list-group-freed-in-backward"}, res.describe()
     assert all("group:multi-frozen-embedding" in v.tags for v, _ in res.known)
+
+
+@pytest.mark.gloo
+def test_sync_of_a_module_holding_a_parameter_twice_is_known(pool):
+    """A module holding the root's weight under two names (seed 4242's case):
+    set_model_state_dict(broadcast_from_rank0=True) on the (2, 2) mesh fails
+    on every rank (rank 0 on the copy, the others on the key the broadcast
+    dropped), as fsdp2-set-model-state-dict-shared-module records for a flat
+    mesh: HSDP-SYNC reads it KNOWN, and the ranks' different texts are no
+    RANKS-AGREE violation."""
+    from conformance.case.spec import TiedParam
+    from conformance.run.runner import KNOWN
+
+    tree = ModuleSpec("", "Model", (ParamSpec("weight", (3, 1)),), children=(ModuleSpec("model0", "Model"),))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"),), seed=5, hsdp=HsdpPlan((2, 2), steps=1),
+                    ties=(TiedParam("model0", "tied0", "weight"), TiedParam("model0", "tied1", "weight")), plan=WrapPlan(api="fsdp2"))
+    res = run("HSDP-SYNC", spec, pool)
+    assert res.verdict == KNOWN and {f for _, f in res.known} == {"fsdp2-set-model-state-dict-shared-module"}, res.describe()

@@ -22,6 +22,7 @@ from conformance.areas.checkpoint.oracle import with_mask
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err1
+from conformance.areas.common.fsdp2_adapter import load_cause
 from conformance.areas.common.support import on_rank_device, placed, rank_device
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, reference_loss
 from conformance.case.build import build, is_sharded, read_attr
@@ -48,28 +49,13 @@ def _errors() -> tuple[type[BaseException], ...]:
 ERRORS = _errors()
 
 
-def _load_cause(e: BaseException) -> str:
-    """nn.Module.load_state_dict's first line only names the module ("Error(s)
-    in loading state_dict for X:"): the first copy that failed, and why, as
-    ' <name>: <its exception>', so that a finding can match its own cause."""
-    text = str(e)
-    if not text.startswith("Error(s) in loading state_dict for "):
-        return ""
-    name, sep, rest = text.partition('While copying the parameter named "')
-    if not sep:
-        return ""
-    param, _, after = rest.partition('"')
-    why = after.partition("an exception occurred : (")[2].split("\n")[0].strip(" ('\",).")
-    return f" {param}: {' '.join(why.split())[:200]}" if why else ""
-
-
 def _err(e: BaseException) -> str:
     """'Type: first line'; for a CheckpointException (whose first line only
     names the ranks) the first failing rank's own exception as well:
     'CheckpointException: rank R: InnerType: its first line'."""
     failures = getattr(e, "failures", None)
     if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
-        return _err1(e) + _load_cause(e)
+        return _err1(e) + load_cause(e)
     rank = min(failures)
     wrapped = failures[rank]
     # a (exception, stack summary) pair, or an object with .exc in other releases

@@ -134,6 +134,21 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def load_cause(e: BaseException) -> str:
+    """nn.Module.load_state_dict's first line only names the module ("Error(s)
+    in loading state_dict for X:"): the first copy that failed, and why, as
+    ' <name>: <its exception>', so that a finding can match its own cause."""
+    text = str(e)
+    if not text.startswith("Error(s) in loading state_dict for "):
+        return ""
+    name, sep, rest = text.partition('While copying the parameter named "')
+    if not sep:
+        return ""
+    param, _, after = rest.partition('"')
+    why = after.partition("an exception occurred : (")[2].split("\n")[0].strip(" ('\",).")
+    return f" {param}: {' '.join(why.split())[:200]}" if why else ""
+
+
 def shard(spec: CaseSpec, built: Built, extra=None) -> None:
     """fully_shard bottom-up: each group (the multi-module form for several
     modules) after every group below it, the root last. ``extra(modules)``:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common.comm_adapter import Recorder
-from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensor
+from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensor, load_cause
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import fsdp2_mesh, placed, rank_device
@@ -326,7 +326,7 @@ def sync_from_rank0(spec: CaseSpec) -> tuple[str | None, tuple[str, ...], tuple[
             set_model_state_dict(model, rank0_sd if rank == 0 else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     except Exception as e:  # noqa: BLE001 - FSDP's failure is the observation
-        error = error_line(e)
+        error = error_line(e) + load_cause(e)
     if any_rank_failed(error is not None):
         return error or "another rank's sync raised", (), ()
     got = final_values(spec, model, own.model, aliases)

@@ -35,8 +35,11 @@ def case_tags(spec: CaseSpec, pred: HsdpPrediction, obs: HsdpObservation) -> set
         tags.add("frozen")
     if spec.ties:
         tags.add("tie")
-    if any(t.module == t.source.rpartition(".")[0] for t in spec.ties):
-        tags.add("tie:same-module")  # one Parameter under two names of one module
+    aliases: dict[str, set[str]] = {}
+    for t in spec.ties:
+        aliases.setdefault(t.source, {t.source}).add(f"{t.module}.{t.name}" if t.module else t.name)
+    if any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in aliases.values()):
+        tags.add("tie:same-module")  # one module holds a Parameter under two of its names
     if spec.shared:
         tags.add("shared-module")
     if pred.training.fsdp2 is not None:

@@ -96,4 +96,8 @@ class HsdpObservation(RankRecord):
         for key in ("vs_reference", "vs_flat"):
             for p in d[key]:
                 p.pop("max_diff")
+        # whether the sync raised, not its text: a load that fails on every
+        # rank names what failed first there (rank 0 a copy, another rank the
+        # key the broadcast dropped); HSDP-SYNC reports rank 0's
+        d["sync_error"] = d["sync_error"] is not None
         return d
