@@ -179,3 +179,23 @@ def test_fsdp1_nested_units_recompute_gathers_are_counted_per_unit(pool):
     extra = {v.message.split(":")[0] for v, _ in res.known if "kind:extra-gathers" in v.tags}
     assert extra == {"step 0 backward unit outer", "step 0 backward unit outer.block",
                      "step 1 backward unit outer", "step 1 backward unit outer.block"}, res.describe()
+
+
+def test_a_wrapper_unit_below_a_tie_is_tagged_for_its_finding():
+    """FSDP1's size policy never wraps a ModuleDict but may wrap the
+    CheckpointWrapper around one: with a parameter of the ModuleDict tied to
+    the root, that unit is below the tie's users' common ancestor, the case
+    fsdp1-tie-below-lca-not-rejected records (thorough, seed 1); without the
+    tie, or with another policy, it is not."""
+    from conformance.areas.activation_checkpointing.oracle import predict_ac
+    from conformance.case.spec import SizeBasedWrap
+
+    def case(tie: bool, policy) -> CaseSpec:
+        tree = ModuleSpec("", "Model", children=(ModuleSpec("blocks", "BlockDict", (ParamSpec("weight", (2, 2)),)),))
+        return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("BlockDict", "ModuleDict")), seed=1,
+                        ties=(TiedParam("", "tied0", "blocks.weight"),) if tie else (), plan=WrapPlan(api="fsdp1", policy=policy),
+                        activation_checkpoint=ActivationCheckpointPlan("wrapper-non-reentrant", ("blocks",)))
+
+    assert "outside:tie-below-lca" in predict_ac(case(True, SizeBasedWrap(1))).tags
+    assert "outside:tie-below-lca" not in predict_ac(case(False, SizeBasedWrap(1))).tags
+    assert "outside:tie-below-lca" not in predict_ac(case(True, CustomWrap(()))).tags

@@ -140,3 +140,21 @@ def test_the_reference_norm_is_the_definition():
     assert reference_norm(g, 1.0) == pytest.approx(19.0)
     assert reference_norm(g, math.inf) == pytest.approx(12.0)
     assert reference_norm([], 2.0) == reference_norm([torch.zeros(0)], math.inf) == 0.0
+
+
+def test_the_clip_tags_carry_fsdp2_list_group_facts():
+    """fully_shard([embed1, proj0]) with proj0 also registered as shared0
+    (run again after the frozen Embedding completed the group; thorough,
+    seed 1): the clip area's tags carry the fact
+    fsdp2-list-group-reentered-loses-grad matches on, as the training areas'
+    do."""
+    from conformance.areas.clip.oracle import predict_clip
+    from conformance.case.spec import ClipPlan, SharedModule
+
+    tree = ModuleSpec("", "Model", children=(
+        ModuleSpec("proj0", "Linear", (ParamSpec("weight", (1, 3), False), ParamSpec("bias", (1,)))),
+        ModuleSpec("embed1", "Embedding", (ParamSpec("weight", (1, 3), False),)),
+    ))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"),), shared=(SharedModule("", "shared0", "proj0"),), seed=0,
+                    plan=WrapPlan(api="fsdp2", groups=(ShardGroup(("embed1", "proj0")),)), clip=ClipPlan())
+    assert "group:rerun-after-frozen-embedding" in predict_clip(spec).tags

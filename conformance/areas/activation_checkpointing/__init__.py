@@ -14,7 +14,7 @@ AREA = Area(
     title="Activation checkpointing inside, around and across FSDP units: values, state-dict keys, all-gathers",
     invariants=invariants.INVARIANTS,
     scenarios=(AreaScenario("activation-checkpointing", scenario.activation_checkpointing, ACObservation, predict_ac,
-                            fsdp_seconds=lambda obs: obs.fsdp_seconds),),
+                            ranks_tags=lambda case, pred, obs: set(pred.tags), fsdp_seconds=lambda obs: obs.fsdp_seconds),),
     applies=lambda case: getattr(case, "activation_checkpoint", None) is not None,
     unavailable=lambda case: fsdp2_unavailable() if case.plan.api == "fsdp2" else None,
     repro=suite_script,

@@ -90,6 +90,22 @@ def _expect(spec: CaseSpec, world: int) -> Expected:
     return simulate_fsdp1(spec, world, CommPlan(iterations=steps), input_grad=True)
 
 
+def _wrapper_unit_below_tie(spec: CaseSpec, plan: ActivationCheckpointPlan) -> bool:
+    """A checkpoint_wrapper around a torch container (which the size policy
+    may make a unit in its stead) holds a tied parameter some other user
+    outside it reads."""
+    g = graph_of(spec)
+    for t in plan.targets:
+        if not g.is_torch(g.resolve_module(t), SIZE_EXCLUDE_WRAP):
+            continue
+        inside = set(g.subtree_params(g.resolve_module(t)))
+        for f, pid in g.named_parameters():
+            names = g.aliases(pid)
+            if pid in inside and len(names) > 1 and any(not (n == t or n.startswith(t + ".")) for n in names):
+                return True
+    return False
+
+
 @functools.lru_cache(maxsize=256)
 def predict_ac(spec: CaseSpec) -> ACPrediction:
     training = predict_training(spec)
@@ -130,6 +146,13 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
         tags.add("ac:unit-in-region")
     if frozen_in_region:
         tags.add("ac:frozen-unit-in-region")
+    if wrapper and spec.plan.api == "fsdp1" and isinstance(spec.plan.policy, SizeBasedWrap) and _wrapper_unit_below_tie(spec, plan):
+        # size_based_auto_wrap_policy never wraps a ModuleList / ModuleDict but
+        # may wrap the CheckpointWrapper around one: a unit the tree without
+        # AC does not have, below a tie's users' common ancestor (TIES: FSDP1
+        # must reject such a unit; where it does not, training's consequence
+        # is fsdp1-tie-below-lca-not-rejected's)
+        tags.add("outside:tie-below-lca")
     if not any(tag in tags for tag in ("ac:is-unit", "ac:around-unit", "ac:across-unit", "ac:inside-unit")):
         tags.add("ac:root-unit")  # only the root unit manages it
     if training.frozen:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags
 from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
 from conformance.case.spec import CaseSpec, ClipPlan
 from conformance.case.target import graph_of
@@ -60,6 +61,10 @@ def predict_clip(spec: CaseSpec) -> ClipPrediction:
             ignored |= set(g.subtree_params(g.resolve_module(path)))
         if any(g.requires_grad(pid) for pid in clipped & ignored):
             tags.add("clipped:ignored-trainable")  # a plain-tensor gradient among the clipped ones
+    if training.fsdp2 is not None:
+        # FSDP2's list-group facts its own findings match on (a group whose
+        # last module's output needs no gradient, run again after it)
+        tags |= {t for t in fsdp2_case_tags(spec, training.fsdp2) if t.startswith(("group:multi-frozen-embedding", "group:rerun-after"))}
     pr = plan.precision
     if pr is not None:
         tags.add(f"mp:param-{pr.param_dtype}")

@@ -336,6 +336,8 @@ def sync_error_tag(text: str) -> str:
         return "error:sync-needs-gpu"
     if "mixed torch.Tensor and DTensor" in text:
         return "error:mixed-tensor-dtensor"
+    if "in-place operations that require placement changes are not supported" in text:
+        return "error:placement-change"  # the same copy into a one-element parameter
     return "error:other"
 
 
