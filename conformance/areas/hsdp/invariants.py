@@ -74,7 +74,9 @@ def check_parity(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation
     first = obs[0]
     tags = case_tags(spec, pred, first)
     if first.wrap_error or first.step_error:
-        return [violation("HSDP-PARITY", f"HSDP raised {first.wrap_error or first.step_error}", tags, "kind:raised")]
+        err = first.wrap_error or first.step_error
+        freed = {"error:freed-storage"} if "out of bounds for storage of size 0" in err else set()  # a parameter over freed storage
+        return [violation("HSDP-PARITY", f"HSDP raised {err}", tags, "kind:raised", *freed)]
     if not first.values_meaningful:
         return VALUES_UNCHECKED
     if not first.ref_stable:
