@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from conformance.areas.common.observation import GradObservation
-from conformance.areas.common.training import DIVERGED, stable
+from conformance.areas.common.training import DIVERGED, NOISE_FACTOR, noise, stable, train_close
 from conformance.areas.common.training_oracle import predict_training
 from conformance.areas.parity.invariants import check_training
 from conformance.areas.parity.observation import TrainObservation
@@ -122,3 +122,33 @@ def test_adam_does_not_turn_rounding_noise_into_lr_steps(scenario, verdict):
     assert res.verdict == verdict, res.describe()
     if verdict == FAIL:
         assert {v.message.split()[0] for v in res.violations} == {"2.weight"}, res.describe()
+
+
+def _sgd_run(dtype: torch.dtype, lr: float, steps: int = 3) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(dtype)
+    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+    x = torch.linspace(-1.0, 1.0, 16, dtype=dtype).reshape(2, 8) * 3
+    for _ in range(steps):
+        (m(x) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def test_noise_floor_is_the_reference_own_rounding():
+    """The floor is the fp32 reference's distance from fp64: near zero for a
+    calm run, so the training tolerance stays what it was; an O(1) error
+    (a missing reduction, a wrong average) is caught whatever the floor."""
+    calm32, calm64 = _sgd_run(torch.float32, 1e-3), _sgd_run(torch.float64, 1e-3)
+    floor = noise(calm32, calm64)
+    assert set(floor) == set(calm32)
+    assert max(float(t.max()) for t in floor.values()) < 1e-5
+    for f, v in calm32.items():
+        assert train_close(v, calm64[f].float(), floor[f])
+        assert not train_close(v * 2, v, floor[f])  # a doubled value (a sum for a mean) is not noise
+        assert not train_close(v + 1e-2, v, floor[f])
+    # within tolerance + NOISE_FACTOR * floor, not past it
+    w = calm32["0.weight"]
+    assert train_close(w + NOISE_FACTOR * 1e-3, w, torch.full_like(w, 1e-3) + 1e-9)
+    assert not train_close(w + 2 * NOISE_FACTOR * 1e-3, w, torch.full_like(w, 1e-3))
