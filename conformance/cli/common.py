@@ -24,18 +24,22 @@ def need_distributed() -> None:
         raise UsageError(f"this torch build ({torch.__version__}) has no torch.distributed; FSDP needs it")
 
 
-def resolve_tiers(ns) -> list[str]:
-    """--backend picks one tier (auto: nccl with a GPU per rank, else gloo);
-    --tiers lists them; neither: fake,gloo."""
-
+def tier_names(ns) -> list[str]:
+    """The tiers --backend / --tiers name, checked without torch."""
     if ns.backend and ns.tiers:
         raise UsageError("give --backend or --tiers, not both")
     tiers = [t for t in (ns.tiers or ns.backend or "fake,gloo").split(",") if t]
     bad = [t for t in tiers if t not in BACKENDS]
     if bad:
         raise UsageError(f"unknown backend {bad[0]!r}; choose from {', '.join(BACKENDS)}")
+    return tiers
+
+
+def resolve_tiers(ns) -> list[str]:
+    """--backend picks one tier (auto: nccl with a GPU per rank, else gloo);
+    --tiers lists them; neither: fake,gloo."""
     out = []
-    for t in tiers:
+    for t in tier_names(ns):
         try:
             t = resolve_backend(t, ns.world_size) if t != "fake" else t
         except EngineError as e:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from conformance import paths
-from conformance.cli.common import need_distributed, resolve_tiers
+from conformance.cli.common import need_distributed, resolve_tiers, tier_names
 from conformance.cli.errors import UsageError
 from conformance.report import data
 from conformance.run import profiles
@@ -37,9 +37,9 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
 def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[str], Path]:
     """Validate the options `run` and `hunt` share; the pytest arguments of
     the conformance tests and the report directory."""
-    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
-    from conformance import areas as invariants
-
+    # Options first, torch-free (a typo costs a fraction of a second, not
+    # torch's import); then what needs torch: the invariant registry (the
+    # areas) and torch.distributed.
     if ns.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
     if ns.fake_world_size < 1:
@@ -48,10 +48,13 @@ def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[s
         raise UsageError(f"--examples must be >= 1, got {ns.examples}")
     if ns.workers < 0:
         raise UsageError(f"--workers must be >= 0, got {ns.workers}")
-    try:
-        invariants.select(ns.invariant)
-    except invariants.UnknownInvariant as e:
-        raise UsageError(str(e)) from None
+    tier_names(ns)
+    for b in ns.baseline or []:
+        if b not in ("auto", "none"):
+            try:
+                data.load(b, "baseline")
+            except data.ReportError as e:
+                raise UsageError(str(e)) from None
     if ns.database:
         try:
             profiles.database_from(ns.database)
@@ -63,13 +66,13 @@ def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[s
             raise UsageError("--replay needs --database (the examples to replay)")
         os.environ[profiles.REPLAY_VAR] = "1"
     need_distributed()
+    from conformance import areas as invariants
+
+    try:
+        invariants.select(ns.invariant)
+    except invariants.UnknownInvariant as e:
+        raise UsageError(str(e)) from None
     tiers = resolve_tiers(ns)
-    for b in ns.baseline or []:
-        if b not in ("auto", "none"):
-            try:
-                data.load(b, "baseline")
-            except data.ReportError as e:
-                raise UsageError(str(e)) from None
     tests = paths.SUITE
     if not tests.is_dir():
         raise UsageError(f"{tests} not found: this installation of fsdp-conformance lacks its conformance suite")
