@@ -2,6 +2,8 @@
 package's pytest plugin (conformance.plugin, the pytest11 entry point); the
 Hypothesis profile is loaded here too, since these tests draw cases."""
 
+import pytest
+
 from conformance.plugin import ensure_profile
 
 
@@ -18,3 +20,33 @@ def pytest_collection_modifyitems(config, items):
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if "repros" in i.keywords])
         items[:] = keep
+
+
+# The fault modules the rank processes import (each registers its fault
+# scenarios; none patches FSDP at import): one pool per world size, shared by
+# every fault test of this pytest process, instead of one per test module
+# (a pool's start-up is a torch import and a group init: ~5 s).
+FAULT_MODULES = ("tests.self.faults_activation_checkpointing", "tests.self.faults_checkpoint", "tests.self.faults_clip",
+                 "tests.self.faults_comm", "tests.self.faults_fsdp2", "tests.self.faults_hsdp", "tests.self.faults_init_order",
+                 "tests.self.faults_microbatch", "tests.self.faults_tp", "tests.self.faults_training")
+
+
+@pytest.fixture(scope="session")
+def fault_pools():
+    """``fault_pools(world_size)``: the gloo pool of that world size whose
+    ranks have every fault module loaded (deadline: 60 s a rank pair, 120 s
+    for 4 ranks on 2 cores)."""
+    from conformance.engine.pool import RankPool
+
+    made: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in made:
+            made[world_size] = RankPool(world_size, "gloo", deadline=60.0 if world_size <= 2 else 120.0,
+                                        preload=("conformance.areas.checkpoint.adapter", *FAULT_MODULES))
+            made[world_size].tier = "gloo"
+        return made[world_size]
+
+    yield get
+    for p in made.values():
+        p.close()

@@ -108,12 +108,8 @@ FAULTS = [
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from conformance.engine.pool import RankPool
-
-    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_activation_checkpointing",))
-    yield p
-    p.close()
+def pool(fault_pools):
+    return fault_pools(2)
 
 
 def run(invariant: str, spec: CaseSpec, engine, scenario: str = "activation-checkpointing"):

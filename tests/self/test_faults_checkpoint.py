@@ -45,13 +45,8 @@ ROUNDTRIP_FSDP2 = dataclasses.replace(ROUNDTRIP, load_plan=WrapPlan(api="fsdp2")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from conformance.engine.pool import RankPool
-
-    p = RankPool(2, "gloo", deadline=60.0, preload=("conformance.areas.checkpoint.adapter", "tests.self.faults_checkpoint"))
-    p.tier = "gloo"
-    yield p
-    p.close()
+def pool(fault_pools):
+    return fault_pools(2)
 
 
 def worlds(pool, phases=None, deadline=20.0):

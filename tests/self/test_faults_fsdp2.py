@@ -139,12 +139,8 @@ def test_structural_fault_is_caught(invariant, fault, kind, changes, fake_engine
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from conformance.engine.pool import RankPool
-
-    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_fsdp2",))
-    yield p
-    p.close()
+def pool(fault_pools):
+    return fault_pools(2)
 
 
 def summon_case() -> CaseSpec:

@@ -73,12 +73,8 @@ KNOWN_ON_CPU = {("HSDP-SYNC", c) for c in CASES if c.startswith("fsdp1")}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from conformance.engine.pool import RankPool
-
-    p = RankPool(4, "gloo", deadline=120.0, preload=("tests.self.faults_hsdp",))
-    yield p
-    p.close()
+def pool(fault_pools):
+    return fault_pools(4)
 
 
 def run(invariant: str, spec: CaseSpec, engine, scenario: str = "hsdp"):

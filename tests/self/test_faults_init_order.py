@@ -80,12 +80,8 @@ HOLDS = {  # the invariants each case compares something for
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from conformance.engine.pool import RankPool
-
-    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_init_order",))
-    yield p
-    p.close()
+def pool(fault_pools):
+    return fault_pools(2)
 
 
 def run(invariant: str, spec: CaseSpec, engine, scenario: str = "init_order", known_failures=None):

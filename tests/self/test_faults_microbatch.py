@@ -77,12 +77,8 @@ def test_fault_is_caught(invariant, case, fault, kind, fake_engine):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from conformance.engine.pool import RankPool
-
-    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_microbatch",))
-    yield p
-    p.close()
+def pool(fault_pools):
+    return fault_pools(2)
 
 
 @pytest.mark.gloo

@@ -61,12 +61,8 @@ FAULTS = [
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from conformance.engine.pool import RankPool
-
-    p = RankPool(4, "gloo", deadline=120.0, preload=("tests.self.faults_tp",))
-    yield p
-    p.close()
+def pool(fault_pools):
+    return fault_pools(4)
 
 
 def run(invariant: str, spec: CaseSpec, engine, scenario: str = "tp"):

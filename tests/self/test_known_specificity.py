@@ -115,12 +115,8 @@ def self_calling(reshard: bool) -> CaseSpec:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from conformance.engine.pool import RankPool
-
-    p = RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_fsdp2",))
-    yield p
-    p.close()
+def pool(fault_pools):
+    return fault_pools(2)
 
 
 @pytest.mark.gloo
