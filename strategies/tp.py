@@ -54,11 +54,57 @@ def _tp_specs(draw: Any, cases: SearchStrategy, meshes: tuple[tuple[int, int], .
         if options and (not styles or maybe(draw, 2)):
             styles.append((path, pick(draw, options)))
     assume(styles)
+    pairs: tuple[tuple[str, str], ...] = ()
+    candidates = _pair_candidates(spec, tied, mesh[1])
+    if candidates and maybe(draw, 3):
+        # a transformer MLP's pattern: colwise then rowwise with the hidden
+        # activation sharded between them (the rowwise leaf's in_features made
+        # the colwise leaf's out_features)
+        a, b = pick(draw, candidates)
+        spec = dataclasses.replace(spec, tree=_with_in_features(spec.tree, b, _weight(spec, a)[0]))
+        styles = [(p, s) for p, s in styles if p not in (a, b)] + [(a, "colwise"), (b, "rowwise")]
+        pairs = ((a, b),)
+        event("tp: colwise -> rowwise pair")
     for _, s in styles:
         event(f"tp: style {s}")
     event(f"tp: mesh {mesh}")
-    plan = TpPlan(tuple(mesh), tuple(styles), steps, optimizer, 0.05, precision, norm_type, foreach, clip_all, clip_way)
+    plan = TpPlan(tuple(mesh), tuple(styles), steps, optimizer, 0.05, precision, norm_type, foreach, clip_all, clip_way, pairs)
     return dataclasses.replace(spec, tp=plan, methods=(), calls=())
+
+
+def _weight(spec: CaseSpec, path: str) -> tuple[int, ...]:
+    return next(q.shape for p, m in walk(spec.tree) if p == path for q in m.params if q.name == "weight")
+
+
+def _pair_candidates(spec: CaseSpec, tied: set, tp: int) -> list[tuple[str, str]]:
+    """(first, second) sibling Linear leaves, no tie touching either, the
+    first's out_features a multiple of tp (the hidden activation splits
+    evenly: DTensor.from_local reads an uneven Shard(-1) piece as even)."""
+    by_parent: dict[str, list[str]] = {}
+    for p, m in walk(spec.tree):
+        if p and m.cls == "Linear" and p not in tied and not m.children:
+            by_parent.setdefault(p.rpartition(".")[0], []).append(p)
+    out = []
+    for kids in by_parent.values():
+        for i, a in enumerate(kids):
+            if _weight(spec, a)[0] % tp == 0:
+                out += [(a, b) for b in kids[i + 1:]]
+    return out
+
+
+def _with_in_features(tree, path: str, n: int):
+    """``tree`` with the Linear at ``path`` taking ``n`` input features."""
+    head, _, rest = path.partition(".")
+    children = []
+    for c in tree.children:
+        if c.name != head:
+            children.append(c)
+        elif rest:
+            children.append(_with_in_features(c, rest, n))
+        else:
+            params = tuple(dataclasses.replace(q, shape=(q.shape[0], n)) if q.name == "weight" else q for q in c.params)
+            children.append(dataclasses.replace(c, params=params))
+    return dataclasses.replace(tree, children=tuple(children))
 
 
 def tp_specs(*, worlds: tuple[int, ...] = (4, 2), max_modules: int = 8, max_depth: int = 3) -> SearchStrategy[CaseSpec]:
@@ -68,7 +114,9 @@ def tp_specs(*, worlds: tuple[int, ...] = (4, 2), max_modules: int = 8, max_dept
     frozen and tied parameters) whose Linear / Embedding leaves take
     ColwiseParallel or RowwiseParallel and LayerNorm leaves SequenceParallel
     (at least one leaf, none a tie touches; sometimes a style that leaves a
-    tp rank an empty piece), 1..2 steps of SGD or Adam, sometimes bf16 mixed
+    tp rank an empty piece; often, where two sibling Linear leaves allow it,
+    a colwise -> rowwise pair whose hidden activation stays sharded, the
+    second's in_features made the first's out_features), 1..2 steps of SGD or Adam, sometimes bf16 mixed
     precision, and a clip (clip_grad_norm_, or get_total_norm + clip_grads_with_norm_)
     of norm type 2, 1, 3 or inf, foreach or not, over every parameter or
     only the TP ones."""

@@ -46,9 +46,25 @@ def _generic_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x + 0.5 * torch.tanh(getattr(self, name)).mean()
     for name in self._case_buffer_names:
         x = x + getattr(self, name).mean()
-    skip = self.__dict__.get("_case_skip", ())  # a microbatch that passes over some children (ACCUM)
-    for name, child in self._modules.items():
-        if name not in skip:
+    return _run_children(self, x)
+
+
+def _run_children(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Each child of ``module`` on the running activation in turn; a pair
+    (``_case_pairs``: first -> second, a tensor-parallel MLP) runs as one:
+    second(tanh(first(x))), its hidden activation passed on whole."""
+    skip = module.__dict__.get("_case_skip", ())  # a microbatch that passes over some children (ACCUM)
+    pairs = module.__dict__.get("_case_pairs", {})
+    seconds = set(pairs.values())
+    for name, child in module._modules.items():
+        if name in skip or name in seconds:
+            continue
+        if name in pairs:
+            second = module._modules[pairs[name]]
+            inner = getattr(child, "module", child)
+            h = torch.tanh(child(x[:, None].expand(x.shape[0], inner.in_features)))
+            x = second(h).mean(-1) + x
+        else:
             x = call_child(child, x)
     return x
 
@@ -66,11 +82,7 @@ def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
         # torch's own containers (no usable forward): run their children
-        skip = inner.__dict__.get("_case_skip", ())
-        for name, c in inner._modules.items():
-            if name not in skip:
-                x = call_child(c, x)
-        return x
+        return _run_children(inner, x)
     return child(x)
 
 
@@ -213,6 +225,9 @@ def build(spec: CaseSpec) -> Built:
         names = getattr(mod, "_case_param_names", None)
         if names is not None and t.name not in names:
             names.append(t.name)
+    for first, second in spec.tp.pairs if spec.tp is not None else ():
+        parent = modules[first.rpartition(".")[0]]
+        parent.__dict__.setdefault("_case_pairs", {})[first.rpartition(".")[2]] = second.rpartition(".")[2]
     for m in spec.methods:
         # On the class (as a user writes it), the body per instance: other
         # instances of the class run an empty body.

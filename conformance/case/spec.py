@@ -522,6 +522,13 @@ class TpPlan:
     foreach: bool = False
     clip_all: bool = True
     clip_way: str = "clip_grad_norm_"  # or "get_total_norm": get_total_norm then clip_grads_with_norm_
+    # (colwise Linear, rowwise Linear) siblings whose activation stays sharded
+    # between them, as in a transformer's MLP: the parent's forward runs
+    # rowwise(tanh(colwise(x))) and the pair takes ColwiseParallel() (output
+    # Shard(-1), local) and RowwiseParallel() (input Shard(-1)), the default
+    # layouts torchtitan's plans pair; the colwise leaf's out_features is the
+    # rowwise leaf's in_features
+    pairs: tuple[tuple[str, str], ...] = ()
 
     @property
     def world(self) -> int:
@@ -550,6 +557,19 @@ def validate_tp(spec: "CaseSpec") -> None:
         m = mods.get(path)
         if m is None or style not in TP_STYLES.get(m.cls, ()):
             raise SpecError(f"tp plan {t!r}: {path!r} must be a Linear, Embedding or LayerNorm leaf taking a style of {TP_STYLES}")
+    styles = dict(t.styles)
+    paired = [p for pair in t.pairs for p in pair]
+    if len(set(paired)) != len(paired):
+        raise SpecError(f"tp plan {t!r}: a leaf is in one pair")
+    for a, b in t.pairs:
+        ma, mb = mods.get(a), mods.get(b)
+        if styles.get(a) != "colwise" or styles.get(b) != "rowwise" or ma is None or mb is None or ma.cls != "Linear" or mb.cls != "Linear":
+            raise SpecError(f"tp plan {t!r}: pair {(a, b)!r} must be a colwise Linear and a rowwise Linear of the styles")
+        if a.rpartition(".")[0] != b.rpartition(".")[0] or not a or not b:
+            raise SpecError(f"tp plan {t!r}: pair {(a, b)!r} must be siblings")
+        wa, wb = (next(q.shape for q in m.params if q.name == "weight") for m in (ma, mb))
+        if wa[0] != wb[1]:
+            raise SpecError(f"tp plan {t!r}: pair {(a, b)!r}: {a}'s out_features {wa[0]} must be {b}'s in_features {wb[1]}")
     owner = {join(p, q.name): p for p, m in walk(spec.tree) for q in m.params}
     for tie in spec.ties:
         if tie.module in paths or owner.get(tie.source) in paths:

@@ -52,6 +52,22 @@ def rowwise_output_not_reduced():
     return mock.patch.object(RowwiseParallel, "_prepare_output_fn", staticmethod(output))
 
 
+@fault("rowwise-ignores-input-layouts")
+def rowwise_ignores_input_layouts():
+    """RowwiseParallel reads a plain input as Replicate whatever its
+    input_layouts: a colwise leaf's Shard(-1) output (a pair's hidden
+    activation) is then taken for the whole tensor and sliced again."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel.style import RowwiseParallel
+
+    orig = RowwiseParallel._prepare_input_fn
+
+    def prepare(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        return orig((Replicate(),), desired_input_layouts, mod, inputs, device_mesh)
+
+    return mock.patch.object(RowwiseParallel, "_prepare_input_fn", staticmethod(prepare))
+
+
 @fault("full-state-dict-load-dropped")
 def full_state_dict_load_dropped():
     """set_model_state_dict(full_state_dict=True) returns without loading anything."""

@@ -38,6 +38,20 @@ def model(tp: TpPlan, *, frozen_bias: bool = False) -> CaseSpec:
                     tp=tp, seed=5)
 
 
+def mlp(tp_mesh=(2, 2), **kw) -> CaseSpec:
+    """root (scale) -> mlp (fc1: Linear 3 -> 8, fc2: Linear 8 -> 5), fc1
+    colwise and fc2 rowwise as a pair: the hidden activation (8 features)
+    stays Shard(-1) between them (fc1's rows split evenly over tp, then dp)."""
+    mlp_ = ModuleSpec("mlp", "Block", children=(
+        ModuleSpec("fc1", "Linear", (ParamSpec("weight", (8, 3)), ParamSpec("bias", (8,)))),
+        ModuleSpec("fc2", "Linear", (ParamSpec("weight", (5, 8)), ParamSpec("bias", (5,)))),
+    ))
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), children=(mlp_,))
+    tp = TpPlan(tp_mesh, (("mlp.fc1", "colwise"), ("mlp.fc2", "rowwise")), clip_all=False, pairs=(("mlp.fc1", "mlp.fc2"),), **kw)
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), plan=WrapPlan(api="fsdp2", groups=(ShardGroup(("mlp",)),)),
+                    tp=tp, seed=7)
+
+
 # clip_all=False throughout: clipping parameters on both meshes together raises
 # on this torch (fsdp2-tp-clip-mixed-meshes), which these cases do not test
 CASES = {
@@ -46,14 +60,17 @@ CASES = {
                                                  clip_way="get_total_norm"),
                                          frozen_bias=True),
     "2x2-bf16": lambda: model(TpPlan((2, 2), STYLES, clip_all=False, precision="bf16-fp32-reduce")),
+    "2x2-pair": lambda: mlp(),
 }
-NOT_APPLICABLE = {("TP-MP-DTYPE", "2x2"), ("TP-MP-DTYPE", "2x2-adam-frozen-inf"), ("TP-PARITY", "2x2-bf16"), ("TP-CLIP", "2x2-bf16")}
+NOT_APPLICABLE = {("TP-MP-DTYPE", "2x2"), ("TP-MP-DTYPE", "2x2-adam-frozen-inf"), ("TP-PARITY", "2x2-bf16"), ("TP-CLIP", "2x2-bf16"),
+                  ("TP-MP-DTYPE", "2x2-pair")}
 
 FAULTS = [
     ("TP-LAYOUT", "2x2", "colwise-shards-dim-1", "kind:placements"),
     ("TP-LAYOUT", "2x2", "strided-shard-dropped", "kind:placements"),
     ("TP-FULL-TENSOR", "2x2", "strided-shard-dropped", "kind:value"),
     ("TP-PARITY", "2x2", "rowwise-output-not-reduced", "kind:loss"),
+    ("TP-PARITY", "2x2-pair", "rowwise-ignores-input-layouts", "kind:raised"),
     ("TP-STATE-DICT", "2x2", "full-state-dict-load-dropped", "kind:to-flat"),
     ("TP-MP-DTYPE", "2x2-bf16", "param-dtype-ignored", "kind:forward-dtype"),
     ("TP-CLIP", "2x2", "clip-norm-of-local-shards", "kind:norm"),
@@ -86,6 +103,31 @@ def test_fault_is_caught_inside_the_ranks(invariant, case, fault, kind, pool):
     res = run(invariant, CASES[case](), pool, f"fault:tp:{fault}")
     assert res.verdict == FAIL, res.describe()
     assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+@pytest.mark.gloo
+def test_only_a_pair_passes_a_sharded_activation(pool):
+    """The pair is what reaches RowwiseParallel's input_layouts: with them
+    ignored, the unpaired case (rowwise input_layouts=Replicate()) still
+    trains as specified, the pair does not (above)."""
+    res = run("TP-PARITY", CASES["2x2"](), pool, "fault:tp:rowwise-ignores-input-layouts")
+    assert res.verdict == PASS, res.describe()
+
+
+def test_a_pair_is_a_colwise_then_rowwise_linear_with_matching_features():
+    import dataclasses
+
+    from conformance.case.spec import SpecError
+
+    good = mlp()
+    for pairs, styles in ((("mlp.fc2", "mlp.fc1"),), good.tp.styles), (((("mlp.fc1", "mlp.fc2"),), (("mlp.fc1", "colwise"), ("mlp.fc2", "colwise")))):
+        with pytest.raises(SpecError):
+            dataclasses.replace(good, tp=dataclasses.replace(good.tp, pairs=pairs, styles=styles))
+    fc2 = good.tree.children[0].children[1]
+    narrow = dataclasses.replace(fc2, params=(ParamSpec("weight", (5, 4)), ParamSpec("bias", (5,))))
+    tree = dataclasses.replace(good.tree, children=(dataclasses.replace(good.tree.children[0], children=(good.tree.children[0].children[0], narrow)),))
+    with pytest.raises(SpecError, match="in_features"):
+        dataclasses.replace(good, tree=tree)
 
 
 def test_local_shape_is_torch_chunk_of_torch_chunk():

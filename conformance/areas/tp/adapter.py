@@ -59,16 +59,19 @@ def flat_mesh():
 # ---- wrapping -----------------------------------------------------------------------
 
 
-def style(kind: str):
+def style(kind: str, paired: bool = False):
     """The ParallelStyle of a plan's style name, each keeping the leaf's inputs
-    and outputs plain, replicated tensors (conformance.case.spec.TP_STYLES)."""
+    and outputs plain, replicated tensors (conformance.case.spec.TP_STYLES);
+    a leaf of a pair (TpPlan.pairs) takes the style's defaults: colwise
+    output Shard(-1) into rowwise input Shard(-1), the hidden activation
+    never gathered."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     if kind == "colwise":
-        return ColwiseParallel(output_layouts=Replicate())
+        return ColwiseParallel() if paired else ColwiseParallel(output_layouts=Replicate())
     if kind == "rowwise":
-        return RowwiseParallel(input_layouts=Replicate())
+        return RowwiseParallel() if paired else RowwiseParallel(input_layouts=Replicate())
     return SequenceParallel(sequence_dim=0)
 
 
@@ -77,6 +80,7 @@ def parallelize(spec: CaseSpec, built, mesh) -> None:
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
 
     tp = mesh["tp"]
+    paired = {p for pair in spec.tp.pairs for p in pair}
     for path, kind in spec.tp.styles:
         if kind == "sequence":
             # the replicated activation enters as a Replicate DTensor (SequenceParallel
@@ -84,7 +88,7 @@ def parallelize(spec: CaseSpec, built, mesh) -> None:
             parallelize_module(built.model, tp, {path: PrepareModuleInputOutput(
                 input_layouts=Replicate(), desired_input_layouts=Replicate(),
                 output_layouts=Shard(0), desired_output_layouts=Replicate(), use_local_output=True)})
-        parallelize_module(built.model, tp, {path: style(kind)})
+        parallelize_module(built.model, tp, {path: style(kind, path in paired)})
 
 
 def mp_policy(precision: str):

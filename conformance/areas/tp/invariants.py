@@ -36,6 +36,8 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
     t = spec.tp
     tags = {"api:fsdp2", pred.mesh_tag(), backend_tag(obs), f"optim:{t.optimizer}", f"precision:{t.precision}", f"norm:{t.norm_type}", f"clip:{t.clip_way}"}
     tags |= {f"style:{s}" for _, s in t.styles}
+    if t.pairs:
+        tags.add("style:pair")  # a colwise -> rowwise pair with its activation sharded between them
     if obs.requires_grad_changed:
         tags.add("requires-grad:changed")  # wrapping made a frozen parameter trainable (or the reverse)
     if pred.strided_uneven:
@@ -55,6 +57,8 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
 def failure_tags(spec: CaseSpec, pred: TpPrediction) -> set[str]:
     """The facts of a HANG or CRASH (no observation): what the spec alone says."""
     tags = {"api:fsdp2", pred.mesh_tag(), f"precision:{spec.tp.precision}"} | {f"style:{s}" for _, s in spec.tp.styles}
+    if spec.tp.pairs:
+        tags.add("style:pair")
     if pred.tp_empty:
         tags.add("shard:tp-empty")
     return tags
@@ -150,7 +154,7 @@ def check_full_tensor(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) ->
     api="fsdp2",
     scenario="tp",
     all_ranks=True,
-    statement="A few optimizer steps (SGD, Adam) of the TP + FSDP2 model, on data that differs by dp rank (the same on a dp rank's tp ranks), match single-process training on the mean loss over the dp ranks' batches: every rank's losses and every parameter's final full_tensor(), within the training tolerance; the forward and backward raise on no rank (an empty TP shard included). Values are compared without mixed precision.",
+    statement="A few optimizer steps (SGD, Adam) of the TP + FSDP2 model, on data that differs by dp rank (the same on a dp rank's tp ranks), match single-process training on the mean loss over the dp ranks' batches: every rank's losses and every parameter's final full_tensor(), within the training tolerance; the forward and backward raise on no rank (an empty TP shard included; a colwise -> rowwise pair, as in a transformer's MLP, passing its hidden activation Shard(-1) between them). Values are compared without mixed precision.",
     source=f"{DOC_FULLY_SHARD}; {DOC_TP}",
 )
 def check_parity(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -> list[Violation] | NotChecked:
