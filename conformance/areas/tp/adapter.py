@@ -441,6 +441,7 @@ def observe(spec: CaseSpec) -> TpObservation:
     unsharded = {ref_aliases.param_canon.get(n, n): p.detach().clone() for n, p in ref.model.named_parameters()}
     unsharded_keys = tuple(sorted(ref.model.state_dict()))
     error = None
+    t_wrap = time.perf_counter()
     try:
         model = wrap_2d(spec, built)
     except Exception as e:  # noqa: BLE001
@@ -451,7 +452,8 @@ def observe(spec: CaseSpec) -> TpObservation:
     obs: dict = dict(base, layout=layout(spec, model, aliases, unsharded, not fake), tp_empty=tp_empty(model, aliases),
                      requires_grad_changed=requires_grad_changed(model, aliases, frozen_before))
     if fake:  # structure only: the fake tier's collectives carry no data
-        return TpObservation(**obs, seconds=time.perf_counter() - t0)
+        # FSDP's (and DTensor's) work here: parallelize_module, fully_shard and reading the layout
+        return TpObservation(**obs, seconds=time.perf_counter() - t0, fsdp_seconds=time.perf_counter() - t_wrap)
     now = full_values(model, aliases)
     obs["full_equal"] = tuple((f, same(v, unsharded.get(f))) for f, v in sorted(now.items()))
 
