@@ -10,6 +10,7 @@ from conformance.areas.comm.observation import CommObservation
 from conformance.areas.comm.oracle import CommPrediction, Expected
 from conformance.areas.common.catalog import Catalog, NotChecked
 from conformance.areas.common.comm_checks import collective_key, compare_collectives, compare_events
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
 from conformance.areas.common.violations import violation
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
@@ -35,6 +36,8 @@ def case_tags(spec: CaseSpec, obs: CommObservation) -> set[str]:
             tags.add("prefetch:forward-explicit")
         if c.backward_prefetch:
             tags.add("prefetch:backward-explicit")
+        if container_given_to_fully_shard(spec):
+            tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     else:
         tags |= {f"strategy:{c.sharding_strategy}", f"backward_prefetch:{c.fsdp1_backward_prefetch}",
                  f"uop:{str(spec.plan.use_orig_params).lower()}"}

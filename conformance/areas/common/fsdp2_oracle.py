@@ -13,7 +13,7 @@ from conformance.case.graph import ModelGraph
 from conformance.case.model_case import ModelCase
 from conformance.case.spec import CaseSpec, ForwardMethod, MethodCall, ShardGroup, SpecError, WrapPlan, effective_calls, module_at
 from conformance.case.target import graph_of
-from conformance.case.tree import join
+from conformance.case.tree import class_ancestry, join
 
 # The torch release from which fully_shard rejects a parameter that two
 # groups see (ValueError at the first forward that names it and prescribes
@@ -624,7 +624,10 @@ def container_base(spec: CaseSpec, path: str) -> bool:
         cls = module_at(spec.tree, path).cls
     except SpecError:
         return False
-    return any(c.name == cls and c.base in ("ModuleList", "ModuleDict") for c in spec.classes)
+    # a drawn class (it has the case's forward) deriving, directly or through
+    # other drawn classes, from torch's ModuleList or ModuleDict (release
+    # matrix 2.8.0: LayerDict(BlockDict(ModuleDict)) went untagged)
+    return cls in {c.name for c in spec.classes} and bool({"ModuleList", "ModuleDict"} & set(class_ancestry(spec, cls)))
 
 
 def container_given_to_fully_shard(spec: CaseSpec) -> bool:

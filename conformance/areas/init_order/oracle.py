@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
 from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
 from conformance.case.spec import CaseSpec, InitPlan
 from conformance.case.target import graph_of
@@ -59,6 +60,8 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
         tags.add("frozen")
     if spec.shared:
         tags.add("shared-module")
+    if api == "fsdp2" and container_given_to_fully_shard(spec):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if any(t.module == t.source.rpartition(".")[0] for t in spec.ties):
         tags.add("tie:same-module")  # one Parameter under two names of one module
     if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):

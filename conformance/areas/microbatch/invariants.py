@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.comm_checks import compare_collectives, compare_events
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.microbatch.observation import MicrobatchObservation
 from conformance.areas.microbatch.oracle import MicrobatchPrediction
@@ -37,6 +38,8 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
                                            for g in spec.plan.groups))):
         if flag:
             tags.add(name)
+    if container_given_to_fully_shard(spec):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     return tags | set(pred.expect(obs.world_size).notes)
 
 

@@ -6,6 +6,7 @@ with FSDP2 (fully_shard(mesh=mesh["dp"])), against the oracle
 from __future__ import annotations
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.tp.observation import TpObservation
 from conformance.areas.tp.oracle import TpPrediction
@@ -38,6 +39,8 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
     tags |= {f"style:{s}" for _, s in t.styles}
     if t.pairs:
         tags.add("style:pair")  # a colwise -> rowwise pair with its activation sharded between them
+    if container_given_to_fully_shard(spec):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if obs.requires_grad_changed:
         tags.add("requires-grad:changed")  # wrapping made a frozen parameter trainable (or the reverse)
     if pred.strided_uneven:
