@@ -113,7 +113,9 @@ def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
         elif obs.values_meaningful and obs.backward_ran and gr.close is False:
             out.append(violation("FSDP2-FROZEN", f"gradient of {gr.fqn} differs from the reference's by {gr.max_diff:.3g}", tags, "kind:grad"))
         elif obs.backward_ran and gr.grad_none != gr.ref_grad_none:
-            out.append(violation("FSDP2-FROZEN", f"{gr.fqn}: grad None is {gr.grad_none}, the reference's {gr.ref_grad_none}", tags, "kind:grad-none"))
+            # a trainable parameter left without a gradient: after a call that ran its module's forward inside, that call's doing
+            out.append(violation("FSDP2-FROZEN", f"{gr.fqn}: grad None is {gr.grad_none}, the reference's {gr.ref_grad_none}",
+                                 tags | _nested_anywhere(obs), "kind:grad-none"))
     if not out and not promised and obs.backward_error:
         return NotChecked("a called method reads another group's parameter directly: its gradients are not promised (spec source 004)")
     return out
