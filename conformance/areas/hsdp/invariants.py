@@ -9,7 +9,7 @@ import math
 from collections import Counter
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
-from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.hsdp.observation import HsdpObservation
 from conformance.areas.hsdp.oracle import PLACEMENTS_2D, HsdpPrediction, local_shape
@@ -31,6 +31,8 @@ def case_tags(spec: CaseSpec, pred: HsdpPrediction, obs: HsdpObservation) -> set
     tags = {f"api:{spec.plan.api}", pred.mesh_tag(), f"way:{h.way}", backend_tag(obs), f"optim:{h.optimizer}"}
     if spec.plan.api == "fsdp1":
         tags |= {f"strategy:{h.strategy}", f"uop:{str(spec.plan.use_orig_params).lower()}"}
+    elif container_given_to_fully_shard(spec):
+        tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if pred.training.frozen:
         tags.add("frozen")
     if spec.ties:
@@ -76,7 +78,8 @@ def check_parity(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation
     if first.wrap_error or first.step_error:
         err = first.wrap_error or first.step_error
         freed = {"error:freed-storage"} if "out of bounds for storage of size 0" in err else set()  # a parameter over freed storage
-        return [violation("HSDP-PARITY", f"HSDP raised {err}", tags, "kind:raised", *freed)]
+        raised = {f"raised:{err.split(':', 1)[0]}"} if not err.startswith("another rank") else set()  # the exception type
+        return [violation("HSDP-PARITY", f"HSDP raised {err}", tags, "kind:raised", *freed, *raised)]
     if not first.values_meaningful:
         return VALUES_UNCHECKED
     if not first.ref_stable:
