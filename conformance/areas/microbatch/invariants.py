@@ -13,6 +13,7 @@ from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.microbatch.observation import MicrobatchObservation
 from conformance.areas.microbatch.oracle import MicrobatchPrediction
 from conformance.case.spec import CaseSpec
+from conformance.case.tree import walk
 from conformance.case.violation import Violation
 
 catalog = Catalog()
@@ -40,7 +41,23 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
             tags.add(name)
     if container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    if _frozen_int_reshard_group(spec):
+        tags.add("group:frozen-int-reshard")  # see fsdp2-frozen-int-reshard-group-not-last-backward
     return tags | set(pred.expect(obs.world_size).notes)
+
+
+def _frozen_int_reshard_group(spec: CaseSpec) -> bool:
+    """A group with an int reshard_after_forward whose parameters are all frozen."""
+    from conformance.case.spec import module_at
+
+    for g in spec.plan.groups:
+        r = g.reshard_after_forward
+        if not isinstance(r, int) or isinstance(r, bool):
+            continue
+        params = [q for path in g.modules for _, m in walk(module_at(spec.tree, path)) for q in m.params]
+        if params and not any(q.requires_grad for q in params):
+            return True
+    return False
 
 
 def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violation]:
