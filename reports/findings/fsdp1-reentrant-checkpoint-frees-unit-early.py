@@ -15,6 +15,14 @@ AccumulateGrad, which fires FSDP1's post-backward hook: the unit reshards
 unit's other parameters (lin here) to differentiate. The non-reentrant
 variant trains; so does the same model without AC.
 
+Where the parameter that backward reads after the flush is an existing
+view rather than one FSDP re-creates, nothing raises: the recompute of an
+earlier reentrant region of the same unit (two regions, first and second,
+in one unit) reads the freed storage directly. On CPU the tanh kernel then
+reads freed memory (oneMKL: "Parameter 2 was incorrect on entry to vsTanh"
+on stderr, or a segfault): the step silently writes garbage (first.weight
+-1.2e32 instead of 0.303 after one SGD step, torch 2.13.0, torchrun 2).
+
 Expected: the same gradients as without checkpointing.
 
 Finding: fsdp1-reentrant-checkpoint-frees-unit-early
@@ -62,6 +70,43 @@ def train(impl, use_orig_params):
         return str(e).splitlines()[0]
 
 
+class Leaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((4, 4), 0.3))
+
+    def forward(self, x):
+        return x + 0.5 * torch.tanh(self.weight).mean()
+
+
+class TwoRegions(nn.Module):
+    """Two reentrant regions in one unit (the root): the second's nested
+    backward flushes the flat parameter; the first's recompute reads it."""
+
+    def __init__(self, impl):
+        super().__init__()
+        wrap = (lambda m: m) if impl is None else (lambda m: checkpoint_wrapper(m, checkpoint_impl=impl))
+        self.first, self.second = wrap(Leaf()), wrap(Leaf())
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def step_two_regions(impl):
+    """One SGD step; the parameters after it (full), or the error."""
+    model = FSDP(TwoRegions(impl), device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    x = torch.randn(3, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    try:
+        model(x).pow(2).sum().backward()
+        opt.step()
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    with FSDP.summon_full_params(model):
+        return {n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): p.detach().clone()
+                for n, p in model.named_parameters()}
+
+
 def main():
     if "RANK" not in os.environ:
         with socket.socket() as s:
@@ -80,6 +125,15 @@ def main():
                 print(f"use_orig_params={uop} {name}: " + ("backward ok" if err is None else f"backward raised {err}"), flush=True)
             if impl is CheckpointImpl.REENTRANT and err is not None:
                 reproduced.append(f"use_orig_params={uop}: backward raised {err}")
+    plain, reentrant = step_two_regions(None), step_two_regions(CheckpointImpl.REENTRANT)
+    if isinstance(reentrant, str):
+        reproduced.append(f"two regions: backward raised {reentrant}")
+    else:
+        for n, want in plain.items():
+            if dist.get_rank() == 0:
+                print(f"two regions, {n} after one step: no AC {want.flatten()[0].item():.4g}, REENTRANT {reentrant[n].flatten()[0].item():.4g}", flush=True)
+            if not torch.allclose(reentrant[n], want):
+                reproduced.append(f"two regions: {n} after one step differs from no AC by {(reentrant[n] - want).abs().max().item():.3g} (nothing raised)")
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"DEVIATION: the reentrant checkpoint inside an FSDP1 unit frees the unit before its backward ends: {'; '.join(reproduced)}"

@@ -195,3 +195,37 @@ def test_a_wrapper_unit_below_a_tie_is_tagged_for_its_finding():
     assert "outside:tie-below-lca" in predict_ac(case(True, SizeBasedWrap(1))).tags
     assert "outside:tie-below-lca" not in predict_ac(case(False, SizeBasedWrap(1))).tags
     assert "outside:tie-below-lca" not in predict_ac(case(True, CustomWrap(()))).tags
+
+
+def two_reentrant_regions() -> CaseSpec:
+    """Seed 15's case: one FSDP1 unit (the root) holding two reentrant
+    regions, model0 then model1. model1's nested backward flushes the
+    root's flat parameter (its post-backward frees it); model0's recompute
+    then reads model0.weight, a view of the freed storage: unguarded, the
+    kernel reads freed memory (garbage values, or a segfault that killed an
+    xdist worker in the in-process fake tier)."""
+    tree = ModuleSpec("", "Model", children=(
+        ModuleSpec("model0", "Model", (ParamSpec("weight", (1, 1)), ParamSpec("bias", (1,)))),
+        ModuleSpec("model1", "Model", (ParamSpec("weight", (1, 1)),))))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp1", use_orig_params=False),
+                    activation_checkpoint=ActivationCheckpointPlan(kind="wrapper-reentrant", targets=("model0", "model1")))
+
+
+@pytest.mark.parametrize("tier", ["fake", "gloo"])
+def test_a_read_of_freed_storage_is_an_error_not_a_crash(tier, pool):
+    """The adapter's guard turns the read of a parameter FSDP already freed
+    into an error on every tier, before the kernel runs; the error is the
+    known finding's own form (error:freed-storage)."""
+    from conformance.engine.fake import FakeEngine
+    from conformance.run import known
+
+    spec = two_reentrant_regions()
+    if tier == "fake":
+        with FakeEngine(2) as fake:
+            obs = observations(fake, spec, "activation-checkpointing", ACObservation.from_dict)
+    else:
+        obs = observations(pool, spec, "activation-checkpointing", ACObservation.from_dict)
+    assert any("model0.weight read in forward with its storage freed" in (o.step_error or "") for o in obs), [o.step_error for o in obs]
+    res = evaluate("AC-PARITY", spec, obs, known.load())
+    assert res.verdict == KNOWN and res.known[0][1] == "fsdp1-reentrant-checkpoint-frees-unit-early", res.describe()
+    assert any("error:freed-storage" in v.tags for v, _ in res.known)

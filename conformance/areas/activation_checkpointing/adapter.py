@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from conformance.areas.activation_checkpointing.observation import ACObservation
+from conformance.areas.activation_checkpointing.oracle import FREED_READ
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
@@ -64,6 +65,30 @@ def apply_ac(plan: ActivationCheckpointPlan, built: Built) -> None:
             if plan.kind == "selective":
                 kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_tanh)
             m.forward = functools.partial(checkpoint, m.forward, **kwargs)
+
+
+def guard_freed_reads(built: Built) -> None:
+    """Before FSDP: a forward pre-hook on every module of the case that
+    raises where one of its parameters (or the view FSDP1 put in its
+    place) has elements but a freed storage (size 0): the read of a
+    parameter FSDP already resharded. Unguarded, the kernel reads freed
+    memory: garbage values or a segfault (seed 15: a reentrant recompute
+    after its unit's early post-backward, fsdp1-reentrant-checkpoint-frees-
+    unit-early), which in the in-process fake tier kills the test process.
+    Installed on the models with and without AC alike (a read that fails
+    without AC too is FSDP's, not checkpointing's)."""
+    for path, mod in built.modules.items():
+        names = tuple(n for n, p in mod._parameters.items() if p is not None)
+        if not names:
+            continue
+
+        def check(m, args, __path=path, __names=names):
+            for n in __names:
+                t = getattr(m, n, None)
+                if type(t) in (torch.Tensor, nn.Parameter) and t.numel() and t.untyped_storage().size() == 0:
+                    raise RuntimeError(f"{(__path + '.' if __path else '') + n} {FREED_READ} (numel {t.numel()}, storage of size 0)")
+
+        mod.register_forward_pre_hook(check)
 
 
 class Calls:
@@ -242,6 +267,8 @@ def observe(spec: CaseSpec) -> ACObservation:
     error = None
     calls, plain_calls = Calls(), Calls()
     try:
+        guard_freed_reads(built)
+        guard_freed_reads(plain)
         calls.install(built, plan.targets)
         plain_calls.install(plain, plan.targets, saved=True)
         apply_ac(plan, built)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.areas.activation_checkpointing.observation import ACObservation
-from conformance.areas.activation_checkpointing.oracle import ACPrediction
+from conformance.areas.activation_checkpointing.oracle import FREED_READ, ACPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.case.spec import CaseSpec
@@ -32,7 +32,7 @@ DOC_GATHER = ("fully_shard docstring (reshard_after_forward: reshard after forwa
 
 def error_tag(text: str) -> str:
     """The mechanism of an error, for findings to match on."""
-    if "out of bounds for storage of size 0" in text or "but its data is not allocated yet" in text:
+    if "out of bounds for storage of size 0" in text or "but its data is not allocated yet" in text or FREED_READ in text:
         return "error:freed-storage"  # a parameter (view) over a flat parameter FSDP already freed
     if "encountered during backward but not found in storage" in text:
         return "error:sac-op-mismatch"  # selective AC's cache saw another op sequence in the recompute
