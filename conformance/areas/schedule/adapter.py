@@ -38,7 +38,7 @@ from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed
 from conformance.areas.common.training import make_optimizer, reference_loss
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
-from conformance.areas.schedule.oracle import cast_paths, predict_schedule
+from conformance.areas.schedule.oracle import EPS, cast_paths, predict_schedule, reduction_slack
 from conformance.case.build import BATCH, Built, build, method_callable, read_attr
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
@@ -193,11 +193,17 @@ class ForwardRecorder:
         return hook
 
 
-def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) -> float:
-    """max |a - b| / (1 + max |b|); a missing gradient counts as zeros."""
+def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor, slack: torch.Tensor | None = None) -> float:
+    """max |a - b| / (1 + max |b|); a missing gradient counts as zeros; with
+    ``slack``, only the distance beyond it, element by element."""
     a = torch.zeros_like(like) if a is None else a.detach().float()
     b = torch.zeros_like(like) if b is None else b.detach().float()
-    return float((a - b).abs().max() / (1.0 + b.abs().max())) if a.numel() else 0.0
+    if not a.numel():
+        return 0.0
+    d = (a - b).abs()
+    if slack is not None:
+        d = (d - slack.to(d.device).reshape(d.shape)).clamp_min(0.0)
+    return float(d.max() / (1.0 + b.abs().max()))
 
 
 def _cast_floats(tree, dtype: torch.dtype):
@@ -231,7 +237,8 @@ class Emulation:
     (_get_gradient_predivide_factor, against overflow): implemented, not
     documented; with two ranks the pre-division is by 2 and the
     post-division by 1, both exact, so the mean computed here as sum then
-    division rounds identically (see oracle.pipeline_tolerance)."""
+    division rounds identically; with more ranks the sum may run in another
+    order, bounded element by element (oracle.reduction_slack)."""
 
     def __init__(self, spec: CaseSpec, pred, fsdp_paths: list[str], world: int):
         """``fsdp_paths``: the canonical paths of the modules given to
@@ -257,8 +264,10 @@ class Emulation:
         self.output_dtype = _dtype(pr.output_dtype) if pr is not None and pr.output_dtype else None
         if self.output_dtype is not None:
             model.register_forward_hook(lambda mod, args, out: _cast_floats(out, self.output_dtype))
+        self.reduce_name = pred.reduce_dtype
         self.acc: list[dict[str, torch.Tensor]] = []
         self.grads: dict[str, torch.Tensor] = {}
+        self.slack: dict[str, torch.Tensor] = {}  # how far another order of the ranks' sum may move self.grads (oracle.reduction_slack)
 
     def start(self, values: dict[str, torch.Tensor], frozen: set[str]) -> None:
         with torch.no_grad():
@@ -267,7 +276,7 @@ class Emulation:
                 p.data = v.to(self.compute)
                 p.requires_grad_(f not in frozen)
         self.acc = [{} for _ in range(self.world)]
-        self.grads = {}
+        self.grads, self.slack = {}, {}
         self.unpromised = False
 
     def _callable(self, first: int):
@@ -321,6 +330,8 @@ class Emulation:
                     total = total + a
                 reduced = (total / self.world).to(torch.float32)  # the sharded parameter's own dtype
                 self.grads[f] = reduced if f not in self.grads else self.grads[f] + reduced
+                slack = reduction_slack(have, self.world, reduced, EPS[self.reduce_name])  # FSDP may sum in another order
+                self.slack[f] = slack if f not in self.slack else self.slack[f] + slack
             self.acc = [{} for _ in range(self.world)]
         return losses
 
@@ -480,7 +491,7 @@ class Runner:
         shard = self.emulated_shard(flat, path, emu)
         if g is not None and g.numel() != shard.numel():
             return None
-        return _err_rel(g, shard, shard) if shard.numel() else None
+        return _err_rel(g, shard, shard, self.emulated_shard(flat, path, self.emu.slack)) if shard.numel() else None
 
     def emulated_shard(self, flat: torch.Tensor, path: str, emu: dict[str, torch.Tensor]) -> torch.Tensor:
         """FSDP1 use_orig_params=False: this rank's shard of the unit's flat
@@ -671,7 +682,7 @@ class Runner:
         for f in self.names:
             g, r = grads[f], ref[f].grad
             obs["grads"].append(ValueSeen(si, f, None if g is None else _name(g.dtype), own.get(f, g is None), r is None, _err_rel(g, r, ref[f]),
-                                          emulated_err=None if emu is None else _err_rel(g, emu.get(f), ref[f])))
+                                          emulated_err=None if emu is None else _err_rel(g, emu.get(f), ref[f], self.emu.slack.get(f))))
 
 
 class _Stop(Exception):

@@ -78,9 +78,11 @@ class SchedulePrediction:
 # gradients accumulated and reduced in reduce_dtype) rounds exactly as FSDP
 # does where the order of the reduction cannot matter: with two ranks (a + b
 # = b + a, and any power-of-two pre- or post-division is exact). More ranks
-# may be summed in another order: a few roundings of the reduction dtype per
-# rank. A gradient accumulated in bf16 instead of fp32 is off by bf16's
-# rounding (about 3e-3), far outside the fp32 slack.
+# may be summed in another order (a ring, a tree): no order is promised, so
+# the emulation bounds, element by element, how far any two orders can land
+# apart (reduction_slack) and only the distance beyond that bound counts. A
+# gradient accumulated in bf16 instead of fp32 is off by bf16's rounding
+# (about 3e-3), far outside the fp32 slack.
 PIPELINE_SLACK = 8 * 2.0 ** -24
 EPS = {F32: 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
@@ -132,13 +134,37 @@ def other_slack(pred: "SchedulePrediction") -> float:
     return REUSE_ROUNDINGS * PIPELINE_SLACK if pred.reused and pred.api == "fsdp2" else 0.0
 
 
-def pipeline_tolerance(pred: "SchedulePrediction", world_size: int, fqn: str | None = None) -> float:
+def pipeline_tolerance(pred: "SchedulePrediction", fqn: str | None = None) -> float:
     """MP-PIPELINE's tolerance of a loss (``fqn`` None) or of the gradient
-    of ``fqn`` (canonical FQN, or an FSDP1 flat parameter's label)."""
-    tol = PIPELINE_SLACK + (reuse_slack(pred) if is_reused(pred, fqn) else other_slack(pred))
-    if world_size > 2:
-        tol += 2 * world_size * EPS[pred.reduce_dtype]
-    return tol
+    of ``fqn`` (canonical FQN, or an FSDP1 flat parameter's label), beyond
+    the element-wise reduction_slack of a world of more than two ranks."""
+    return PIPELINE_SLACK + (reuse_slack(pred) if is_reused(pred, fqn) else other_slack(pred))
+
+
+# Recursive summation of n terms in any order (any binary tree) rounds to
+# within gamma_(n-1) * sum |x_i| ~ (n-1) u sum |x_i| of the exact sum (Higham,
+# Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 4.4); two
+# orders land at most twice that apart. A mean over a world that is not a
+# power of two divides with one rounding (u |mean|) on each side. The 1%
+# covers the bound's second-order terms.
+ORDER_MARGIN = 1.01
+
+
+def reduction_slack(contributions: list, world_size: int, reduced, u: float):
+    """The element-wise distance two summation orders of ``contributions``
+    (each rank's gradient, in reduce_dtype) may put between their means
+    over ``world_size`` ranks (``reduced``: one of them), ``u`` the unit
+    roundoff of reduce_dtype; zeros with two ranks or fewer (any order is
+    the same order). Terms a rank does not contribute are zeros: adding one
+    is exact."""
+    if world_size <= 2 or len(contributions) < 2:
+        return reduced.float().abs() * 0.0
+    mag = contributions[0].float().abs()
+    for c in contributions[1:]:
+        mag = mag + c.float().abs()
+    exact_division = world_size & (world_size - 1) == 0
+    out = 2 * ORDER_MARGIN * (len(contributions) - 1) * u * mag / world_size
+    return out if exact_division else out + 2 * ORDER_MARGIN * u * reduced.float().abs()
 
 
 def emulation_reason(spec: CaseSpec, api: str) -> str:
