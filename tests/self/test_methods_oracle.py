@@ -67,7 +67,8 @@ def test_oracle_keeps_a_method_unsharded_across_self_calls():
 def test_split_tie_prediction_depends_on_the_release():
     spec = lm(groups=(ShardGroup(("embed",)),))
     assert predict_fsdp2(spec, "2.13.0").tie_outcomes == ("error",)
-    assert predict_fsdp2(spec, "2.12.1").tie_outcomes == ("error", "once")
+    assert predict_fsdp2(spec, "2.12.1").tie_outcomes == ("error",)  # measured: 2.12.1 rejects it
+    assert predict_fsdp2(spec, "2.11.0").tie_outcomes == ("error", "once")
     assert predict_fsdp2(spec, "2.5.1+cu121").tie_outcomes == ("error", "once")
 
 

@@ -19,8 +19,12 @@ from conformance.case.tree import class_ancestry, join
 # groups see (ValueError at the first forward that names it and prescribes
 # fully_shard([a, b])); before it nothing checks, and the fully_shard
 # docstring's "except those already assigned to a group from an earlier call"
-# is the only promise: the parameter is managed once.
-TIE_CHECK_SINCE = (2, 13)
+# is the only promise: the parameter is managed once. 2.12 (measured: 2.12.1
+# rejects both a sibling split and a root attribute tied to a child group,
+# 2.8.0 neither; NVIDIA/Model-Optimizer#2059 saw the error in 2.12.0a0); it
+# was 2.13 until the 2.12.1 matrix row showed FSDP2-GROUPS comparing groups
+# that torch rejects at the first forward.
+TIE_CHECK_SINCE = (2, 12)
 TORCH_CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
 # fully_shard([a, b]) (one group for several modules) is public from 2.6.
 LIST_FORM_SINCE = (2, 6)
