@@ -321,3 +321,26 @@ def test_four_ranks_still_catch_a_bf16_rounding(case, fault, pool4):
     roundings: a gradient rounded once to bf16 is still outside it."""
     res = run("MP-PIPELINE", CASES[case](), pool4, f"fault:schedule:{fault}")
     assert res.verdict == FAIL and any("kind:grad" in v.tags for v in res.violations), res.describe()
+
+
+@pytest.mark.gloo
+def test_a_step_whose_promised_reduction_overflows_is_not_held_to_fp32(pool):
+    """Seed 21: bf16 parameters, reduce_dtype float16, a model whose step-1
+    reference gradients reach 2.2e6, past float16's 65504: the promised
+    reduction is inf, FSDP's too. fp32 training is no bound there
+    (overflow_steps); MP-PIPELINE, which reduces in float16 itself, still
+    compares, and the step before is still held to fp32 training."""
+    import json
+    from pathlib import Path
+
+    spec = CaseSpec.from_json(Path(__file__).with_name("data").joinpath("schedule-fp16-reduce-overflow.json").read_text())
+    assert json.loads(spec.to_json())["case"]["schedule"]["precision"]["reduce_dtype"] == "float16"
+    obs = observations(pool, spec, "schedule", ScheduleObservation.from_dict)
+    assert all(o.overflow_steps == (1,) for o in obs), [o.overflow_steps for o in obs]
+    assert any(g.step == 1 and g.err is not None and not g.err < 1e30 for o in obs for g in o.grads)  # inf (or nan) against fp32
+    for invariant in ("MP-DTYPES", "ACCUM", "MP-PIPELINE"):
+        res = evaluate(invariant, spec, obs)
+        assert res.verdict == PASS, res.describe()
+    doubled = observations(pool, spec, "fault:schedule:gradients-doubled", ScheduleObservation.from_dict)
+    res = evaluate("MP-DTYPES", spec, doubled)
+    assert res.verdict == FAIL and any("step 0" in v.message for v in res.violations), res.describe()

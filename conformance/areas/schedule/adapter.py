@@ -258,6 +258,7 @@ class Emulation:
                     if b is not None and b.is_floating_point():
                         m._buffers[n] = b.to(_dtype(pr.buffer_dtype))
         self.unpromised = False  # FSDP1: this step has an unsynced microbatch (no promised gradient)
+        self.overflowed = False
         for path in self.cast_paths:
             model.get_submodule(path).register_forward_pre_hook(
                 lambda mod, args, kwargs: (_cast_floats(args, self.compute), _cast_floats(kwargs, self.compute)), with_kwargs=True)
@@ -278,6 +279,7 @@ class Emulation:
         self.acc = [{} for _ in range(self.world)]
         self.grads, self.slack = {}, {}
         self.unpromised = False
+        self.overflowed = False  # a loss, an accumulated or a reduced gradient of this step not finite
 
     def _callable(self, first: int):
         if first < 0:
@@ -313,6 +315,7 @@ class Emulation:
             if loss.requires_grad:
                 loss.backward()
             losses.append(loss.detach())
+            self.overflowed |= not bool(torch.isfinite(loss.detach()).all())
             for f, p in params.items():
                 if p.grad is None:
                     continue
@@ -320,6 +323,7 @@ class Emulation:
                     self.acc[r][f].add_(p.grad)  # in reduce_dtype: the sum rounded once into it
                 else:
                     self.acc[r][f] = p.grad.to(self.reduce, copy=True)
+                self.overflowed |= not bool(torch.isfinite(self.acc[r][f]).all())
         if sync:
             for f in self.names:
                 have = [a[f] for a in self.acc if f in a]
@@ -329,6 +333,7 @@ class Emulation:
                 for a in have[1:]:
                     total = total + a
                 reduced = (total / self.world).to(torch.float32)  # the sharded parameter's own dtype
+                self.overflowed |= not bool(torch.isfinite(total).all())
                 self.grads[f] = reduced if f not in self.grads else self.grads[f] + reduced
                 slack = reduction_slack(have, self.world, reduced, EPS[self.reduce_name])  # FSDP may sum in another order
                 self.slack[f] = slack if f not in self.slack else self.slack[f] + slack
@@ -613,6 +618,8 @@ class Runner:
             for p in self.low.model.parameters():
                 p.grad = None
         obs["noise"].append(max(noise))
+        if self._overflows({f: read_attr(self.ref.model, f) for f in self.names}):
+            obs["overflow"].append(si)
         self.ropt.step()
         # FSDP1 use_orig_params=True with keep_low_precision_grads: summon_full_params
         # with low-precision gradients present raises on the ranks that hold a
@@ -624,6 +631,16 @@ class Runner:
             obs["params"].append(ValueSeen(si, f, _name(after[f].dtype), False, False, _err_rel(after[f], ref[f], ref[f]),
                                            bool(torch.equal(after[f], start[f]))))
         return after
+
+    def _overflows(self, ref: dict[str, torch.Tensor]) -> bool:
+        """Whether this step's promised pipeline leaves its dtypes' range
+        (ScheduleObservation.overflow_steps): the emulation's own values
+        where it ran, else the reference's gradients (their mean, which the
+        promised reduction must represent in reduce_dtype)."""
+        if self.emu is not None and self.emu.overflowed:
+            return True
+        top = torch.finfo(_dtype(self.pred.reduce_dtype)).max
+        return any(float(p.grad.abs().max()) > top for p in ref.values() if p.grad is not None and p.grad.numel())
 
     def _low_losses(self, si: int, k: int, losses: list[torch.Tensor]) -> list[float]:
         """One microbatch of the low-precision reference (every rank's data,
@@ -706,7 +723,7 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
         return ScheduleObservation(**base, wrap_error=_err(failed) if failed else None, peer_failed=None if failed else "wrap",
                                    seconds=time.perf_counter() - t0)
     run.make_emulation()
-    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None, "peer_failed": None, "noise": []}
+    obs: dict = {"microbatches": [], "grads": [], "params": [], "flat": [], "step_error": None, "peer_failed": None, "noise": [], "overflow": []}
     try:
         values = run.values(obs, "initial values")
         for si in range(len(spec.schedule.steps)):
@@ -716,7 +733,7 @@ def observe(spec: CaseSpec) -> ScheduleObservation:
     buffers = tuple((run.aliases.canon_of_module.get(id(m), "?") + "." + n if run.aliases.canon_of_module.get(id(m)) else n, _name(b.dtype))
                     for m in run.built.modules.values() for n, b in m._buffers.items() if b is not None and b.is_floating_point())
     return ScheduleObservation(
-        **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], rounding_noise=tuple(obs["noise"]), forwards=tuple(run.recorder.seen.values()),
+        **base, step_error=obs["step_error"], peer_failed=obs["peer_failed"], rounding_noise=tuple(obs["noise"]), overflow_steps=tuple(obs["overflow"]), forwards=tuple(run.recorder.seen.values()),
         microbatches=tuple(obs["microbatches"]), grads=tuple(obs["grads"]) + tuple(obs["flat"]), params=tuple(obs["params"]),
         buffers_after=buffers, seconds=time.perf_counter() - t0, fsdp_seconds=run.fsdp_seconds, emulation_error=run.emulation_error,
     )

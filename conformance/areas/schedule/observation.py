@@ -61,6 +61,12 @@ class ScheduleObservation(RankRecord):
     # computed in the compute dtype against the fp32 reference, over its
     # losses and gradients: what rounding alone does to this case there
     rounding_noise: tuple[float, ...] = ()
+    # the steps whose promised pipeline leaves the range of its dtypes: the
+    # emulated pipeline's gradients or losses are not finite there, or (not
+    # emulated) a reference gradient's magnitude exceeds reduce_dtype's
+    # largest value (float16: 65504), so that the promised mean reduced in
+    # it cannot be finite. fp32 training is no bound for such a step.
+    overflow_steps: tuple[int, ...] = ()
     forwards: tuple[ForwardSeen, ...] = ()
     microbatches: tuple[MicrobatchSeen, ...] = ()
     grads: tuple[ValueSeen, ...] = ()  # () where FSDP exposes no per-parameter gradient
@@ -73,7 +79,7 @@ class ScheduleObservation(RankRecord):
     def comparable(self) -> dict:
         """What every rank must agree on (errors differ by rank's data)."""
         d = self.to_dict()
-        for k in ("rank", "seconds", "fsdp_seconds", "peer_failed", "rounding_noise", "emulation_error"):
+        for k in ("rank", "seconds", "fsdp_seconds", "peer_failed", "rounding_noise", "overflow_steps", "emulation_error"):
             d.pop(k)
         for mb in d["microbatches"]:
             mb.pop("loss_err")
