@@ -167,3 +167,29 @@ def test_a_backward_through_another_groups_parameter_is_outside_every_gradient_c
     for inv in ("FSDP2-FROZEN", "FWD-PARITY"):
         res = check_case(inv, spec, fake_engine)
         assert res.verdict == UNCHECKED, res.describe()
+
+
+def test_a_list_group_rerun_is_tagged_for_its_findings():
+    """Seed 21's case: fully_shard([proj0, model1]) with proj0 also registered
+    as shared0 (it runs again after model1 completed the group): tagged
+    group:rerun under gradient accumulation (fsdp2-list-group-rerun-reduces-
+    twice); without the second name, or with every microbatch synced, not."""
+    import json
+
+    from conformance.areas.schedule.invariants import case_tags
+    from conformance.areas.schedule.oracle import predict_schedule
+    from conformance.case.spec import CaseSpec, SharedModule
+
+    spec = CaseSpec.from_json(json.dumps({"case": json.loads(SEED21), "version": 1}))
+    assert "group:rerun" in case_tags(spec, predict_schedule(spec))
+    plain = dataclasses.replace(spec, shared=())
+    assert "group:rerun" not in case_tags(plain, predict_schedule(plain))
+    steps = tuple(dataclasses.replace(st, sync_every=True) for st in spec.schedule.steps)
+    synced = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, steps=steps))
+    assert "group:rerun" not in case_tags(synced, predict_schedule(synced))
+    assert spec.shared == (SharedModule("", "shared0", "proj0"),)
+
+
+SEED21 = r'''
+{"activation_checkpoint": null, "calls": [], "ckpt": null, "classes": [{"base": "Module", "name": "Model", "type": "ClassSpec"}], "clip": null, "comm": null, "hsdp": null, "init": null, "methods": [], "microbatch": null, "plan": {"api": "fsdp2", "groups": [{"modules": ["proj0", "model1"], "reshard_after_forward": null, "type": "ShardGroup"}], "ignored_modules": [], "ignored_params": [], "policy": null, "type": "WrapPlan", "use_orig_params": false}, "schedule": {"first": -1, "lr": 0.05, "optimizer": "SGD", "precision": {"buffer_dtype": null, "cast_forward_inputs": null, "cast_root_forward_inputs": true, "keep_low_precision_grads": false, "output_dtype": null, "param_dtype": "bfloat16", "reduce_dtype": null, "type": "Precision"}, "steps": [{"frozen": [], "microbatches": [{"skip": [], "type": "Microbatch"}, {"skip": [], "type": "Microbatch"}], "sync_every": false, "type": "ScheduleStep"}], "type": "Schedule"}, "seed": 0, "shared": [{"name": "shared0", "parent": "", "source": "proj0", "type": "SharedModule"}], "ties": [{"module": "model1", "name": "tied0", "source": "proj0.weight", "type": "TiedParam"}], "tp": null, "train": null, "tree": {"buffers": [], "children": [{"buffers": [], "children": [], "cls": "Linear", "name": "proj0", "params": [{"name": "weight", "requires_grad": true, "shape": [1, 1], "type": "ParamSpec"}], "type": "ModuleSpec"}, {"buffers": [], "children": [{"buffers": [], "children": [], "cls": "Linear", "name": "proj0", "params": [{"name": "weight", "requires_grad": true, "shape": [1, 1], "type": "ParamSpec"}], "type": "ModuleSpec"}], "cls": "Model", "name": "model1", "params": [], "type": "ModuleSpec"}], "cls": "Model", "name": "", "params": [], "type": "ModuleSpec"}, "type": "CaseSpec"}
+'''

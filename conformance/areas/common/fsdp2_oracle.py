@@ -572,16 +572,13 @@ def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = ()) -> list[str]:
     return out
 
 
-def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str], skip: tuple[str, ...] = ()) -> bool:
-    """A list group (fully_shard([a, b])) one of whose modules runs forward
-    again after every module of the group has run, where the module whose
-    forward completed the group is an Embedding whose parameters are all in
-    ``frozen`` (canonical FQNs): its output needs no gradient, so the group's
-    pre-backward hook sits on nothing the earlier runs' backward passes
-    through (known failure fsdp2-list-group-reentered-loses-grad). ``groups``:
-    the FSDP2 prediction's groups (canonical module paths)."""
+def _group_reruns(spec: CaseSpec, groups, skip: tuple[str, ...] = ()):
+    """For each list group (fully_shard([a, b])) one of whose modules runs
+    forward again after every module of the group has run: the module whose
+    forward completed the group before the re-run (its graph node).
+    ``groups``: the FSDP2 prediction's groups (canonical module paths)."""
     if getattr(spec, "tree", None) is None:  # a ModelCase: its own forward, order unknown
-        return False
+        return
 
     g = graph_of(spec)
     calls = forward_calls(spec, skip)
@@ -599,13 +596,36 @@ def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str],
                 continue
             if not remaining:  # FSDP refills the group's to-run set at the first module of a pass
                 if completed_by is not None:
-                    node = g.nodes[completed_by]
-                    if g.is_torch(completed_by, ("Embedding",)) and node.params and all(g.param_fqn[pid] in frozen for _, pid in node.params):
-                        return True
+                    yield completed_by
                 remaining = set(members)
             remaining.discard(nid)
             if not remaining:
                 completed_by = nid
+
+
+def group_rerun(spec: CaseSpec, groups, skip: tuple[str, ...] = ()) -> bool:
+    """A list group one of whose modules runs forward again after the group
+    completed (the re-run registers a post-backward hook of its own: known
+    failures fsdp2-list-group-reentered-loses-grad, fsdp2-list-group-rerun-
+    reduces-twice)."""
+    return next(_group_reruns(spec, groups, skip), None) is not None
+
+
+def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str], skip: tuple[str, ...] = ()) -> bool:
+    """A list group (fully_shard([a, b])) one of whose modules runs forward
+    again after every module of the group has run, where the module whose
+    forward completed the group is an Embedding whose parameters are all in
+    ``frozen`` (canonical FQNs): its output needs no gradient, so the group's
+    pre-backward hook sits on nothing the earlier runs' backward passes
+    through (known failure fsdp2-list-group-reentered-loses-grad). ``groups``:
+    the FSDP2 prediction's groups (canonical module paths)."""
+    if getattr(spec, "tree", None) is None:
+        return False
+    g = graph_of(spec)
+    for nid in _group_reruns(spec, groups, skip):
+        node = g.nodes[nid]
+        if g.is_torch(nid, ("Embedding",)) and node.params and all(g.param_fqn[pid] in frozen for _, pid in node.params):
+            return True
     return False
 
 
