@@ -172,7 +172,7 @@ def ranks_tags(spec: CaseSpec, pred: SchedulePrediction, obs: list[ScheduleObser
     group="schedule",
     api="fsdp1|fsdp2",
     scenario="schedule",
-    statement="Under MixedPrecision / MixedPrecisionPolicy, forward computes in param_dtype (parameters and inputs), gradients are reduced in reduce_dtype and end in the parameters' dtype (FSDP1 keep_low_precision_grads: the reduction dtype), buffers keep theirs (FSDP1: buffer_dtype), the output is output_dtype; results match fp32 training within a dtype-aware tolerance; whatever the freeze schedule and whichever forward runs first.",
+    statement="Under MixedPrecision / MixedPrecisionPolicy, forward computes in param_dtype (parameters and inputs), gradients are reduced in reduce_dtype and end in the parameters' dtype (FSDP1 keep_low_precision_grads: the reduction dtype), buffers keep theirs (FSDP1: buffer_dtype), the output is output_dtype; results match fp32 training within a dtype-aware tolerance up to a step whose promised pipeline leaves its dtypes' range (a gradient past float16's largest value reduced in float16 is inf as promised); whatever the freeze schedule and whichever forward runs first.",
     source=f"{DOC_MP2}; {DOC_MP1}",
 )
 def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation] | NotChecked:
@@ -301,7 +301,7 @@ def check_mp_pipeline(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObs
     group="schedule",
     api="fsdp1|fsdp2",
     scenario="schedule",
-    statement="K microbatches with gradient sync disabled on all but the last (FSDP1 no_sync, FSDP2 set_requires_gradient_sync(False)) give the gradients of one large batch over every rank's data, whichever parameters each microbatch uses: no reduction inside the disabled microbatches, gradients and updates as single-process training, frozen parameters without gradient and unchanged.",
+    statement="K microbatches with gradient sync disabled on all but the last (FSDP1 no_sync, FSDP2 set_requires_gradient_sync(False)) give the gradients of one large batch over every rank's data, whichever parameters each microbatch uses: no reduction inside the disabled microbatches, gradients and updates as single-process training (up to a step whose promised reduction leaves reduce_dtype's range), frozen parameters without gradient and unchanged.",
     source=DOC_SYNC,
 )
 def check_accum(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation] | NotChecked:
