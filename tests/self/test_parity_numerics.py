@@ -152,3 +152,20 @@ def test_noise_floor_is_the_reference_own_rounding():
     w = calm32["0.weight"]
     assert train_close(w + NOISE_FACTOR * 1e-3, w, torch.full_like(w, 1e-3) + 1e-9)
     assert not train_close(w + 2 * NOISE_FACTOR * 1e-3, w, torch.full_like(w, 1e-3))
+
+
+def test_a_nan_that_stays_nan_is_an_unchanged_parameter():
+    """Thorough seed 1 (issue-21 areas, 2.14.1): a frozen parameter that a
+    float16 reduction overflow had made NaN in an earlier step was reported
+    'changed' because torch.equal(nan, nan) is False. unchanged() holds
+    NaN for NaN; any other difference is still a change."""
+    import torch
+
+    from conformance.areas.common.support import unchanged
+
+    nan = float("nan")
+    assert unchanged(torch.tensor([1.0, nan]), torch.tensor([1.0, nan]))
+    assert not unchanged(torch.tensor([1.5, nan]), torch.tensor([1.0, nan]))
+    assert not unchanged(torch.tensor([1.0, 2.0]), torch.tensor([1.0, nan]))
+    assert not unchanged(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert unchanged(torch.tensor([1, 2]), torch.tensor([1, 2])) and not unchanged(torch.tensor([1, 2]), torch.tensor([1, 3]))

@@ -28,7 +28,7 @@ from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
 from conformance.areas.common.observation import GradObservation
 from conformance.areas.common.ranks import any_rank_failed
-from conformance.areas.common.support import placed
+from conformance.areas.common.support import placed, unchanged
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
 from conformance.case.build import Built, build, read_attr
 from conformance.case.spec import ActivationCheckpointPlan, CaseSpec
@@ -310,7 +310,7 @@ def observe(spec: CaseSpec) -> ACObservation:
         want = refs[fqn].detach()
         close = bool(torch.allclose(value, want, rtol=TRAIN_RTOL, atol=TRAIN_ATOL))
         diff = float((value - want).abs().max()) if want.numel() else 0.0
-        params.append(GradObservation(fqn, False, False, close, diff, bool(torch.equal(value, initial[fqn]))))
+        params.append(GradObservation(fqn, False, False, close, diff, unchanged(value, initial[fqn])))
     keys: tuple[str, ...] = ()
     try:
         keys = tuple(sorted(model.state_dict()))

@@ -19,7 +19,7 @@ from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
 from conformance.areas.common.observation import GradObservation
 from conformance.areas.common.precision_adapter import wrap_kwargs
 from conformance.areas.common.ranks import failed_ranks
-from conformance.areas.common.support import placed
+from conformance.areas.common.support import placed, unchanged
 from conformance.areas.common.training import reference_loss
 from conformance.case.build import build, is_sharded, read_attr
 from conformance.case.spec import CaseSpec, ClipPlan
@@ -228,7 +228,7 @@ def observe(spec: CaseSpec) -> ClipObservation:
         rtol = BF16_RTOL if own is not None and low else CLIP_RTOL
         close = bool(torch.allclose(got, want, rtol=rtol, atol=CLIP_ATOL * max(1.0, scale)))
         diff = float((got - want).abs().max()) if want.numel() else 0.0
-        out.append(GradObservation(fqn, False, False, close, diff, bool(torch.equal(value, initial[fqn]))))
+        out.append(GradObservation(fqn, False, False, close, diff, unchanged(value, initial[fqn])))
     return ClipObservation(**obs, params=tuple(out), frozen_grads_none=tuple(sorted(grads_none.items())),
                            seconds=time.perf_counter() - t0)
 

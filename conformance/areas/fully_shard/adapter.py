@@ -16,7 +16,7 @@ import torch.nn as nn
 from conformance.areas.common.fsdp1_adapter import Aliases
 from conformance.areas.common.fsdp2_adapter import count_collectives, error_line, fsdp2_api, full_tensor, shard, watch_method
 from conformance.areas.common.observation import CallObservation, GradObservation
-from conformance.areas.common.support import on_rank_device, placed
+from conformance.areas.common.support import on_rank_device, placed, unchanged
 from conformance.areas.common.training import FORWARD_ATOL, FORWARD_RTOL
 from conformance.areas.fully_shard.observation import FSDP2Observation, GroupObservation, ProbeObservation, RegistrationObservation
 from conformance.case.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
@@ -264,13 +264,13 @@ def _grads(model: nn.Module, ref: nn.Module, initial: dict[str, torch.Tensor]) -
     for fqn, p in model.named_parameters():
         r = refs[fqn]
         value = full_tensor(p.detach())
-        unchanged = bool(torch.equal(value, initial[fqn]))
+        same = unchanged(value, initial[fqn])
         g = None if p.grad is None else full_tensor(p.grad)
         if g is None or r.grad is None:
-            out.append(GradObservation(fqn, g is None, r.grad is None, None, None, unchanged))
+            out.append(GradObservation(fqn, g is None, r.grad is None, None, None, same))
             continue
         close = bool(torch.allclose(g, r.grad, rtol=FORWARD_RTOL, atol=FORWARD_ATOL))
-        out.append(GradObservation(fqn, False, False, close, float((g - r.grad).abs().max()), unchanged))
+        out.append(GradObservation(fqn, False, False, close, float((g - r.grad).abs().max()), same))
     return out
 
 

@@ -13,7 +13,7 @@ from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
 from conformance.areas.common.observation import GradObservation
-from conformance.areas.common.support import on_rank_device, placed
+from conformance.areas.common.support import on_rank_device, placed, unchanged
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
 from conformance.areas.parity.observation import TrainObservation
 from conformance.case.build import build, read_attr
@@ -103,7 +103,7 @@ def compare_training(case, steps, rtol: float, atol: float) -> TrainObservation:
     for fqn, value in final.items():
         want = refs[fqn].detach()
         close = bool(torch.allclose(value, want, rtol=rtol, atol=atol))
-        params.append(GradObservation(fqn, False, False, close, float((value - want).abs().max()), bool(torch.equal(value, initial[fqn]))))
+        params.append(GradObservation(fqn, False, False, close, float((value - want).abs().max()), unchanged(value, initial[fqn])))
     losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol))
     return TrainObservation(
         **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,

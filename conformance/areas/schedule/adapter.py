@@ -35,7 +35,7 @@ from conformance.areas.common.fsdp2_adapter import full_tensor
 from conformance.areas.common.precision_adapter import dtype as _dtype
 from conformance.areas.common.precision_adapter import precision_api, wrap_kwargs
 from conformance.areas.common.ranks import any_rank_failed
-from conformance.areas.common.support import on_rank_device, placed
+from conformance.areas.common.support import on_rank_device, placed, unchanged
 from conformance.areas.common.training import make_optimizer, reference_loss
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
 from conformance.areas.schedule.oracle import EPS, cast_paths, predict_schedule, reduction_slack
@@ -629,7 +629,7 @@ class Runner:
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
         for f in self.names:
             obs["params"].append(ValueSeen(si, f, _name(after[f].dtype), False, False, _err_rel(after[f], ref[f], ref[f]),
-                                           bool(torch.equal(after[f], start[f]))))
+                                           unchanged(after[f], start[f])))
         return after
 
     def _overflows(self, ref: dict[str, torch.Tensor]) -> bool:
