@@ -40,6 +40,24 @@ def fsdp2_reduce_in_param_dtype():
     return mock.patch.object(cls, "init_dtype_attrs", init)
 
 
+@fault("fsdp2-grad-element-nan")
+def fsdp2_grad_element_nan():
+    """One element of every reduced gradient comes out NaN (a reduction that
+    reads uninitialised padding, say): a NaN compares below any tolerance,
+    so the invariants must count it as an infinite error."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    orig = group.foreach_reduce
+
+    def nan_first(fsdp_params, unsharded_grads, *a, **k):
+        for g in unsharded_grads:
+            if g.numel():
+                g.view(-1)[0] = float("nan")
+        return orig(fsdp_params, unsharded_grads, *a, **k)
+
+    return mock.patch.object(group, "foreach_reduce", nan_first)
+
+
 @fault("fsdp2-param-dtype-ignored")
 def fsdp2_param_dtype_ignored():
     """param_dtype ignored: forward computes in the original dtype."""

@@ -195,7 +195,8 @@ class ForwardRecorder:
 
 def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor, slack: torch.Tensor | None = None) -> float:
     """max |a - b| / (1 + max |b|); a missing gradient counts as zeros; with
-    ``slack``, only the distance beyond it, element by element."""
+    ``slack``, only the distance beyond it, element by element. Also for
+    0-d losses."""
     a = torch.zeros_like(like) if a is None else a.detach().float()
     b = torch.zeros_like(like) if b is None else b.detach().float()
     if not a.numel():
@@ -203,7 +204,14 @@ def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor,
     d = (a - b).abs()
     if slack is not None:
         d = (d - slack.to(d.device).reshape(d.shape)).clamp_min(0.0)
-    return float(d.max() / (1.0 + b.abs().max()))
+    # non-finite values: where both sides are (an overflow the promise
+    # itself makes: inf, or the NaN that follows it) they agree; where one
+    # side is, the error is infinite (a NaN would compare below any
+    # tolerance and pass)
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    d = torch.where(~fa & ~fb, torch.zeros_like(d), torch.where(fa & fb, d, torch.full_like(d, float("inf"))))
+    scale = 1.0 + (float(b[fb].abs().max()) if bool(fb.any()) else 0.0)
+    return float(d.max()) / scale
 
 
 def _cast_floats(tree, dtype: torch.dtype):
@@ -586,9 +594,9 @@ class Runner:
             mine = losses[self.rank].detach()
             noise += self._low_losses(si, k, losses)
             emulated = self.emulate(self.emu.microbatch, si, k, s.first if si == 0 and k == 0 else -1, sync, in_dtype) if self.emu else None
-            emu_err = None if emulated is None else float((loss.detach() - emulated[self.rank]).abs() / (1 + emulated[self.rank].abs()))
+            emu_err = None if emulated is None else _err_rel(loss, emulated[self.rank], emulated[self.rank])
             obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(output_tensor(out).dtype),
-                                                      float((loss.detach() - mine).abs() / (1 + mine.abs())), emu_err))
+                                                      _err_rel(loss, mine, mine), emu_err))
         self.set_skip(())
         if self.pred.reference_zero_grads:  # FSDP1's FlatParameters: see SchedulePrediction
             for f in self.pred.unused_in_used_unit[si]:
@@ -653,7 +661,7 @@ class Runner:
         total, low = reference(self.spec, fn, [cast(data(self.spec, si, k, r), self.low_dtype) for r in range(self.world)])
         if total.requires_grad:
             total.backward()
-        return [float((a.detach() - b.detach()).abs() / (1 + b.detach().abs())) for a, b in zip(low, losses)]
+        return [_err_rel(a, b, b) for a, b in zip(low, losses)]
 
     def agree(self, obs: dict, where: str, failed: BaseException | None) -> None:
         """Record this rank's failure at ``where``; stop every rank (_Stop)
