@@ -106,6 +106,23 @@ def unsynced_grads_dropped():
     return mock.patch.object(cls, "post_backward", post_backward)
 
 
+@fault("grad-element-nan")
+def grad_element_nan():
+    """One element of every reduced gradient comes out NaN: a NaN compares
+    below any tolerance, so MB-GRADS must count it as an infinite error."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    orig = group.foreach_reduce
+
+    def nan_first(fsdp_params, unsharded_grads, *a, **k):
+        for g in unsharded_grads:
+            if g.numel():
+                g.view(-1)[0] = float("nan")
+        return orig(fsdp_params, unsharded_grads, *a, **k)
+
+    return mock.patch.object(group, "foreach_reduce", nan_first)
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.microbatch import adapter

@@ -53,6 +53,7 @@ FAULTS = [
 ]
 GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
+    ("MB-GRADS", "no-sync", "grad-element-nan", "kind:grad"),
     ("MB-COMMS", "no-sync", "gradient-sync-ignored", "kind:extra"),
 ]
 

@@ -109,3 +109,21 @@ def diverged(start: dict[str, torch.Tensor], now: dict[str, torch.Tensor]) -> bo
         if v.numel() and v.abs().max().item() > DIVERGED * max(s.abs().max().item() if s.numel() else 0.0, 1.0):
             return True
     return False
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, slack: torch.Tensor | None = None) -> float:
+    """max |a - b| / (1 + max |b|) over the elements (0-d tensors too); with
+    ``slack``, only the distance beyond it, element by element. Non-finite
+    values: where both sides are (an overflow the promise itself makes: inf,
+    or the NaN that follows) they agree; where one side is, the error is
+    infinite (a NaN would compare below any tolerance and pass)."""
+    a, b = a.detach().float(), b.detach().float()
+    if not a.numel():
+        return 0.0
+    d = (a - b).abs()
+    if slack is not None:
+        d = (d - slack.to(d.device).reshape(d.shape)).clamp_min(0.0)
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    d = torch.where(~fa & ~fb, torch.zeros_like(d), torch.where(fa & fb, d, torch.full_like(d, math.inf)))
+    scale = 1.0 + (float(b[fb].abs().max()) if bool(fb.any()) else 0.0)
+    return float(d.max()) / scale

@@ -19,6 +19,7 @@ from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
 from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensor
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.support import fsdp2_mesh, on_rank_device, placed
+from conformance.areas.common.training import rel_err
 from conformance.areas.microbatch.observation import GradSeen, MicrobatchObservation, ShardSeen
 from conformance.areas.microbatch.oracle import predict_microbatch
 from conformance.case.build import BATCH, build, is_sharded, read_attr
@@ -137,6 +138,6 @@ def _compare_grads(spec: CaseSpec, model, ref, names: list[str], world: int) -> 
         if full is None or r is None:
             out.append(GradSeen(f, full is None, r is None, 0.0 if (full is None) == (r is None) else -1.0))
             continue
-        err = float((full - r).abs().max() / (1.0 + r.abs().max())) if r.numel() else 0.0
+        err = rel_err(full, r)  # a NaN against a finite reference is an infinite error
         out.append(GradSeen(f, False, False, err))
     return out

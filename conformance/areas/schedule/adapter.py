@@ -36,7 +36,7 @@ from conformance.areas.common.precision_adapter import dtype as _dtype
 from conformance.areas.common.precision_adapter import precision_api, wrap_kwargs
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed, unchanged
-from conformance.areas.common.training import make_optimizer, reference_loss
+from conformance.areas.common.training import make_optimizer, reference_loss, rel_err
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
 from conformance.areas.schedule.oracle import EPS, cast_paths, predict_schedule, reduction_slack
 from conformance.case.build import BATCH, Built, build, method_callable, read_attr
@@ -194,24 +194,10 @@ class ForwardRecorder:
 
 
 def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor, slack: torch.Tensor | None = None) -> float:
-    """max |a - b| / (1 + max |b|); a missing gradient counts as zeros; with
-    ``slack``, only the distance beyond it, element by element. Also for
-    0-d losses."""
-    a = torch.zeros_like(like) if a is None else a.detach().float()
-    b = torch.zeros_like(like) if b is None else b.detach().float()
-    if not a.numel():
-        return 0.0
-    d = (a - b).abs()
-    if slack is not None:
-        d = (d - slack.to(d.device).reshape(d.shape)).clamp_min(0.0)
-    # non-finite values: where both sides are (an overflow the promise
-    # itself makes: inf, or the NaN that follows it) they agree; where one
-    # side is, the error is infinite (a NaN would compare below any
-    # tolerance and pass)
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    d = torch.where(~fa & ~fb, torch.zeros_like(d), torch.where(fa & fb, d, torch.full_like(d, float("inf"))))
-    scale = 1.0 + (float(b[fb].abs().max()) if bool(fb.any()) else 0.0)
-    return float(d.max()) / scale
+    """training.rel_err; a missing gradient counts as zeros."""
+    a = torch.zeros_like(like) if a is None else a
+    b = torch.zeros_like(like) if b is None else b
+    return rel_err(a, b, slack)
 
 
 def _cast_floats(tree, dtype: torch.dtype):
