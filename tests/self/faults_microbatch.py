@@ -106,21 +106,16 @@ def unsynced_grads_dropped():
     return mock.patch.object(cls, "post_backward", post_backward)
 
 
-@fault("grad-element-nan")
-def grad_element_nan():
-    """One element of every reduced gradient comes out NaN: a NaN compares
-    below any tolerance, so MB-GRADS must count it as an infinite error."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+def _grad_element_nan():
+    """One element of every reduced gradient comes out NaN (the training
+    faults' fsdp2-grad-element-nan): MB-GRADS must count it as an infinite
+    error, not a pass."""
+    from tests.self.faults_training import fsdp2_grad_element_nan
 
-    orig = group.foreach_reduce
+    return fsdp2_grad_element_nan()
 
-    def nan_first(fsdp_params, unsharded_grads, *a, **k):
-        for g in unsharded_grads:
-            if g.numel():
-                g.view(-1)[0] = float("nan")
-        return orig(fsdp_params, unsharded_grads, *a, **k)
 
-    return mock.patch.object(group, "foreach_reduce", nan_first)
+FAULTS["grad-element-nan"] = _grad_element_nan
 
 
 def _faulty(name: str):
