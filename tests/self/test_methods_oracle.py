@@ -193,3 +193,16 @@ def test_a_list_group_rerun_is_tagged_for_its_findings():
 SEED21 = r'''
 {"activation_checkpoint": null, "calls": [], "ckpt": null, "classes": [{"base": "Module", "name": "Model", "type": "ClassSpec"}], "clip": null, "comm": null, "hsdp": null, "init": null, "methods": [], "microbatch": null, "plan": {"api": "fsdp2", "groups": [{"modules": ["proj0", "model1"], "reshard_after_forward": null, "type": "ShardGroup"}], "ignored_modules": [], "ignored_params": [], "policy": null, "type": "WrapPlan", "use_orig_params": false}, "schedule": {"first": -1, "lr": 0.05, "optimizer": "SGD", "precision": {"buffer_dtype": null, "cast_forward_inputs": null, "cast_root_forward_inputs": true, "keep_low_precision_grads": false, "output_dtype": null, "param_dtype": "bfloat16", "reduce_dtype": null, "type": "Precision"}, "steps": [{"frozen": [], "microbatches": [{"skip": [], "type": "Microbatch"}, {"skip": [], "type": "Microbatch"}], "sync_every": false, "type": "ScheduleStep"}], "type": "Schedule"}, "seed": 0, "shared": [{"name": "shared0", "parent": "", "source": "proj0", "type": "SharedModule"}], "ties": [{"module": "model1", "name": "tied0", "source": "proj0.weight", "type": "TiedParam"}], "tp": null, "train": null, "tree": {"buffers": [], "children": [{"buffers": [], "children": [], "cls": "Linear", "name": "proj0", "params": [{"name": "weight", "requires_grad": true, "shape": [1, 1], "type": "ParamSpec"}], "type": "ModuleSpec"}, {"buffers": [], "children": [{"buffers": [], "children": [], "cls": "Linear", "name": "proj0", "params": [{"name": "weight", "requires_grad": true, "shape": [1, 1], "type": "ParamSpec"}], "type": "ModuleSpec"}], "cls": "Model", "name": "model1", "params": [], "type": "ModuleSpec"}], "cls": "Model", "name": "", "params": [], "type": "ModuleSpec"}, "type": "CaseSpec"}
 '''
+
+
+def test_the_rerun_finding_takes_a_rounding_not_a_wrong_value():
+    """fsdp2-list-group-rerun-reduces-twice moves a gradient by one rounding
+    of reduce_dtype: its MP-PIPELINE match needs off:rounding, so a wrong
+    value in the same structure stays a FAIL."""
+    from conformance.case.violation import Violation
+    from conformance.run import known
+
+    base = {"api:fsdp2", "group:rerun", "no-sync", "kind:grad"}
+    rounding = known.match(Violation("MP-PIPELINE", "m", frozenset(base | {"off:rounding"})), known.load(), "2.13.0")
+    assert rounding is not None and rounding.id == "fsdp2-list-group-rerun-reduces-twice"
+    assert known.match(Violation("MP-PIPELINE", "m", frozenset(base | {"off:large"})), known.load(), "2.13.0") is None

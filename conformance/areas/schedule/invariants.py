@@ -14,7 +14,7 @@ from conformance.areas.common.fsdp2_oracle import (
 )
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.schedule.observation import ScheduleObservation
-from conformance.areas.schedule.oracle import SchedulePrediction, pipeline_tolerance, step_tolerance, used_params
+from conformance.areas.schedule.oracle import EPS, SchedulePrediction, pipeline_tolerance, step_tolerance, used_params
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
@@ -296,7 +296,9 @@ def check_mp_pipeline(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObs
     for g in obs.grads:
         gtol = pipeline_tolerance(pred, g.fqn)  # reuse slack for the reused parameters' gradients only
         if g.step < stop and g.emulated_err is not None and g.fqn not in frozen[g.step] and g.emulated_err > gtol:
-            out.append(violation("MP-PIPELINE", f"step {g.step}: gradient of {g.fqn} differs from the emulated pipeline's by {g.emulated_err:.3g} (relative; tolerance {gtol:.3g}; reduce_dtype {pred.reduce_dtype})", tags, "kind:grad"))
+            # a few roundings of reduce_dtype, or more (a findings' match can tell a rounding from a wrong value)
+            size = "off:rounding" if g.emulated_err <= 4 * EPS[pred.reduce_dtype] else "off:large"
+            out.append(violation("MP-PIPELINE", f"step {g.step}: gradient of {g.fqn} differs from the emulated pipeline's by {g.emulated_err:.3g} (relative; tolerance {gtol:.3g}; reduce_dtype {pred.reduce_dtype})", tags, "kind:grad", size))
     if not any(mb.emulated_loss_err is not None for mb in obs.microbatches):
         return NotChecked("no microbatch was emulated")
     return _dedupe(out)
