@@ -2,6 +2,10 @@
 package's pytest plugin (conformance.plugin, the pytest11 entry point); the
 Hypothesis profile is loaded here too, since these tests draw cases."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from conformance.plugin import ensure_profile
@@ -50,3 +54,31 @@ def fault_pools():
     yield get
     for p in made.values():
         p.close()
+
+
+@pytest.fixture
+def cli_in_process(capfd):
+    """``cli_in_process(*args)``: ``fsdp-conformance ARGS`` run by
+    conformance.cli.main in this process, as a CompletedProcess (exit
+    status, stdout, stderr). For bad input, which the CLI must reject before
+    it starts anything: a subprocess would spend seconds importing torch
+    again for each line checked (the entry point itself keeps subprocess
+    tests: test_cli.test_bad_arguments_are_one_line). What the CLI changes
+    in the environment and sys.path is put back."""
+    from conformance.cli import main
+
+    def run(*args) -> subprocess.CompletedProcess:
+        env, path = dict(os.environ), list(sys.path)
+        capfd.readouterr()
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # argparse
+            rc = e.code if isinstance(e.code, int) else 1
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            sys.path[:] = path
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["fsdp-conformance", *args], rc, out, err)
+
+    return run

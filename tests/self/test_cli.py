@@ -1,4 +1,7 @@
-"""Bad input gives one line on stderr and exit status 2; the CLI's happy paths."""
+"""Bad input gives one line on stderr and exit status 2; the CLI's happy paths.
+Bad input runs the CLI in this process (cli_in_process, tests/conftest.py):
+the same main() a subprocess would run, without its seconds of torch import;
+test_bad_arguments_are_one_line keeps the entry point itself."""
 
 import json
 import subprocess
@@ -32,28 +35,32 @@ def assert_one_line_error(proc, needle):
         (json.dumps({"version": 1, "case": {"type": "Nope"}}), "unexpected type"),
     ],
 )
-def test_malformed_spec_json_is_one_line(tmp_path, text, needle):
+def test_malformed_spec_json_is_one_line(tmp_path, text, needle, cli_in_process):
     path = tmp_path / "case.json"
     path.write_text(text)
-    assert_one_line_error(cli("check", str(path)), needle)
-    assert_one_line_error(cli("repro", str(path)), needle)
+    assert_one_line_error(cli_in_process("check", path), needle)
+    assert_one_line_error(cli_in_process("repro", path), needle)
 
 
-def test_unknown_invariant_is_one_line(tmp_path):
+def test_unknown_invariant_is_one_line(tmp_path, cli_in_process):
     path = tmp_path / "case.json"
     path.write_text(lora_model(num_layers=1).to_json())
-    assert_one_line_error(cli("check", str(path), "--invariant", "WRAP-NOPE"), "unknown invariant ID 'WRAP-NOPE'")
-    assert_one_line_error(cli("run", "--invariant", "WRAP-NOPE"), "unknown invariant ID 'WRAP-NOPE'")
+    assert_one_line_error(cli_in_process("check", path, "--invariant", "WRAP-NOPE"), "unknown invariant ID 'WRAP-NOPE'")
+    assert_one_line_error(cli_in_process("run", "--invariant", "WRAP-NOPE"), "unknown invariant ID 'WRAP-NOPE'")
 
 
-def test_unknown_profile_is_one_line():
-    assert_one_line_error(cli("run", "--profile", "nightly-ish"), "unknown Hypothesis profile")
+def test_unknown_profile_is_one_line(cli_in_process):
+    assert_one_line_error(cli_in_process("run", "--profile", "nightly-ish"), "unknown Hypothesis profile")
 
 
-def test_nccl_without_gpus_is_one_line(tmp_path):
+def test_nccl_without_gpus_is_one_line(tmp_path, cli_in_process):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
     path = tmp_path / "case.json"
     path.write_text(lora_model(num_layers=1).to_json())
-    proc = cli("check", str(path), "--backend", "nccl", "--world-size", "2")
+    proc = cli_in_process("check", path, "--backend", "nccl", "--world-size", "2")
     assert_one_line_error(proc, "nccl")
 
 
@@ -77,8 +84,8 @@ def _corpus_case(name, tmp_path):
     return path
 
 
-def test_check_a_checkpoint_case_on_the_fake_tier_is_one_line(tmp_path):
-    proc = cli("check", str(_corpus_case("dcp-optim-state-unfrozen-at-load-missing-key", tmp_path)), "--invariant", "CKPT-RESHARD")
+def test_check_a_checkpoint_case_on_the_fake_tier_is_one_line(tmp_path, cli_in_process):
+    proc = cli_in_process("check", _corpus_case("dcp-optim-state-unfrozen-at-load-missing-key", tmp_path), "--invariant", "CKPT-RESHARD")
     assert_one_line_error(proc, "needs real ranks: use --backend gloo")
 
 
@@ -102,32 +109,40 @@ def test_spec_round_trips_and_rejects_bad_trees():
         CaseSpec.from_json(spec.to_json().replace('"LoraMLP"', '"Nope"', 1))
 
 
-def cli_patched(patch: str, *args):
-    """The CLI in a Python whose torch was patched first (no GPUs to fake here)."""
-    code = f"import sys, torch, torch.distributed as dist\n{patch}\nfrom conformance.cli import main\nsys.exit(main({list(args)!r}))"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def test_run_nccl_without_gpus_is_one_line(cli_in_process):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    assert_one_line_error(cli_in_process("run", "--backend", "nccl", "--world-size", "2"), "nccl")
 
 
-def test_run_nccl_without_gpus_is_one_line():
-    assert_one_line_error(cli("run", "--backend", "nccl", "--world-size", "2"), "nccl")
+def test_world_size_larger_than_the_gpus_is_one_line(cli_in_process, monkeypatch):
+    import torch
+    import torch.distributed as dist
 
-
-def test_world_size_larger_than_the_gpus_is_one_line():
-    patch = "torch.cuda.device_count = lambda: 1\ndist.is_nccl_available = lambda: True"
-    proc = cli_patched(patch, "run", "--backend", "nccl", "--world-size", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # no GPUs to fake here
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    proc = cli_in_process("run", "--backend", "nccl", "--world-size", "2")
     assert_one_line_error(proc, "backend 'nccl' needs 2 GPUs (one per rank), this machine has 1")
 
 
-def test_nccl_world_size_1_without_any_gpu_is_one_line():
+def test_nccl_world_size_1_without_any_gpu_is_one_line(cli_in_process, monkeypatch):
     # a CUDA build of torch on a machine without a GPU (the nccl_check's bad case)
-    patch = "torch.cuda.device_count = lambda: 0\ndist.is_nccl_available = lambda: True"
-    proc = cli_patched(patch, "run", "--backend", "nccl", "--world-size", "1")
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    proc = cli_in_process("run", "--backend", "nccl", "--world-size", "1")
     assert_one_line_error(proc, "backend 'nccl' needs one GPU per rank and this machine has none")
 
 
-def test_torch_without_distributed_is_one_line():
-    proc = cli_patched("dist.is_available = lambda: False", "run", "--backend", "fake")
-    assert_one_line_error(proc, "has no torch.distributed")
+def test_torch_without_distributed_is_one_line(cli_in_process, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_available", lambda: False)
+    assert_one_line_error(cli_in_process("run", "--backend", "fake"), "has no torch.distributed")
 
 
 @pytest.mark.parametrize(
@@ -138,13 +153,13 @@ def test_torch_without_distributed_is_one_line():
         ('{"schema": "fsdp-conformance-report", "schema_version": 7, "results": []}', "schema_version 7"),
     ],
 )
-def test_malformed_report_or_baseline_is_one_line(tmp_path, text, needle):
+def test_malformed_report_or_baseline_is_one_line(tmp_path, text, needle, cli_in_process):
     bad = tmp_path / "bad.json"
     bad.write_text(text)
-    assert_one_line_error(cli("compare", str(bad), str(bad)), needle)
-    assert_one_line_error(cli("run", "--backend", "fake", "--baseline", str(bad)), needle)
-    assert_one_line_error(cli("repro", str(bad)), needle)
-    assert_one_line_error(cli("compare", str(tmp_path / "missing.json"), str(tmp_path / "missing.json")), "cannot read report")
+    assert_one_line_error(cli_in_process("compare", bad, bad), needle)
+    assert_one_line_error(cli_in_process("run", "--backend", "fake", "--baseline", bad), needle)
+    assert_one_line_error(cli_in_process("repro", bad), needle)
+    assert_one_line_error(cli_in_process("compare", tmp_path / "missing.json", tmp_path / "missing.json"), "cannot read report")
 
 
 @pytest.mark.parametrize("args", [["run", "--backend", "nope"], ["run", "--world-size", "0"], ["run", "--frobnicate"], ["compare", "a.json"]])

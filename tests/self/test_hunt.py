@@ -10,7 +10,7 @@ import pytest
 from conformance.run import corpus, profiles
 from conformance.run.features import case_features
 from tests.self import cases
-from tests.self.test_cli import assert_one_line_error, cli
+from tests.self.test_cli import assert_one_line_error
 
 pytestmark = pytest.mark.selfcheck
 
@@ -56,12 +56,12 @@ def test_a_hunt_keeps_what_it_found_and_the_next_run_replays_it(tmp_path):
     assert empty.returncode == 0, empty.stdout + empty.stderr
 
 
-def test_hunt_bad_input_is_one_line(tmp_path):
-    assert_one_line_error(cli("hunt", "--minutes", "0"), "--minutes must be > 0")
+def test_hunt_bad_input_is_one_line(tmp_path, cli_in_process):
+    assert_one_line_error(cli_in_process("hunt", "--minutes", "0"), "--minutes must be > 0")
     (tmp_path / "f").write_text("x")
-    assert_one_line_error(cli("hunt", "--minutes", "1", "--database", str(tmp_path / "f")), "is a file")
-    assert_one_line_error(cli("hunt", "--minutes", "1", "--database", "ftp://x"), "expected a directory")
-    assert_one_line_error(cli("run", "--replay"), "--replay needs --database")
+    assert_one_line_error(cli_in_process("hunt", "--minutes", "1", "--database", tmp_path / "f"), "is a file")
+    assert_one_line_error(cli_in_process("hunt", "--minutes", "1", "--database", "ftp://x"), "expected a directory")
+    assert_one_line_error(cli_in_process("run", "--replay"), "--replay needs --database")
 
 
 def test_databases_from_strings(tmp_path, monkeypatch):
