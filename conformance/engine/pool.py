@@ -250,6 +250,13 @@ class _ForkServer:
             self.proc.wait()
 
 
+# Every start of a pool's ranks in this process, (world size, seconds from
+# spawn to ready), first starts and rebuilds alike: the bench counts them as
+# start-up, not as the pool's per-example overhead (a Worlds pool starts
+# inside the first example that needs its world size).
+STARTS: list[tuple[int, float]] = []
+
+
 class RankPool:
     """``world_size`` rank processes in one process group, kept across examples.
 
@@ -436,6 +443,7 @@ class RankPool:
             )
         self._ready = True
         self.startup_seconds = time.monotonic() - self._spawned_at
+        STARTS.append((self.world_size, self.startup_seconds))
 
     def _rank_dead(self, r: _Rank) -> bool:
         return r.eof or self._server is None or self._server.exited(r.pid)

@@ -34,6 +34,13 @@ class Worlds:
         self.phases = dict(phases or {})  # scenario -> (save, load) instead of its registered phases: a test's faults
         self.dirs_made: list[str] = []  # temporary checkpoint directories (each removed after its example)
 
+    def view(self, *, deadline: float) -> Worlds:
+        """These worlds (the same pools, made and closed once) with another
+        per-example deadline."""
+        v = Worlds(self.base, deadline=deadline, phases=self.phases)
+        v._engines, v._owned, v.dirs_made = self._engines, self._owned, self.dirs_made
+        return v
+
     def engine(self, world_size: int):
         eng = self._engines.get(world_size)
         if eng is None:

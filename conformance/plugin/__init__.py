@@ -144,6 +144,22 @@ def engine(request):
     return _ENGINES[tier]
 
 
+_WORLDS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def worlds(engine):
+    """The engine's tier at every world size (conformance.engine.worlds):
+    HSDP and TP meshes, checkpoints saved on one world size and loaded on
+    another. One per tier and process, shared by every module: a pool of 4
+    ranks starts once, not once per test module."""
+    from conformance.engine.worlds import Worlds
+
+    if engine.tier not in _WORLDS:
+        _WORLDS[engine.tier] = Worlds(engine)
+    return _WORLDS[engine.tier]
+
+
 @pytest.fixture(scope="session")
 def fake_engine(request):
     """The fake-process-group engine, for in-process tests (monkeypatched
@@ -167,13 +183,14 @@ def conformance(request):
 
 
 def pytest_sessionfinish(session):
-    for eng in _ENGINES.values():
+    for eng in [*_WORLDS.values(), *_ENGINES.values()]:
         close = getattr(eng, "close", None)
         if close:
             try:
                 close()
             except Exception as e:  # e.g. a pool whose ranks SIGTERM already killed
                 print(f"fsdp-conformance: closing {eng!r} failed: {type(e).__name__}: {e}")
+    _WORLDS.clear()
     _ENGINES.clear()
 
 

@@ -57,16 +57,27 @@ def measure(area, tier: str, *, examples: int, world_size: int = 2, fake_world_s
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
             raise BenchError(f"{area.name} on {tier}: pytest wrote no timings (exit {proc.returncode}): {' | '.join(tail)}")
         data = json.loads(out.read_text())
+    return {"area": area.name, "tier": tier, **summarize(data, wall, tier), "pytest_exit_status": proc.returncode}
+
+
+def summarize(data: dict, wall: float, tier: str) -> dict:
+    """The figures of one bench process: ``data`` is what the bench plugin
+    wrote (per test its wall time, per scenario run its timings, the pools
+    started inside it), ``wall`` the process's wall time."""
     timings = [t for test in data["tests"] for t in test["timings"]]
-    tests_wall = sum(test["wall"] for test in data["tests"])
+    # pools started inside a test (a Worlds pool of another world size, a
+    # rebuild after a hang or crash) are start-up, as the base pool's start
+    # before the first test is: not the pool's per-example overhead
+    pool_starts = sum(s[1] for test in data["tests"] for s in test.get("pool_starts", []))
+    tests_wall = sum(test["wall"] for test in data["tests"]) - pool_starts
     n = len(timings)
     fsdp = sum(t["fsdp"] for t in timings)
-    engine = sum(t["engine"] for t in timings)
+    engine = sum(t["engine"] for t in timings) - pool_starts
     in_rank = sum(t["in_rank"] for t in timings)
     check = sum(t["check"] for t in timings)
     return {
-        "area": area.name, "tier": tier, "examples": n, "tests": len(data["tests"]), "pytest_exit_status": proc.returncode,
-        "wall_seconds": wall, "tests_seconds": tests_wall, "startup_seconds": wall - tests_wall,
+        "examples": n, "tests": len(data["tests"]),
+        "wall_seconds": wall, "tests_seconds": tests_wall, "startup_seconds": wall - tests_wall, "pool_start_seconds": pool_starts,
         "examples_per_s": n / wall if wall else 0.0, "examples_per_s_without_startup": n / tests_wall if tests_wall else 0.0,
         "fsdp_seconds": fsdp, "fsdp_share": fsdp / wall if wall else 0.0, "fsdp_share_without_startup": fsdp / tests_wall if tests_wall else 0.0,
         # everything in the tests that is not FSDP's own work: drawing, building, the oracle, the checks
@@ -110,7 +121,8 @@ def run(areas: list[str] | None = None, *, tiers: tuple[str, ...] = TIERS, engin
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['area']:<12} {r['tier']:<5} {r['examples']:5d} examples in {r['wall_seconds']:6.1f}s ({r['startup_seconds']:.1f}s start-up)"
+    pools = f", {r['pool_start_seconds']:.1f}s of it starting pools in tests" if r.get("pool_start_seconds") else ""
+    head = f"{r['area']:<12} {r['tier']:<5} {r['examples']:5d} examples in {r['wall_seconds']:6.1f}s ({r['startup_seconds']:.1f}s start-up{pools})"
     rates = f"{r['examples_per_s']:7.1f}/s ({r['examples_per_s_without_startup']:.1f}/s after start-up)"
     share = f"FSDP {100 * r['fsdp_share']:4.1f}% of wall ({100 * r['fsdp_share_without_startup']:.1f}% after start-up)"
     pool = f", pool overhead {100 * r['pool_overhead_of_fsdp']:.0f}% of FSDP" if r["tier"] != "fake" else ""

@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 
 from conformance.areas.checkpoint import AREA
-from conformance.engine.worlds import Worlds
 from conformance.run import corpus
 from conformance.strategies.checkpoint import checkpoint_specs
 from conformance.suite.budget import examples
@@ -24,13 +23,6 @@ pytestmark = pytest.mark.needs_ranks  # values and world sizes: not the fake tie
 FULL = [i.id for i in AREA.invariants if i.scenario == "ckpt-full"]
 TIES = [i.id for i in AREA.invariants if i.scenario == "ckpt-ties"]
 ROUND_TRIP = [i.id for i in AREA.invariants if i.scenario == "ckpt-roundtrip"]
-
-
-@pytest.fixture(scope="module")
-def worlds(engine):
-    w = Worlds(engine)
-    yield w
-    w.close()
 
 
 def _check(invariants, spec, worlds, conformance):

@@ -18,7 +18,6 @@ import torch
 from hypothesis import given, settings
 
 from conformance.areas.hsdp import AREA
-from conformance.engine.worlds import Worlds
 from conformance.strategies.hsdp import hsdp_specs
 from conformance.suite.budget import examples
 
@@ -28,13 +27,6 @@ FAKE_WORLD = 4
 # examples(35) per value test: each is three models trained on up to 4 ranks
 # sharing 2 cores (about 0.7 s an example); the module stays near a minute
 # under the ci profile
-
-
-@pytest.fixture(scope="module")
-def worlds(engine):
-    w = Worlds(engine)
-    yield w
-    w.close()
 
 
 @pytest.fixture(scope="module")

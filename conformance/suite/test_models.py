@@ -22,16 +22,6 @@ from conformance.run.session import InvariantFailed
 from conformance.suite.budget import examples
 
 
-@pytest.fixture(scope="module")
-def worlds(engine):
-    """Checkpoint cases are saved on one world size and loaded on another."""
-    from conformance.engine.worlds import Worlds
-
-    w = Worlds(engine)
-    yield w
-    w.close()
-
-
 def _engine(invariant_id, engine, request):
     """The engine an invariant's model cases run on (a SKIP with its reason
     where none applies)."""

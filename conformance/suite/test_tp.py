@@ -22,7 +22,6 @@ import torch
 from hypothesis import given, settings
 
 from conformance.areas.tp import AREA
-from conformance.engine.worlds import Worlds
 from conformance.strategies.tp import tp_specs
 from conformance.suite.budget import examples
 
@@ -34,12 +33,10 @@ FAKE_WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def worlds(engine):
+def tp_worlds(worlds):
     # an example takes a few seconds; a hung one (fsdp2-tp-empty-piece-full-tensor-hang)
     # should not cost the base pool's minute
-    w = Worlds(engine, deadline=15.0)
-    yield w
-    w.close()
+    return worlds.view(deadline=15.0)
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +52,10 @@ def fake_tier(engine):
 @pytest.mark.needs_ranks
 @settings(max_examples=examples(8))
 @given(spec=tp_specs())
-def test_tp(spec, worlds, conformance):
-    if worlds.backend == "nccl" and torch.cuda.device_count() < spec.tp.world:
+def test_tp(spec, tp_worlds, conformance):
+    if tp_worlds.backend == "nccl" and torch.cuda.device_count() < spec.tp.world:
         pytest.skip(f"nccl: a mesh of {spec.tp.world} ranks needs as many GPUs, this machine has {torch.cuda.device_count()}")
-    conformance.check_example(TP, spec, worlds, worlds.tier)
+    conformance.check_example(TP, spec, tp_worlds, tp_worlds.tier)
 
 
 @settings(max_examples=examples(30))

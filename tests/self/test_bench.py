@@ -49,3 +49,17 @@ def test_bench_measures_a_real_model_and_names_the_areas_it_leaves_out(capsys):
 
 def test_bench_skips_the_fake_tier_of_an_area_that_needs_ranks():
     assert bench.run(["parity"], tiers=("fake",), examples=1)["rows"] == []
+
+
+def test_a_pool_started_inside_a_test_is_start_up_not_pool_overhead():
+    """A Worlds pool of another world size starts inside the first example
+    that needs it: its seconds count as start-up, not as the pool's
+    per-example overhead (the HSDP and TP rows read 64-66% overhead)."""
+    timing = {"engine": 11.0, "in_rank": 0.8, "fsdp": 0.5, "check": 0.1}  # a 10 s pool start in the first example
+    data = {"tests": [{"wall": 12.0, "timings": [timing, {**timing, "engine": 1.0}], "pool_starts": [[4, 10.0]]}]}
+    row = bench.summarize(data, wall=20.0, tier="gloo")
+    assert row["pool_start_seconds"] == 10.0 and row["startup_seconds"] == 18.0 and row["tests_seconds"] == 2.0
+    assert row["engine_seconds"] == 2.0 and row["pool_overhead_seconds"] == pytest.approx(0.4)
+    assert row["pool_overhead_of_fsdp"] == pytest.approx(0.4)
+    no_start = bench.summarize({"tests": [{**data["tests"][0], "pool_starts": []}]}, wall=20.0, tier="gloo")
+    assert no_start["pool_overhead_seconds"] == pytest.approx(10.4)  # what the row said before

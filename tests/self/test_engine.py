@@ -463,13 +463,21 @@ def test_a_one_rank_world_runs_in_a_rank_process_not_the_driver(pool):
     """Worlds' world size 1 (a checkpoint saved or loaded on one rank) is a
     pool of its own: a save that segfaults (fsdp2-tied-list-group-unsharded-
     save-segfault, seed 4711) is a CRASH verdict, not the end of this process."""
+    from conformance.engine import pool as pool_mod
     from conformance.engine.worlds import Worlds
 
     w = Worlds(pool)
+    starts = len(pool_mod.STARTS)
     try:
         one = w.engine(1)
         assert isinstance(one, RankPool) and one.world_size == 1
         rec = one.run("echo", small_spec(2))[0]
         assert rec["ok"] and rec["value"]["world_size"] == 1 and rec["value"]["pid"] != os.getpid()
+        # the start is on record (the bench counts it as start-up)
+        assert [s[0] for s in pool_mod.STARTS[starts:]] == [1] and pool_mod.STARTS[-1][1] > 0
+        # a view with its own deadline shares the pools: none started again
+        quick = w.view(deadline=5.0)
+        assert quick.deadline == 5.0 and quick.engine(1) is one and len(pool_mod.STARTS) == starts + 1
     finally:
         w.close()
+    assert one._closed
