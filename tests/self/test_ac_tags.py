@@ -1,0 +1,58 @@
+"""The activation-checkpointing invariants tag a case that gives fully_shard a
+container subclass with a forward, so that
+fsdp2-rejects-container-subclass-with-forward explains its wrap-time
+ValueError on the releases that have that bug, and only there (release
+matrix, 2.8.0 fake-w4: AC-PARITY, AC-STATE-DICT, AC-ALLGATHER)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from conformance.areas.activation_checkpointing.invariants import check_allgather, check_parity, check_state_dict
+from conformance.areas.activation_checkpointing.observation import ACObservation
+from conformance.areas.activation_checkpointing.oracle import predict_ac
+from conformance.case.spec import CaseSpec
+from conformance.run import known
+
+pytestmark = pytest.mark.selfcheck
+
+# a ModelList(ModuleList) root with a forward, its child checkpointed; FSDP2, the root given to fully_shard
+CASE = CaseSpec.from_json((Path(__file__).parent / "data" / "ac-container-subclass-fsdp2.json").read_text())
+ERROR = "ValueError: fully_shard does not support containers that do not implement forward: ModelList("
+FINDING = next(k for k in known.load() if k.id == "fsdp2-rejects-container-subclass-with-forward")
+
+
+def _as_plain_module(spec: CaseSpec) -> CaseSpec:
+    classes = tuple(dataclasses.replace(c, base="Module") if c.name == "ModelList" else c for c in spec.classes)
+    return dataclasses.replace(spec, classes=classes)
+
+
+def _violations(spec: CaseSpec, error: str):
+    obs = ACObservation(api="fsdp2", rank=0, world_size=4, backend="fake", torch_version="2.8.0", wrap_error=error)
+    pred = predict_ac(spec)
+    return [v for check in (check_parity, check_state_dict, check_allgather) for v in check(spec, pred, obs)]
+
+
+def test_a_container_subclass_given_to_fully_shard_is_tagged():
+    assert CASE.plan.api == "fsdp2"
+    assert "container-subclass" in predict_ac(CASE).tags
+    assert "container-subclass" not in predict_ac(_as_plain_module(CASE)).tags
+    fsdp1 = dataclasses.replace(CASE, plan=dataclasses.replace(CASE.plan, api="fsdp1"))
+    assert "container-subclass" not in predict_ac(fsdp1).tags
+
+
+def test_the_finding_explains_the_wrap_error_only_where_torch_has_the_bug():
+    vs = _violations(CASE, ERROR)
+    assert {v.invariant for v in vs} == {"AC-PARITY", "AC-STATE-DICT", "AC-ALLGATHER"}
+    for v in vs:
+        assert FINDING.matches(v, "2.8.0+cu128"), v
+        assert not FINDING.matches(v, "2.13.0+cpu"), v
+    # the same error on a case without the container: not this finding's
+    for v in _violations(_as_plain_module(CASE), ERROR):
+        assert not FINDING.matches(v, "2.8.0+cu128"), v
+    # another error at wrap time on the container case: not this finding's either
+    for v in _violations(CASE, "RuntimeError: something else went wrong"):
+        assert not FINDING.matches(v, "2.8.0+cu128"), v
