@@ -4,8 +4,8 @@ FSDP2 on a mesh whose shard dim has one rank (HSDP's (n, 1) layout, the
 DDP-like one; or one rank in all) still runs its collectives over that dim:
 an all-gather of every parameter group in forward and a reduce-scatter of
 every gradient in backward, each over a group of one rank. They move nothing.
-torch 2.12 skips both when the shard group has one rank (pytorch#160135,
-#162021).
+torch 2.9 skips the all-gather when the shard group has one rank
+(pytorch#160135), 2.10 the reduce-scatter too (#162021).
 Expected: on a one-rank shard dim no all-gather and no reduce-scatter: the
 (n, 1) layout behaves like DDP, gradients all-reduced over the replicate dim
 only.
