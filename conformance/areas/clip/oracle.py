@@ -63,8 +63,10 @@ def predict_clip(spec: CaseSpec) -> ClipPrediction:
             tags.add("clipped:ignored-trainable")  # a plain-tensor gradient among the clipped ones
     if training.fsdp2 is not None:
         # FSDP2's list-group facts its own findings match on (a group whose
-        # last module's output needs no gradient, run again after it)
-        tags |= {t for t in fsdp2_case_tags(spec, training.fsdp2) if t.startswith(("group:multi-frozen-embedding", "group:rerun-after"))}
+        # last module's output needs no gradient, run again after it), and a
+        # ModuleList/ModuleDict subclass with a forward given to fully_shard
+        tags |= {t for t in fsdp2_case_tags(spec, training.fsdp2)
+                 if t.startswith(("group:multi-frozen-embedding", "group:rerun-after")) or t == "container-subclass"}
     pr = plan.precision
     if pr is not None:
         tags.add(f"mp:param-{pr.param_dtype}")

@@ -1,0 +1,53 @@
+"""The clipping invariants tag a case that gives fully_shard a container
+subclass with a forward, so that fsdp2-rejects-container-subclass-with-forward
+explains its wrap-time ValueError on the releases that have that bug, and
+only there (release matrix, 2.8.0 gloo-w2: CLIP-NORM, CLIP-GRADS)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from conformance.areas.clip.invariants import check_grads, check_norm
+from conformance.areas.clip.observation import ClipObservation
+from conformance.areas.clip.oracle import predict_clip
+from conformance.case.spec import CaseSpec
+from conformance.run import known
+
+pytestmark = pytest.mark.selfcheck
+
+# a ModelDict(ModuleDict) root with a forward, given to fully_shard (no groups)
+CASE = CaseSpec.from_json((Path(__file__).parent / "data" / "clip-container-subclass-fsdp2.json").read_text())
+ERROR = "ValueError: fully_shard does not support containers that do not implement forward: ModelDict("
+FINDING = next(k for k in known.load() if k.id == "fsdp2-rejects-container-subclass-with-forward")
+
+
+def _as_plain_module(spec: CaseSpec) -> CaseSpec:
+    classes = tuple(dataclasses.replace(c, base="Module") if c.name == "ModelDict" else c for c in spec.classes)
+    return dataclasses.replace(spec, classes=classes)
+
+
+def _violations(spec: CaseSpec, error: str):
+    obs = [ClipObservation(api="fsdp2", rank=r, world_size=2, backend="gloo", torch_version="2.8.0", wrap_error=error) for r in range(2)]
+    pred = predict_clip(spec)
+    return check_norm(spec, pred, obs) + check_grads(spec, pred, obs[0])
+
+
+def test_a_container_subclass_given_to_fully_shard_is_tagged():
+    assert CASE.plan.api == "fsdp2"
+    assert "container-subclass" in predict_clip(CASE).tags
+    assert "container-subclass" not in predict_clip(_as_plain_module(CASE)).tags
+
+
+def test_the_finding_explains_the_wrap_error_only_where_torch_has_the_bug():
+    vs = _violations(CASE, ERROR)
+    assert {v.invariant for v in vs} == {"CLIP-NORM", "CLIP-GRADS"}
+    for v in vs:
+        assert FINDING.matches(v, "2.8.0+cu128"), v
+        assert not FINDING.matches(v, "2.13.0+cpu"), v
+    for v in _violations(_as_plain_module(CASE), ERROR):
+        assert not FINDING.matches(v, "2.8.0+cu128"), v
+    for v in _violations(CASE, "RuntimeError: something else went wrong"):
+        assert not FINDING.matches(v, "2.8.0+cu128"), v
