@@ -11,6 +11,7 @@ from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.tp.observation import TpObservation
 from conformance.areas.tp.oracle import TpPrediction
 from conformance.case.spec import CaseSpec
+from conformance.case.target import graph_of
 from conformance.case.tree import join
 from conformance.case.violation import Violation
 
@@ -33,6 +34,24 @@ DOC_CLIP = ("torch.nn.utils.clip_grad_norm_ / get_total_norm / clip_grads_with_n
             "vector; gradients modified in place; norm_type 'inf' too)")
 
 
+def style_path_subsequence_resolves(spec: CaseSpec) -> bool:
+    """Some style's FQN with atoms left out (a proper subsequence of its
+    atoms that keeps the last, read from the root) names a module too: "0.0"
+    where the root has a child "0", "a.b" where it has a child "b"."""
+    g = graph_of(spec)
+    for path, _ in spec.tp.styles:
+        atoms = path.split(".")
+        head, last = atoms[:-1], atoms[-1]
+        for mask in range(2 ** len(head) - 1):  # every subset of the head but the whole
+            sub = [a for i, a in enumerate(head) if mask >> i & 1] + [last]
+            try:
+                g.resolve_module(".".join(sub))
+            except KeyError:
+                continue
+            return True
+    return False
+
+
 def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str]:
     t = spec.tp
     tags = {"api:fsdp2", pred.mesh_tag(), backend_tag(obs), f"optim:{t.optimizer}", f"precision:{t.precision}", f"norm:{t.norm_type}", f"clip:{t.clip_way}"}
@@ -41,6 +60,8 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
         tags.add("style:pair")  # a colwise -> rowwise pair with its activation sharded between them
     if container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    if style_path_subsequence_resolves(spec):
+        tags.add("path:subsequence-resolves")  # see that function
     if obs.requires_grad_changed:
         tags.add("requires-grad:changed")  # wrapping made a frozen parameter trainable (or the reverse)
     if pred.strided_uneven:
