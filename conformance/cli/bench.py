@@ -39,11 +39,16 @@ def cmd_bench(ns) -> int:
             except TargetError as e:
                 raise UsageError(str(e)) from None
     try:
-        bench.run(areas, tiers=tiers, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
-                  fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json, targets=ns.target or ())
+        results = bench.run(areas, tiers=tiers, engines=ns.engines, examples=ns.examples, world_size=ns.world_size,
+                            fake_world_size=ns.fake_world_size, seed=ns.seed, json_path=ns.json, targets=ns.target or ())
     except (EngineError, BenchError) as e:  # e.g. a spawned rank past its deadline on a loaded machine
         print(f"fsdp-conformance: bench could not measure: {e}", file=sys.stderr)
         return 2
+    failed = bench.failed_rows(results)
+    if failed:
+        rows = ", ".join(f"{r['area']} ({r['tier']})" for r in failed)
+        print(f"fsdp-conformance: bench: a test failed in {rows}: those rows measure shrinking, not the run", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -126,4 +126,14 @@ def format_row(r: dict) -> str:
     rates = f"{r['examples_per_s']:7.1f}/s ({r['examples_per_s_without_startup']:.1f}/s after start-up)"
     share = f"FSDP {100 * r['fsdp_share']:4.1f}% of wall ({100 * r['fsdp_share_without_startup']:.1f}% after start-up)"
     pool = f", pool overhead {100 * r['pool_overhead_of_fsdp']:.0f}% of FSDP" if r["tier"] != "fake" else ""
-    return f"{head}  {rates}  {share}{pool}"
+    failed = ""
+    if r.get("pytest_exit_status", 0) != 0:
+        # a failing example is shrunk: hundreds of extra examples, and figures that are not the run's
+        failed = (f"\n  FAILED: pytest exited {r['pytest_exit_status']}: a test failed, and these figures include Hypothesis"
+                  f" shrinking it (see `fsdp-conformance run --invariant {r['area']}` with the same seed)")
+    return f"{head}  {rates}  {share}{pool}{failed}"
+
+
+def failed_rows(results: dict) -> list[dict]:
+    """The rows whose pytest run failed (their figures are not the run's)."""
+    return [r for r in results["rows"] if r.get("pytest_exit_status", 0) != 0]

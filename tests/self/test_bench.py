@@ -63,3 +63,13 @@ def test_a_pool_started_inside_a_test_is_start_up_not_pool_overhead():
     assert row["pool_overhead_of_fsdp"] == pytest.approx(0.4)
     no_start = bench.summarize({"tests": [{**data["tests"][0], "pool_starts": []}]}, wall=20.0, tier="gloo")
     assert no_start["pool_overhead_seconds"] == pytest.approx(10.4)  # what the row said before
+
+
+def test_a_row_whose_tests_failed_says_so():
+    """A failing example is shrunk (the activation-checkpointing row ran 655
+    examples for a budget of 30): the row must not read as the run's figures."""
+    data = {"tests": [{"wall": 2.0, "timings": [{"engine": 1.0, "in_rank": 0.0, "fsdp": 0.5, "check": 0.1}]}]}
+    ok = {"area": "activation_checkpointing", "tier": "fake", **bench.summarize(data, wall=3.0, tier="fake"), "pytest_exit_status": 0}
+    bad = {**ok, "pytest_exit_status": 1}
+    assert "FAILED" not in bench.format_row(ok) and "FAILED: pytest exited 1" in bench.format_row(bad)
+    assert bench.failed_rows({"rows": [ok, bad]}) == [bad]
