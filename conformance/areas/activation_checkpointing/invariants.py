@@ -34,6 +34,8 @@ def error_tag(text: str) -> str:
     """The mechanism of an error, for findings to match on."""
     if "out of bounds for storage of size 0" in text or "but its data is not allocated yet" in text or FREED_READ in text:
         return "error:freed-storage"  # a parameter (view) over a flat parameter FSDP already freed
+    if "got mixed torch.Tensor and DTensor" in text:
+        return "error:mixed-tensor-dtensor"  # a module run with its FSDP2 parameters back to sharded DTensors
     if "encountered during backward but not found in storage" in text:
         return "error:sac-op-mismatch"  # selective AC's cache saw another op sequence in the recompute
     return "error:other"
