@@ -92,7 +92,8 @@ def applicable(inv, spec) -> bool:
 def check_case_file(spec, selected, backend: str, world_size: int) -> int:
 
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
-    from conformance.run.runner import FAIL, check_case
+    from conformance.run import known as known_mod
+    from conformance.run.runner import FAIL, check_example, plan_scenarios
     if getattr(spec, "ckpt", None) is not None or getattr(spec, "schedule", None) is not None:
         if backend == "fake":  # values and world sizes: the suite runs these on real ranks only
             raise UsageError("a checkpoint or training-schedule case needs real ranks: use --backend gloo (or nccl)")
@@ -104,12 +105,22 @@ def check_case_file(spec, selected, backend: str, world_size: int) -> int:
 
         engine = Worlds(base)
     try:
-        worst = 0
-        for inv in selected:
+        # as `run` checks an example: the known failures read once, each
+        # scenario the invariants need run once and every invariant of it
+        # checked on that observation (a HANG or CRASH is each one's verdict)
+        known = known_mod.load()
+        ids = [inv.id for inv in selected]
+        got: dict = {}
+        for group in plan_scenarios(ids).values():
             try:
-                res = check_case(inv.id, spec, engine)
+                got.update((res.invariant, res) for res in check_example(group, spec, engine, known))
             except ExampleFailed as e:
-                print(f"{inv.id}: {e.verdict}\n  {e}")
+                got.update((i, e) for i in group)
+        worst = 0
+        for i in ids:
+            res = got[i]
+            if isinstance(res, ExampleFailed):
+                print(f"{i}: {res.verdict}\n  {res}")
                 worst = 1
                 continue
             print(res.describe())

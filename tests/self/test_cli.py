@@ -166,3 +166,36 @@ def test_malformed_report_or_baseline_is_one_line(tmp_path, text, needle, cli_in
 def test_bad_arguments_are_one_line(args):
     proc = cli(*args)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.fake
+def test_check_runs_each_scenario_once_for_all_its_invariants(monkeypatch, capsys):
+    """`check` checks a case as `run` checks an example: the known failures
+    read once, each scenario run once and every selected invariant of it
+    checked on that observation (it ran the scenario and re-read
+    known_failures.toml once per invariant)."""
+    from conformance import areas
+    from conformance.cli import cases as cli_cases
+    from conformance.run import known, runner
+    from tests.self.cases import two_blocks
+
+    calls = {"observations": [], "load": 0}
+    observe, load = runner.observations, known.load
+
+    def counting_observations(engine, spec, scenario, **kw):
+        calls["observations"].append(scenario)
+        return observe(engine, spec, scenario, **kw)
+
+    def counting_load(*a, **kw):
+        calls["load"] += 1
+        return load(*a, **kw)
+
+    monkeypatch.setattr(runner, "observations", counting_observations)
+    monkeypatch.setattr(known, "load", counting_load)
+    selected = areas.select(["autowrap"])
+    assert len(selected) > 3
+    rc = cli_cases.check_case_file(two_blocks(), selected, "fake", 2)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert calls["load"] == 1 and len(calls["observations"]) == len(set(calls["observations"])) == 1, calls
+    assert all(f"{inv.id}: " in out for inv in selected), out
