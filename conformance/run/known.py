@@ -124,7 +124,24 @@ def _upstream(fid: str, u: dict) -> Upstream:
     return out
 
 
+_LOADED: dict[tuple, list[KnownFailure]] = {}
+
+
 def load(path: Path = DEFAULT_PATH) -> list[KnownFailure]:
+    """The findings of ``path``, validated; parsed once per content (a file
+    edited since is read again): the file is ~5,000 lines, 0.3-0.5 s to
+    parse and check, and a test process asks for it hundreds of times."""
+    try:
+        st = Path(path).stat()
+    except OSError as e:
+        raise KnownFailuresError(f"{path}: {e}") from None
+    key = (str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _LOADED:
+        _LOADED[key] = _load(path)
+    return list(_LOADED[key])  # the entries are frozen; the list is the caller's
+
+
+def _load(path: Path) -> list[KnownFailure]:
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:

@@ -135,3 +135,17 @@ def test_a_noisy_self_calling_method_is_a_failure_not_the_self_call_finding(pool
     res = evaluate("FWD-PARITY", spec, noisy, KNOWN_FAILURES)
     assert res.verdict == FAIL, res.describe()
     assert any("kind:output" in v.tags and "method-calls-self" in v.tags for v in res.violations), res.describe()
+
+
+def test_known_failures_are_parsed_once_per_content(tmp_path):
+    """known.load parses the file once while it is unchanged (hundreds of
+    calls per test process) and again once it is edited."""
+    path = tmp_path / "known_failures.toml"
+    path.write_text(known.DEFAULT_PATH.read_text())
+    first = known.load(path)
+    again = known.load(path)
+    assert first == again and first is not again and all(a is b for a, b in zip(first, again))
+    text = path.read_text()
+    fid = first[0].id
+    path.write_text(text.replace(f'id = "{fid}"', f'id = "{fid}-edited"', 1))
+    assert known.load(path)[0].id == f"{fid}-edited"
