@@ -85,6 +85,8 @@ def failure_tags(spec: CaseSpec, pred: TpPrediction) -> set[str]:
         tags.add("style:pair")
     if pred.tp_empty:
         tags.add("shard:tp-empty")
+    if pred.strided_uneven:
+        tags.add("shard:strided-uneven")  # a _StridedShard parameter whose TP-local rows split unevenly over dp
     return tags
 
 
