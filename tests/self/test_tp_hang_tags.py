@@ -1,8 +1,10 @@
-"""A HANG or CRASH of the tp scenario carries shard:strided-uneven where the
-case has a _StridedShard parameter whose TP-local rows split unevenly over dp,
-so that fsdp2-tp-uneven-strided-full-state-dict-load-misplaces-rows explains
-the hang its one-rank raise leaves behind on the releases that have it, and
-only there (release matrix, 2.8.0 and 2.9.1 gloo-w2: every TP invariant HANG)."""
+"""A HANG or CRASH of the tp scenario carries shard:strided-empty where the
+case has a _StridedShard parameter with fewer TP-local rows than dp (a rank's
+piece is empty), so that
+fsdp2-tp-uneven-strided-full-state-dict-load-misplaces-rows explains the hang
+its one-rank raise leaves behind on the releases that have it, and only there
+(release matrix, 2.8.0 gloo-w2: every TP invariant HANG). An uneven split
+without an empty piece loads without raising: its hang is not this one's."""
 
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ FINDING = next(k for k in known.load() if k.id == "fsdp2-tp-uneven-strided-full-
 TP = ("TP-LAYOUT", "TP-FULL-TENSOR", "TP-PARITY", "TP-STATE-DICT", "TP-MP-DTYPE", "TP-CLIP")
 
 
-def _even(spec: CaseSpec) -> CaseSpec:
-    """The same model with a (4, 2) weight: two TP-local rows per tp rank, 1 / 1 over dp."""
+def _rows(spec: CaseSpec, rows: int) -> CaseSpec:
+    """The same model with a (rows, 2) weight."""
     model0 = spec.tree.children[0]
     layers0 = model0.children[0]
     (linear,) = layers0.children
-    linear = dataclasses.replace(linear, params=(dataclasses.replace(linear.params[0], shape=(4, 2)),))
+    linear = dataclasses.replace(linear, params=(dataclasses.replace(linear.params[0], shape=(rows, 2)),))
     model0 = dataclasses.replace(model0, children=(dataclasses.replace(layers0, children=(linear,)), *model0.children[1:]))
     return dataclasses.replace(spec, tree=dataclasses.replace(spec.tree, children=(model0,)))
 
@@ -40,9 +42,14 @@ def _hang(spec: CaseSpec, invariant: str) -> Violation:
     return Violation(invariant, "HANG: scenario 'tp' on 4 gloo ranks, no result within 15.0s", frozenset(failure_tags(spec, predict_tp(spec)) | {"kind:hang"}))
 
 
-def test_a_hang_of_an_uneven_strided_case_is_tagged():
-    assert "shard:strided-uneven" in failure_tags(CASE, predict_tp(CASE))
-    assert "shard:strided-uneven" not in failure_tags(_even(CASE), predict_tp(_even(CASE)))
+def _tags(spec: CaseSpec) -> set[str]:
+    return failure_tags(spec, predict_tp(spec))
+
+
+def test_a_hang_of_a_strided_case_with_an_empty_piece_is_tagged():
+    assert {"shard:strided-uneven", "shard:strided-empty"} <= _tags(CASE)
+    assert not {"shard:strided-uneven", "shard:strided-empty"} & _tags(_rows(CASE, 4))  # 2 / 2 rows, 1 / 1 over dp
+    assert "shard:strided-uneven" in _tags(_rows(CASE, 7)) and "shard:strided-empty" not in _tags(_rows(CASE, 7))  # 4 / 3 rows
 
 
 def test_the_finding_explains_the_hang_only_where_torch_has_the_bug():
@@ -50,4 +57,5 @@ def test_the_finding_explains_the_hang_only_where_torch_has_the_bug():
         v = _hang(CASE, inv)
         assert FINDING.matches(v, "2.8.0+cu128") and FINDING.matches(v, "2.9.1+cu128"), inv
         assert not FINDING.matches(v, "2.10.0+cu128") and not FINDING.matches(v, "2.13.0+cpu"), inv
-        assert not FINDING.matches(_hang(_even(CASE), inv), "2.8.0+cu128"), inv
+        assert not FINDING.matches(_hang(_rows(CASE, 4), inv), "2.8.0+cu128"), inv
+        assert not FINDING.matches(_hang(_rows(CASE, 7), inv), "2.9.1+cu128"), inv

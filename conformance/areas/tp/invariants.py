@@ -87,6 +87,8 @@ def failure_tags(spec: CaseSpec, pred: TpPrediction) -> set[str]:
         tags.add("shard:tp-empty")
     if pred.strided_uneven:
         tags.add("shard:strided-uneven")  # a _StridedShard parameter whose TP-local rows split unevenly over dp
+    if pred.strided_empty:
+        tags.add("shard:strided-empty")  # ... and fewer of them than dp: a rank's piece is empty
     return tags
 
 

@@ -118,6 +118,15 @@ class TpPrediction:
         return any(p.tp == "Shard(dim=0)" and p.shape and any(chunk(p.shape[0], tp, t) % dp for t in range(tp)) for p in self.params)
 
     @property
+    def strided_empty(self) -> bool:
+        """Some parameter is _StridedShard on dp (TP shards its dim 0) and a
+        tp rank has fewer rows than dp: a (dp, tp) rank holds an empty piece."""
+        dp, tp = self.mesh
+        if dp == 1 or tp == 1:
+            return False
+        return any(p.tp == "Shard(dim=0)" and p.shape and any(0 < chunk(p.shape[0], tp, t) < dp for t in range(tp)) for p in self.params)
+
+    @property
     def mixed_meshes(self) -> bool:
         """Some clipped parameter is on the 2-D mesh and another on the dp mesh only."""
         meshes = {len(p.mesh) for p in self.params if p.fqn in self.clipped}
