@@ -51,7 +51,7 @@ def test_the_finding_matches_only_gloo_value_mismatches(invariant, tags, matched
     k = _finding()
     v = Violation(invariant, "m", frozenset(tags | {"backend:gloo"}))
     assert k.matches_tags(v) is matched
-    assert k.matches(v, "2.8.0+cu128") is matched and not k.matches(v, "2.9.1+cu128")  # the measured range
+    assert k.matches(v, "2.8.0+cu128") is matched and not k.matches(v, "2.9.1+cu128")  # its repro: 2.8.0 sums, 2.9.1 averages
     assert not k.matches_tags(_retag(v, "nccl"))
     assert not k.matches_tags(Violation(invariant, "m", frozenset(tags)))  # no backend tag (an older baseline): no match
 
@@ -74,3 +74,30 @@ def test_a_rank_disagreement_names_its_fields_and_backend():
     assert _finding().matches_tags(v)
     (v,) = ranks_agree([_Obs(0, losses_close=False, params=1), _Obs(1, losses_close=True, params=2)])
     assert "differs:params" in v.tags  # matched too (the subset rule): the message still names both fields
+
+
+@pytest.mark.parametrize("mesh,matched", [("mesh:2d", True), ("mesh:tp1", True), ("mesh:dp1", False)])
+def test_a_tp_case_matches_only_with_a_data_parallel_dimension(mesh, matched):
+    """Gloo's reduce_scatter sums the data-parallel gradients; on a (1, tp)
+    mesh FSDP reduces over one rank, so a TP deviation there is something
+    else (the release matrix's 2.9.1 / 2.10.0 rows: frozen weights made
+    trainable by ColwiseParallel, tp-colwise-rowwise-unfreeze-params)."""
+    v = Violation("TP-PARITY", "m", frozenset({"api:fsdp2", "backend:gloo", "kind:param", mesh}))
+    assert _finding().matches_tags(v) is matched
+
+
+def test_matching_at_every_release_prefers_the_finding_whose_range_holds_it(monkeypatch):
+    """The release matrix matches every finding at every release; a finding
+    in range still takes a violation before an out-of-range one that also
+    carries its tags (file order decides only among equals)."""
+    gloo = _finding()
+    unfreeze = next(k for k in known.load() if k.id == "tp-colwise-rowwise-unfreeze-params")
+    v = Violation("TP-PARITY", "m", frozenset({"api:fsdp2", "backend:gloo", "kind:param", "mesh:2d", "style:colwise", "requires-grad:changed"}))
+    assert gloo.matches_tags(v) and unfreeze.matches_tags(v)
+    both = [gloo, unfreeze]  # the out-of-range one first
+    assert known.match(v, both, "2.10.0") is unfreeze
+    assert known.match(v, both, "2.13.0") is None
+    monkeypatch.setenv(known.ANY_RELEASE_ENV, "1")
+    assert known.match(v, both, "2.10.0") is unfreeze
+    assert known.match(v, both, "2.8.0") is gloo  # both in range: file order
+    assert known.match(v, both, "2.13.0") is gloo  # neither: the first, reported as another release's
