@@ -21,6 +21,7 @@ Run: torchrun --nproc-per-node 2 fsdp1-ac-around-unit-regathers.py
 Not shown by: python fsdp1-ac-around-unit-regathers.py: FSDP1 does not shard on one rank (nothing to all-gather)
 """
 
+import contextlib
 import os
 import socket
 import sys
@@ -71,9 +72,12 @@ def backward_all_gathers(where, impl):
 
         return gather
 
-    # FSDP1 all-gathers a flat parameter with dist.all_gather (gloo) or dist.all_gather_single
-    with mock.patch.object(dist, "all_gather", counting(dist.all_gather)), \
-            mock.patch.object(dist, "all_gather_single", counting(dist.all_gather_single)):
+    # FSDP1 all-gathers a flat parameter with dist.all_gather (gloo), all_gather_into_tensor /
+    # _all_gather_base (older releases) or all_gather_single (2.13 on): count whichever this torch has
+    with contextlib.ExitStack() as stack:
+        for name in ("all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
+            if hasattr(dist, name):
+                stack.enter_context(mock.patch.object(dist, name, counting(getattr(dist, name))))
         loss.backward()
     return calls[0]
 
