@@ -229,7 +229,9 @@ def render_markdown(m: Matrix, a: dict) -> str:
         "",
         "The `ci` profile per torch release, fake tier (W=4) and gloo pool (W=2), written by `ci/matrix.py`;"
         " regenerate this page with `python -m conformance.report.matrix reports/matrix`."
-        " Verdicts apply the torch ranges of `conformance/known_failures.toml`: a finding seen outside its range is FAIL.",
+        " Verdicts apply the torch ranges of `conformance/known_failures.toml`: a finding seen outside its range is FAIL."
+        " Its tags matched there, not necessarily its mechanism: run its repro on that release before widening the range"
+        " (the repros tier, or torchrun on the repro script).",
         "",
         "## Verdicts by release",
         "",
