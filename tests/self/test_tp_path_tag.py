@@ -52,3 +52,28 @@ def test_the_finding_explains_the_style_error_only_where_torch_has_the_bug():
     assert not FINDING.matches(plain, "2.8.0+cu128")
     (other,) = _violations(CASE, "RuntimeError: something else went wrong")
     assert not FINDING.matches(other, "2.8.0+cu128")
+
+
+def test_a_module_styled_by_two_keys_is_the_finding_too():
+    """The keys "proj0" and "model1.proj0": on 2.8 the longer one also
+    styles "proj0", which is distributed twice (release matrix re-run, 2.8.0
+    gloo-w2); another RuntimeError in the same case is not the finding."""
+    (v,) = _violations(CASE, "RuntimeError: distribute_module should only be called once on a module, but it has already been called on this module!")
+    assert "error:distributed-twice" in v.tags and FINDING.matches(v, "2.8.0+cu128") and not FINDING.matches(v, "2.9.1")
+    (other,) = _violations(CASE, "RuntimeError: something else went wrong")
+    assert "error:other" in other.tags and not FINDING.matches(other, "2.8.0+cu128")
+
+
+# 2.9.1's words for stacking per-parameter norms from two meshes (release matrix re-run, gloo-w2; its repro says the same)
+STACK_29 = ("RuntimeError: Sharding propagation failed for Op(op=aten.stack.default, args_schema=[DTensorSpec(mesh=DeviceMesh((dp=2), "
+            "device: 'cpu', stride: (2,)), placements=(_NormPartial(reduce_op='sum', norm_type=2.0),)), DTensorSpec(mesh=DeviceMesh("
+            "(dp=2, tp=2), device: 'cpu', stride: (2, 1)), placements=(_NormPartial(reduce_op='sum', norm_type=2.0),))] @ mesh: None)")
+
+
+def test_the_mixed_mesh_refusal_is_tagged_in_each_release_s_words():
+    from conformance.areas.tp.invariants import _error_tag
+
+    assert _error_tag("RuntimeError: All operands in aten.stack.default must have the same mesh, but got DeviceMesh((dp=2, tp=2)) and DeviceMesh((dp=2))") == "error:mixed-meshes"
+    assert _error_tag(STACK_29) == "error:mixed-meshes"
+    one_mesh = STACK_29.replace("DeviceMesh((dp=2), ", "DeviceMesh((dp=2, tp=2), ")  # a propagation failure on one mesh is something else
+    assert _error_tag(one_mesh) == "error:other"

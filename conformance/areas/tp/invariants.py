@@ -5,6 +5,8 @@ with FSDP2 (fully_shard(mesh=mesh["dp"])), against the oracle
 
 from __future__ import annotations
 
+import re
+
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
 from conformance.areas.common.violations import backend_tag, violation
@@ -128,7 +130,8 @@ def check_layout(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -
     first = obs[0]
     tags = case_tags(spec, pred, first) | _empty_tags(obs)
     if first.wrap_error:
-        return [violation("TP-LAYOUT", f"parallelize_module / fully_shard raised {first.wrap_error}", tags, "kind:raised")]
+        return [violation("TP-LAYOUT", f"parallelize_module / fully_shard raised {first.wrap_error}", tags, "kind:raised",
+                          _error_tag(first.wrap_error))]
     want = pred.by_fqn()
     out = []
     for f in first.requires_grad_changed:
@@ -215,6 +218,15 @@ def check_parity(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -
     return out
 
 
+def _stack_over_meshes(text: str) -> bool:
+    """2.9's form of the mixed-mesh refusal: sharding propagation of
+    aten.stack fails on operands whose specs name different meshes (2.8 and
+    2.10 on say "must have the same mesh")."""
+    if "Sharding propagation failed for Op(op=aten.stack" not in text:
+        return False
+    return len(set(re.findall(r"mesh=DeviceMesh\(\(([^)]*)\)", text))) > 1
+
+
 def _error_tag(text: str) -> str:
     """The mechanism of an error, for findings to match on."""
     if "_chunk_cat expects non-empty tensor" in text:
@@ -223,8 +235,10 @@ def _error_tag(text: str) -> str:
         return "error:inf-norm-empty"
     if "got mixed torch.Tensor and DTensor" in text:
         return "error:mixed-tensor-dtensor"
-    if "must have the same mesh" in text:
+    if "must have the same mesh" in text or _stack_over_meshes(text):
         return "error:mixed-meshes"
+    if "distribute_module should only be called once" in text:
+        return "error:distributed-twice"
     if text.startswith("AssertionError") and text.rstrip(": ") == "AssertionError":
         return "error:bare-assertion"
     return "error:other"
