@@ -130,18 +130,18 @@ def measured_ranges(m: Matrix) -> list[dict]:
     return out
 
 
-def identify(finding: dict, known: list[known_mod.KnownFailure]) -> known_mod.KnownFailure | None:
-    """The known failure a finding is, whatever its torch range says."""
+def identify(finding: dict, known: list[known_mod.KnownFailure], release: str | None = None) -> known_mod.KnownFailure | None:
+    """The known failure a finding is, whatever its torch range says; a
+    baseline's unmatched finding by its violations' tags against the current
+    file, a finding whose range holds ``release`` first (as known.match)."""
     by_id = {k.id: k for k in known}
     if finding.get("known_failure") in by_id:
         return by_id[finding["known_failure"]]
     vs = finding.get("violations") or []
-    for k in known:
-        if vs and all(
-            any(v["invariant"] == m.invariant and m.when <= set(v.get("tags", ())) for m in k.matches_) for v in vs
-        ):
-            return k
-    return None
+    fits = [k for k in known if vs and all(
+        any(v["invariant"] == m.invariant and m.when <= set(v.get("tags", ())) for m in k.matches_) for v in vs)]
+    here = [k for k in fits if release is not None and known_mod.in_range(release, k.torch)]
+    return (here or fits or [None])[0]
 
 
 def _short(reason: str | None) -> str | None:
@@ -169,7 +169,7 @@ def analyse(m: Matrix) -> dict:
                 f = findings.get(fid)
                 if f is None:
                     continue
-                k = identify(f, m.known)
+                k = identify(f, m.known, release)
                 name = k.id if k else f"{f['invariant']}/{f['api']} {f['kind']}: {f['message'][:120]}"
                 s = seen.setdefault(name, Seen(name, k, message=f["message"]))
                 s.invariants.add(f["invariant"])

@@ -282,3 +282,16 @@ def test_the_repros_tier_measures_each_range_and_marks_the_bounds_it_could_not(m
 def test_without_repro_runs_the_page_says_every_range_is_unmeasured(matrix_dir):
     m = matrix.load(matrix_dir, KNOWN)
     assert "every range in `known_failures.toml` is unmeasured here" in matrix.render_markdown(m, matrix.analyse(m))
+
+
+def test_an_unmatched_finding_is_identified_by_the_finding_in_range_first():
+    """A baseline's FAIL re-identified by its tags on the page: a finding
+    whose range holds the release wins over one that matched by tags only
+    (the 2.9.1 / 2.10.0 TP deviations were frozen weights made trainable,
+    not gloo's summed reduce-scatter, fixed in 2.9.1)."""
+    tags = ["api:fsdp2", "backend:gloo", "kind:param", "mesh:2d", "style:colwise", "requires-grad:changed"]
+    f = {"known_failure": None, "violations": [{"invariant": "TP-PARITY", "tags": tags}]}
+    ks = known_mod.load()
+    assert matrix.identify(f, ks, "2.10.0").id == "tp-colwise-rowwise-unfreeze-params"
+    assert matrix.identify(f, ks, "2.8.0").id == "fsdp2-gloo-reduce-scatter-avg-sums"  # both in range: file order
+    assert matrix.identify(f, ks, "2.13.0").id == "fsdp2-gloo-reduce-scatter-avg-sums"  # neither: the first that fits (a FAIL there)
