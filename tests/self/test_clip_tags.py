@@ -51,3 +51,15 @@ def test_the_finding_explains_the_wrap_error_only_where_torch_has_the_bug():
         assert not FINDING.matches(v, "2.8.0+cu128"), v
     for v in _violations(CASE, "RuntimeError: something else went wrong"):
         assert not FINDING.matches(v, "2.8.0+cu128"), v
+
+
+def test_a_backward_over_freed_storage_is_tagged():
+    """The clipping area's training step raising over a freed parameter (seed
+    22, torch 2.13.0: fsdp2-frozen-list-group-freed-in-backward's group) is
+    tagged with that mechanism; another RuntimeError is not."""
+    from conformance.areas.clip.invariants import error_tag
+
+    freed = ("RuntimeError: setStorage: sizes [1, 3], strides [3, 1], storage offset 0, and itemsize 4 requiring a "
+             "storage size of 12 are out of bounds for storage of size 0")
+    assert error_tag(freed) == "error:freed-storage"
+    assert error_tag("RuntimeError: setStorage: out of bounds for storage of size 12") == "error:other"

@@ -24,6 +24,8 @@ def error_tag(text: str) -> str:
         return "error:inf-norm-empty"
     if "mixed torch.Tensor and DTensor" in text:
         return "error:mixed-tensor-dtensor"
+    if "out of bounds for storage of size 0" in text:
+        return "error:freed-storage"  # a parameter read over its freed unsharded storage in backward
     if "attempting to assign a gradient with dtype" in text or "assigned grad has data of a different type" in text:
         return "error:grad-dtype-mismatch"
     return "error:other"

@@ -137,13 +137,16 @@ def error_line(e: BaseException) -> str:
 def load_cause(e: BaseException) -> str:
     """nn.Module.load_state_dict's first line only names the module ("Error(s)
     in loading state_dict for X:"): the first copy that failed, and why, as
-    ' <name>: <its exception>', so that a finding can match its own cause."""
+    ' <name>: <its exception>', or the missing / unexpected keys it names, so
+    that a finding can match its own cause."""
     text = str(e)
     if not text.startswith("Error(s) in loading state_dict for "):
         return ""
     name, sep, rest = text.partition('While copying the parameter named "')
     if not sep:
-        return ""
+        # strict loading's own complaint: the keys the model and the state dict do not share
+        keys = next((line.strip() for line in text.splitlines() for what in ("Missing key(s)", "Unexpected key(s)") if what in line), "")
+        return f" {' '.join(keys.split())[:200]}" if keys else ""
     param, _, after = rest.partition('"')
     why = after.partition("an exception occurred : (")[2].split("\n")[0].strip(" ('\",).")
     return f" {param}: {' '.join(why.split())[:200]}" if why else ""

@@ -76,10 +76,10 @@ def check_parity(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation
     first = obs[0]
     tags = case_tags(spec, pred, first)
     if first.wrap_error or first.step_error:
-        err = first.wrap_error or first.step_error
+        where, err = own_error(obs, "wrap_error") or own_error(obs, "step_error")
         freed = {"error:freed-storage"} if "out of bounds for storage of size 0" in err else set()  # a parameter over freed storage
         raised = {f"raised:{err.split(':', 1)[0]}"} if not err.startswith("another rank") else set()  # the exception type
-        return [violation("HSDP-PARITY", f"HSDP raised {err}", tags, "kind:raised", *freed, *raised)]
+        return [violation("HSDP-PARITY", f"HSDP raised{where} {err}", tags, "kind:raised", *freed, *raised)]
     if not first.values_meaningful:
         return VALUES_UNCHECKED
     if not first.ref_stable:
@@ -335,6 +335,20 @@ def check_comms(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation]
     return out
 
 
+def own_error(obs: list[HsdpObservation], field: str) -> tuple[str, str] | None:
+    """A step's error as the rank that raised it says it: rank 0 may only
+    have seen that another rank raised ("another rank's sync raised"), which
+    names no mechanism. (" on rank N" where that rank is not rank 0, the
+    error) of the first rank whose own call raised, else of the first that
+    saw an error; None if none did."""
+    errs = [(o.rank, getattr(o, field)) for o in obs if getattr(o, field)]
+    own = [(r, e) for r, e in errs if not e.startswith("another rank")] or errs
+    if not own:
+        return None
+    rank, err = own[0]
+    return ("" if rank == 0 or err.startswith("another rank") else f" on rank {rank}"), err
+
+
 def sync_error_tag(text: str) -> str:
     """The mechanism of a sync's error, for findings to match on."""
     if "requires them to be on GPU" in text:
@@ -343,6 +357,8 @@ def sync_error_tag(text: str) -> str:
         return "error:mixed-tensor-dtensor"
     if "in-place operations that require placement changes are not supported" in text:
         return "error:placement-change"  # the same copy into a one-element parameter
+    if "Missing key(s) in state_dict" in text:
+        return "error:missing-key"  # broadcast_from_rank0: a rank other than 0 has no target for a key rank 0 sent
     return "error:other"
 
 
@@ -372,7 +388,8 @@ def check_sync(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation])
         return NotChecked(f"flat FSDP raised before the sync ran (HSDP-PARITY reports it): {first.flat_error}")
     tags = case_tags(spec, pred, first) | {"at:sync"}
     if first.sync_error:
-        return [violation("HSDP-SYNC", f"the sync from rank 0 raised {first.sync_error}", tags, "kind:raised", sync_error_tag(first.sync_error))]
+        where, err = own_error(obs, "sync_error")
+        return [violation("HSDP-SYNC", f"the sync from rank 0 raised{where} {err}", tags, "kind:raised", sync_error_tag(err))]
     if not first.sync_checked:
         return NotChecked("the model has no parameters or buffers to sync")
     params = {f for f, _, _ in pred.shapes}
