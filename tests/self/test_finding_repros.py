@@ -40,6 +40,15 @@ def test_every_header_parses_names_its_finding_and_offers_a_mode():
         assert repros.finding(path) in known, f"{path.name}: 'Finding: <id>' names no finding of known_failures.toml"
 
 
+def test_every_script_prints_the_protocol_s_verdict_lines():
+    """The repros tier reads a line starting "DEVIATION: " or "AS SPECIFIED: "
+    (repros._VERDICT_RE); a script printing its own words ("rank 0: DEVIATES:")
+    read as no verdict at every release."""
+    for path in SCRIPTS:
+        text = path.read_text()
+        assert "DEVIATION: " in text and "AS SPECIFIED: " in text, f"{path.name} prints no protocol verdict line"
+
+
 def test_every_finding_has_its_repro_naming_it():
     for fid, k in _known().items():
         path = ROOT / k.repro
