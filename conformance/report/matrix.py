@@ -21,6 +21,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from conformance.case.violation import Violation
 from conformance.report.data import VERDICTS
 from conformance.report.html import _ENV
 from conformance.report.markdown import MARK, table_cell
@@ -138,8 +139,8 @@ def identify(finding: dict, known: list[known_mod.KnownFailure], release: str | 
     if finding.get("known_failure") in by_id:
         return by_id[finding["known_failure"]]
     vs = finding.get("violations") or []
-    fits = [k for k in known if vs and all(
-        any(v["invariant"] == m.invariant and m.when <= set(v.get("tags", ())) for m in k.matches_) for v in vs)]
+    stored = [Violation(v["invariant"], v.get("message", ""), frozenset(v.get("tags", ()))) for v in vs]
+    fits = [k for k in known if stored and all(k.matches_tags(v) for v in stored)]
     here = [k for k in fits if release is not None and known_mod.in_range(release, k.torch)]
     return (here or fits or [None])[0]
 
