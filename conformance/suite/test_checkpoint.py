@@ -33,21 +33,25 @@ def _check(invariants, spec, worlds, conformance):
     conformance.check_example(invariants, spec, worlds, worlds.tier)
 
 
-@settings(max_examples=examples(100))
+# Budgets: each API's row checks at least the examples it checked before
+# the areas shared one draw (issue 22's baseline, 0e3063f: SD-FULL fsdp2 60,
+# TIES-KEPT fsdp1 31, CKPT-RESHARD / OPTIM-STATE fsdp2 75); the draw picks
+# the API, and the filter keeps fewer of one, so the budgets are above 100.
+@settings(max_examples=examples(130))
 @corpus.examples(*FULL)
 @given(spec=checkpoint_specs("full"))
 def test_full_state_dict(spec, worlds, conformance):
     _check(FULL, spec, worlds, conformance)
 
 
-@settings(max_examples=examples(100))
+@settings(max_examples=examples(150))
 @corpus.examples(*TIES)
 @given(spec=checkpoint_specs("ties"))
 def test_ties_kept(spec, worlds, conformance):
     _check(TIES, spec, worlds, conformance)
 
 
-@settings(max_examples=examples(100))
+@settings(max_examples=examples(125))
 @corpus.examples(*ROUND_TRIP)
 @given(spec=checkpoint_specs("optim"))
 def test_checkpoint_round_trip(spec, worlds, conformance):

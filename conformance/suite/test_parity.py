@@ -23,7 +23,7 @@ PARITY = [inv.id for inv in AREA.invariants]
 pytestmark = pytest.mark.needs_ranks  # values: the fake tier's collectives carry no data
 
 
-@settings(max_examples=examples(100))
+@settings(max_examples=examples(106))
 @corpus.examples(*PARITY)
 @given(spec=training_specs(api="fsdp2", reductions=has_reduction_setters()))
 def test_training_parity_fsdp2(spec, engine, conformance):
