@@ -157,6 +157,28 @@ def test_a_corpus_case_passing_an_invariant_it_does_not_list_fixes_nothing(tmp_p
         corpus.load.cache_clear()
 
 
+def test_a_fake_corpus_case_passing_on_the_gloo_pool_fixes_nothing(tmp_path, monkeypatch, fake_engine):
+    """A corpus case recorded on the fake tier (4 ranks) is evidence there
+    only: on the 2-rank gloo pool it is another world, and its PASS there is
+    no FIXED (the release matrix's gloo rows called
+    fsdp2-frozen-int-reshard-group-not-last-backward FIXED on 2.12.1 and
+    2.13.0, whose repro deviates on 4 ranks)."""
+    spec = cases.two_blocks()
+    known_path = _synthetic_corpus(tmp_path, monkeypatch, SYNTHETIC, "synthetic-dropped-unit", spec)
+    try:
+        s = Session(known_path=known_path)
+        assert s.check("WRAP-UNITS", spec, fake_engine, "gloo").verdict == PASS  # recorded as run on the pool
+        r = data.build(partials=[s.to_dict()], run={"tiers": [{"tier": "gloo", "backend": "gloo", "world_size": 2}]},
+                       known=s.known, environment={"suite": {}, "torch": {"version": torch.__version__}, "platform": {}})
+        assert [k["status"] for k in r["known_failures"]] != ["fixed"]
+        assert all(x["verdict"] != "FIXED" for x in r["results"]), [x for x in r["results"] if x["verdict"] == "FIXED"]
+        s = Session(known_path=known_path)
+        assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == PASS
+        assert [k["status"] for k in _report(s)["known_failures"]] == ["fixed"]
+    finally:
+        corpus.load.cache_clear()
+
+
 MASKING = SYNTHETIC + """
 [[finding]]
 id = "synthetic-masked"
