@@ -19,7 +19,7 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, CustomWrap, ModuleWrap
-from conformance.strategies._common import check_strategy, pick, pick_subset
+from conformance.strategies._common import check_strategy, pick
 from conformance.strategies.cases import case_specs
 from conformance.strategies.freeze import apply_freeze_mask
 
@@ -31,11 +31,33 @@ def _several_mixed_units(draw: Any, use_orig_params: SearchStrategy[bool]) -> Ca
     spec = draw(case_specs(use_orig_params=use_orig_params, policies=[ModuleWrap, CustomWrap],
                            allow_ties=False, allow_shared=False, freeze=False))
     units = [u for u in predict_fsdp1(spec).units if u.path and len(u.managed) >= 2]
+    if len(units) < 2:
+        # The drawn policy made fewer than two such units (five draws in six):
+        # aim a CustomWrap at 2..4 disjoint modules holding two parameters or
+        # more each, instead of rejecting the draw.
+        spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, policy=_disjoint_targets(draw, spec)))
+        units = [u for u in predict_fsdp1(spec).units if u.path and len(u.managed) >= 2]
+        event("policy: CustomWrap aimed at disjoint modules")
     assume(len(units) >= 2)
-    chosen = pick_subset(draw, units, min_size=2, max_size=min(4, len(units)))
+    # 2..4 distinct units (pick_subset drops repeated picks: one unit in four draws)
+    chosen = draw(st.permutations(units))[: draw(st.integers(2, min(4, len(units))))]
     event(f"mixed units: {len(chosen)}")
     mask = {pick(draw, sorted(u.managed)): False for u in chosen}
     return dataclasses.replace(spec, tree=apply_freeze_mask(spec.tree, mask))
+
+
+def _disjoint_targets(draw: Any, spec: CaseSpec) -> CustomWrap:
+    g = ModelGraph(spec)
+    candidates = [path for path, nid in g.named_modules() if path and len(g.subtree_params(nid)) >= 2]
+    want = draw(st.integers(2, 4))
+    chosen: list[str] = []
+    for path in draw(st.permutations(candidates)):
+        if not any(path.startswith(c + ".") or c.startswith(path + ".") for c in chosen):
+            chosen.append(path)
+            if len(chosen) == want:
+                break
+    assume(len(chosen) >= 2)
+    return CustomWrap(tuple(sorted(chosen)))
 
 
 @st.composite

@@ -508,3 +508,27 @@ def test_a_strategy_that_generates_bad_values_fails_clearly(strategy, message):
 
 # Drawing speed is measured by `fsdp-conformance bench` (draw ms per example),
 # not by a timed test: this machine is shared and noisy.
+
+
+def test_several_mixed_units_mixes_two_to_four_non_root_units():
+    """several_mixed_units' contract: 2..4 non-root units, each with one
+    parameter frozen among trainable ones (it gave one unit in a quarter of
+    its draws, a repeated pick dropped), and no draw rejected for a policy
+    that made too few units (it rejected five in six)."""
+    from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+    from conformance.case.graph import ModelGraph
+    from conformance.strategies.frozen_units import several_mixed_units
+
+    seen = Counter()
+
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=_QUIET)
+    @given(spec=several_mixed_units())
+    def check(spec):
+        g = ModelGraph(spec)
+        mixed = [u for u in predict_fsdp1(spec).units
+                 if u.path and len({g.requires_grad(g.resolve_param(f)) for f in u.managed}) == 2]
+        assert 2 <= len(mixed) <= 4, (spec, mixed)
+        seen[len(mixed)] += 1
+
+    check()
+    assert seen[2] and sum(seen.values()) >= 60
