@@ -112,3 +112,23 @@ def _faulty(name: str):
 
 for _name in FAULTS:
     scenario(f"fault:init:{_name}", test_only=True)(_faulty(_name))
+
+
+@scenario("fault:autowrap:rank1-wrap-raises", test_only=True)
+def autowrap_rank1_wrap_raises(spec: CaseSpec) -> dict:
+    """The autowrap scenario with FullyShardedDataParallel's constructor
+    raising on rank 1 only (as rank-dependent units can make it: a size
+    policy that meets a rank's shard of a tied Parameter)."""
+    import torch.distributed as dist
+
+    from conformance.areas.autowrap import adapter
+
+    real = adapter.wrap
+
+    def wrap(*args, **kwargs):
+        if dist.get_rank() == 1:
+            raise AssertionError("injected: rank 1's wrap raised")
+        return real(*args, **kwargs)
+
+    with mock.patch.object(adapter, "wrap", wrap):
+        return adapter.observe(spec).to_dict()

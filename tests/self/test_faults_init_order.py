@@ -174,3 +174,24 @@ def test_a_tie_meta_init_breaks_is_seen_even_where_the_copies_train_alike(pool):
     assert res.verdict == FAIL and any("kind:untied" in v.tags for v in res.violations), res.describe()
     again = run("INIT-ORDER", spec, pool, known_failures=known.load())
     assert again.verdict == KNOWN, again.describe()
+
+
+@pytest.mark.gloo
+def test_a_wrap_that_raises_on_one_rank_is_a_disagreement_not_a_hang(pool):
+    """FSDP1's constructor raising on rank 1 only (seed 32 of the autowrap
+    area: a size policy meeting rank 1's shard of a tied Parameter wrapped a
+    child twice there) must not leave rank 0 in the adapter's structure
+    check: the ranks' disagreement is RANKS-AGREE, well before the deadline
+    (it was a HANG after 60 s)."""
+    from conformance.areas.autowrap.observation import WrapObservation
+    from tests.self import cases
+
+    spec = cases.two_blocks()
+    t0 = time.monotonic()
+    obs = observations(pool, spec, "fault:autowrap:rank1-wrap-raises", WrapObservation.from_dict)
+    assert time.monotonic() - t0 < pool.deadline / 2
+    by_rank = {o.rank: o for o in obs}
+    assert by_rank[1].error is not None and "injected" in by_rank[1].error.text, by_rank[1]
+    assert by_rank[0].error is None and by_rank[0].state_dict_error == "skipped: the ranks built different FSDP units", by_rank[0]
+    res = evaluate("RANKS-AGREE", spec, obs, [])
+    assert res.verdict == FAIL and any("kind:ranks" in v.tags for v in res.violations), res.describe()

@@ -126,6 +126,11 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
     )
     other = tuple(str(w.message) for w in caught if FROZEN_MARK not in str(w.message))
     if wrapped is None:
+        # Every rank takes part in the structure check, this one too: a wrap
+        # that raised on some ranks only (rank-dependent units) would leave
+        # the others waiting in it, a HANG instead of the ranks' disagreement
+        # that RANKS-AGREE reports.
+        _same_structure_on_all_ranks("the wrap raised")
         return WrapObservation(**base, error=error, warnings=frozen_warnings, other_warnings=other, wrap_seconds=wrap_seconds)
 
     units = []
@@ -139,7 +144,7 @@ def observe(spec: CaseSpec, *, with_simulation: bool = True, with_state_dict: bo
         for p, m, r, kw in units
     )
     state_dict_keys, state_dict_error, state_dict_seconds = (), None, 0.0
-    if not _same_structure_on_all_ranks(unit_obs):
+    if not _same_structure_on_all_ranks([(u.path, u.managed) for u in unit_obs]):
         # Ranks built different units: any further collective (state_dict's
         # all-gathers) would be mismatched and abort the group.
         with_state_dict = False
@@ -182,10 +187,11 @@ def _unit_kwargs(unit) -> tuple:
     )
 
 
-def _same_structure_on_all_ranks(units) -> bool:
+def _same_structure_on_all_ranks(mine) -> bool:
+    """Whether every rank built what this one did (its units, or a wrap that
+    raised): one all_gather_object that every rank reaches."""
     if dist.get_backend() == "fake" or dist.get_world_size() == 1:
         return True  # one real rank: nothing to disagree with
-    mine = [(u.path, u.managed) for u in units]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return all(x == mine for x in everyone)
