@@ -179,6 +179,24 @@ def test_a_fake_corpus_case_passing_on_the_gloo_pool_fixes_nothing(tmp_path, mon
         corpus.load.cache_clear()
 
 
+def test_a_corpus_case_of_one_api_fixes_no_row_of_the_other(tmp_path, monkeypatch, fake_engine):
+    """The synthetic case is FSDP1's: its PASS turns the FSDP1 row FIXED and
+    leaves another API's row of the same invariant PASS (the 2.9.1 gloo
+    matrix row had PARITY fsdp1 and CLIP-NORM fsdp1 FIXED by
+    fsdp2-list-group-reentered-loses-grad's FSDP2 case)."""
+    spec = cases.two_blocks()
+    known_path = _synthetic_corpus(tmp_path, monkeypatch, SYNTHETIC, "synthetic-dropped-unit", spec)
+    try:
+        s = Session(known_path=known_path)
+        assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == PASS
+        other = s.tally("WRAP-UNITS", "fake", "fsdp2", None)  # a row of another API, as PARITY has
+        other.examples, other.verdicts = 1, {PASS: 1}
+        rows = {(x["invariant"], x["api"]): x["verdict"] for x in _report(s)["results"] if x["invariant"] == "WRAP-UNITS"}
+        assert rows == {("WRAP-UNITS", "fsdp1"): "FIXED", ("WRAP-UNITS", "fsdp2"): PASS}, rows
+    finally:
+        corpus.load.cache_clear()
+
+
 MASKING = SYNTHETIC + """
 [[finding]]
 id = "synthetic-masked"
