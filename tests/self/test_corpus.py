@@ -98,13 +98,23 @@ def _synthetic_corpus(tmp_path, monkeypatch, known_text: str, finding: str, spec
     return known_path
 
 
-def _report(session: Session) -> dict:
+def _report(session: Session, tier: str = "fake", world_size: int = 4) -> dict:
     return data.build(
         partials=[session.to_dict()],
-        run={"tiers": [{"tier": "fake", "backend": "fake", "world_size": 4}]},
+        run={"tiers": [{"tier": tier, "backend": tier, "world_size": world_size}]},
         known=session.known,
         environment={"suite": {}, "torch": {"version": torch.__version__}, "platform": {}},
     )
+
+
+def _fixed_only_by_its_own_run(report: dict, known_path, spec, fake_engine) -> None:
+    """``report`` turned nothing FIXED; the case's own run (WRAP-UNITS on the
+    fake tier) does."""
+    assert [k["status"] for k in report["known_failures"]] != ["fixed"]
+    assert all(x["verdict"] != "FIXED" for x in report["results"]), [x for x in report["results"] if x["verdict"] == "FIXED"]
+    s = Session(known_path=known_path)
+    assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == PASS
+    assert [k["status"] for k in _report(s)["known_failures"]] == ["fixed"]
 
 
 def test_a_known_finding_turns_fixed_when_its_deviation_is_patched_away(tmp_path, monkeypatch, fake_engine):
@@ -147,12 +157,7 @@ def test_a_corpus_case_passing_an_invariant_it_does_not_list_fixes_nothing(tmp_p
     try:
         s = Session(known_path=known_path)
         assert s.check("WRAP-FQNS", spec, fake_engine, "fake").verdict == PASS
-        r = _report(s)
-        assert [k["status"] for k in r["known_failures"]] != ["fixed"]
-        assert all(x["verdict"] != "FIXED" for x in r["results"]), [x for x in r["results"] if x["verdict"] == "FIXED"]
-        s = Session(known_path=known_path)
-        assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == PASS
-        assert [k["status"] for k in _report(s)["known_failures"]] == ["fixed"]
+        _fixed_only_by_its_own_run(_report(s), known_path, spec, fake_engine)
     finally:
         corpus.load.cache_clear()
 
@@ -168,13 +173,7 @@ def test_a_fake_corpus_case_passing_on_the_gloo_pool_fixes_nothing(tmp_path, mon
     try:
         s = Session(known_path=known_path)
         assert s.check("WRAP-UNITS", spec, fake_engine, "gloo").verdict == PASS  # recorded as run on the pool
-        r = data.build(partials=[s.to_dict()], run={"tiers": [{"tier": "gloo", "backend": "gloo", "world_size": 2}]},
-                       known=s.known, environment={"suite": {}, "torch": {"version": torch.__version__}, "platform": {}})
-        assert [k["status"] for k in r["known_failures"]] != ["fixed"]
-        assert all(x["verdict"] != "FIXED" for x in r["results"]), [x for x in r["results"] if x["verdict"] == "FIXED"]
-        s = Session(known_path=known_path)
-        assert s.check("WRAP-UNITS", spec, fake_engine, "fake").verdict == PASS
-        assert [k["status"] for k in _report(s)["known_failures"]] == ["fixed"]
+        _fixed_only_by_its_own_run(_report(s, "gloo", 2), known_path, spec, fake_engine)
     finally:
         corpus.load.cache_clear()
 
