@@ -3,6 +3,7 @@ the suite's pytest arguments, the child process, its report."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -32,6 +33,92 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def _fork_keeps_fsdp() -> bool:
+    """Whether a fork of this process imports the FSDP a fresh pytest
+    process would: the overlay this process put in effect (if any) is the one
+    the environment names. Not so after ``--fsdp-source`` (set after this
+    process imported FSDP): then pytest starts afresh."""
+    wanted = os.environ.get(fsdp_source.ENV_VAR)
+    active = fsdp_source.active_root()
+    if not wanted:
+        return active is None
+    return active is not None and active == Path(wanted).expanduser().resolve()
+
+
+_REWRITE_WARNING = "Module already imported so cannot be rewritten; "
+_ALREADY_IMPORTED = ("hypothesis", "_hypothesis_globals", "conformance", "strategies")
+
+
+class _ForkedPytest:
+    """pytest in a fork of the CLI, as ``python -m pytest ARGS`` in a session
+    of its own would run: the CLI has imported torch and the areas to check
+    the options, and a fork spares the child importing them again (about 3
+    CPU-s of the 9 s a one-example run took). The fork runs only pytest and
+    leaves by os._exit: nothing of the CLI's stack, and none of the exit
+    handlers the CLI registered, runs in it. ``poll``/``wait``/``pid`` as
+    subprocess.Popen's."""
+
+    def __init__(self, args: list[str], log) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - runs in the child
+            os._exit(self._child(args, log))
+
+    @staticmethod
+    def _child(args: list[str], log) -> int:  # pragma: no cover - runs in the child
+        rc = 3
+        try:
+            os.setsid()
+            _child_setup()
+            # a fresh interpreter's SIGINT: KeyboardInterrupt, which pytest
+            # turns into an interrupted (and reported) session
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if log is not None:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+            atexit._clear()  # the CLI's, not pytest's
+            # pytest marks its plugins' distributions for assertion rewriting
+            # and warns for those this process imported already: Hypothesis
+            # (profiles, the corpus) and, installed from a wheel, this
+            # package (its checks raise; they do not rely on rewritten asserts)
+            args = [a for m in _ALREADY_IMPORTED for a in ("-W", f"ignore:{_REWRITE_WARNING}{m}:pytest.PytestAssertRewriteWarning")] + args
+            sys.argv = [sys.executable, "-m", "pytest", *args]
+            sys.path.insert(0, os.getcwd())  # what `python -m pytest` puts first
+            import pytest
+
+            rc = int(pytest.main(args))
+            atexit._run_exitfuncs()  # pytest's and its plugins' (rank pools close at exit)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except Exception:
+                pass
+        return rc
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
 
 def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[str], Path]:
@@ -159,8 +246,11 @@ def run_pytest(args: list[str], report_dir: Path, live: bool, quiet: bool = Fals
             pass
 
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
-                            start_new_session=True, preexec_fn=_child_setup)
+    if _fork_keeps_fsdp():
+        proc = _ForkedPytest(args, log)
+    else:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                start_new_session=True, preexec_fn=_child_setup)
     for s in old:
         signal.signal(s, forward)
     try:

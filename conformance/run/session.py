@@ -197,6 +197,7 @@ class Session:
         self.selected: set[str] | None = None
         # where each example's time went (the bench reads them); None: not kept
         self.timings: list[Timing] | None = None
+        self._last_digest: tuple[CaseSpec | None, str] = (None, "")
 
     def tally(self, invariant: str, tier: str, api: str | None = None, model: str = "") -> Tally:
         api = api or api_of(invariant)
@@ -253,7 +254,10 @@ class Session:
         no longer reproduces, FIXED, from one that was not checked)."""
         if not self._corpus_index:
             return
-        case = self._corpus_index.get(corpus_mod.spec_digest(spec))
+        # every invariant of an example records the same spec: digest it once
+        if self._last_digest[0] is not spec:
+            self._last_digest = (spec, corpus_mod.spec_digest(spec))
+        case = self._corpus_index.get(self._last_digest[1])
         if case is None or (case.tier == "ranks" and tier in self._one_rank_tiers):
             return
         if invariant not in case.invariants:
