@@ -81,6 +81,9 @@ class _ForkedPytest:
             if log is not None:
                 os.dup2(log.fileno(), 1)
                 os.dup2(log.fileno(), 2)
+                # streams over the new fds 1 and 2 (the CLI's may not write to them)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
             atexit._clear()  # the CLI's, not pytest's
             # pytest marks its plugins' distributions for assertion rewriting
             # and warns for those this process imported already: Hypothesis

@@ -199,3 +199,40 @@ def test_check_runs_each_scenario_once_for_all_its_invariants(monkeypatch, capsy
     assert rc == 0, out
     assert calls["load"] == 1 and len(calls["observations"]) == len(set(calls["observations"])) == 1, calls
     assert all(f"{inv.id}: " in out for inv in selected), out
+
+
+def test_run_forks_pytest_only_where_the_fork_has_the_fsdp_a_fresh_process_would(monkeypatch, tmp_path):
+    """run / hunt / change start pytest in a fork of the CLI (which has
+    imported torch and FSDP already): right only when the FSDP imported here
+    is the one the environment names; after --fsdp-source (set once this
+    process imported the installed FSDP) a fresh process must start."""
+    from conformance.cli import pytest_run
+    from conformance.selfcheck import fsdp_source
+
+    monkeypatch.delenv(fsdp_source.ENV_VAR, raising=False)
+    monkeypatch.setattr(fsdp_source, "active_root", lambda: None)
+    assert pytest_run._fork_keeps_fsdp()
+    monkeypatch.setenv(fsdp_source.ENV_VAR, str(tmp_path))
+    assert not pytest_run._fork_keeps_fsdp()  # the overlay came after FSDP was imported
+    monkeypatch.setattr(fsdp_source, "active_root", lambda: tmp_path.resolve())
+    assert pytest_run._fork_keeps_fsdp()  # in effect since this process imported conformance
+    monkeypatch.delenv(fsdp_source.ENV_VAR)
+    assert not pytest_run._fork_keeps_fsdp()  # --fsdp-source installed after an inherited overlay
+
+
+def test_a_forked_pytest_reports_its_exit_status_and_output(tmp_path):
+    """The fork runs pytest as `python -m pytest` would: its exit status
+    (1: a test failed), its output in the log. Forked from a process of its
+    own (this xdist worker has threads)."""
+    (tmp_path / "test_one.py").write_text("def test_fails():\n    assert 1 == 2\n")
+    script = f"""
+from conformance.cli import pytest_run
+with open({str(tmp_path / "pytest.log")!r}, "w") as log:
+    proc = pytest_run._ForkedPytest([{str(tmp_path / "test_one.py")!r}, "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                     "--rootdir={tmp_path}", "-c", "/dev/null"], log)
+    print("exit", proc.wait(), proc.poll())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "exit 1 1", proc.stdout + proc.stderr
+    log = (tmp_path / "pytest.log").read_text()
+    assert "1 failed" in log and "assert 1 == 2" in log, log
