@@ -591,6 +591,11 @@ class Runner:
                     p.grad = torch.zeros_like(p)
         failed = None
         try:
+            self._check_flat_grads()
+        except FlatGradNotSharded as e:
+            failed = e
+        self.agree(obs, f"step {si} gradients", failed)
+        try:
             self._record_grads(si, obs)
         except Exception as e:
             failed = e
@@ -671,6 +676,25 @@ class Runner:
         self.agree(obs, where, failed)
         return out
 
+    def _check_flat_grads(self) -> None:
+        """FSDP1, before summon_full_params(with_grads=True) (full_grads):
+        FlatGradNotSharded on a rank where a unit's flat gradient is not what
+        that unshards, a gradient of its sharded flat parameter's shape and
+        dtype. There it raises inside summon_full_params while the other ranks
+        wait in its all-gather: a hang that would hide what FSDP left behind
+        (fsdp1-mixed-precision-forward-without-backward's unreduced
+        low-precision gradient). Every rank agrees on it first (step)."""
+        pr = self.spec.schedule.precision
+        if self.api != "fsdp1" or not self.uop or (pr is not None and pr.keep_low_precision_grads):
+            return  # full_grads unshards no gradient
+        for path, g, flat in self.flat_grads():
+            want = tuple(getattr(flat, "_sharded_size", flat.shape))
+            if g is not None and (tuple(g.shape) != want or g.dtype != flat.dtype):
+                raise FlatGradNotSharded(
+                    f"<flat parameter of {path or 'the root'}>'s gradient is {_name(g.dtype)} {list(g.shape)}, its sharded flat parameter "
+                    f"{_name(flat.dtype)} {list(want)}: summon_full_params(with_grads=True) would raise on this rank while the others "
+                    "wait in its all-gather (not called)")
+
     def _record_grads(self, si: int, obs: dict) -> None:
         ref = {f: read_attr(self.ref.model, f) for f in self.names}
         emu = self.emulated_grads()
@@ -698,6 +722,11 @@ class Runner:
 
 class _Stop(Exception):
     pass
+
+
+class FlatGradNotSharded(RuntimeError):
+    """A unit's flat gradient that summon_full_params(with_grads=True) cannot
+    unshard (Runner._check_flat_grads)."""
 
 
 def observe(spec: CaseSpec) -> ScheduleObservation:
