@@ -33,3 +33,14 @@ def raised_tags(msg: str, tags: set[str]) -> set[str]:
 def violation(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
     tags = set(tags) | set(extra)
     return Violation(inv, msg, frozenset(tags | raised_tags(msg, tags)))
+
+
+def tie_within_one_module(spec) -> bool:
+    """Whether one module holds a Parameter under two of its names: a tie
+    beside its source in the source's own module, or two aliases on one
+    module (the root's tied0 and tied1 of proj0.weight). The tag
+    "tie:same-module" (DCP's state-dict walk dedups such a module's names)."""
+    aliases: dict[str, set[str]] = {}
+    for t in spec.ties:
+        aliases.setdefault(t.source, {t.source}).add(f"{t.module}.{t.name}" if t.module else t.name)
+    return any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in aliases.values())

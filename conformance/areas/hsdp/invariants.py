@@ -10,7 +10,7 @@ from collections import Counter
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags
-from conformance.areas.common.violations import backend_tag, violation
+from conformance.areas.common.violations import backend_tag, tie_within_one_module, violation
 from conformance.areas.hsdp.observation import HsdpObservation
 from conformance.areas.hsdp.oracle import PLACEMENTS_2D, HsdpPrediction, local_shape
 from conformance.case.spec import CaseSpec
@@ -37,10 +37,7 @@ def case_tags(spec: CaseSpec, pred: HsdpPrediction, obs: HsdpObservation) -> set
         tags.add("frozen")
     if spec.ties:
         tags.add("tie")
-    aliases: dict[str, set[str]] = {}
-    for t in spec.ties:
-        aliases.setdefault(t.source, {t.source}).add(f"{t.module}.{t.name}" if t.module else t.name)
-    if any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in aliases.values()):
+    if tie_within_one_module(spec):
         tags.add("tie:same-module")  # one module holds a Parameter under two of its names
     if spec.shared:
         tags.add("shared-module")

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
-from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
+from conformance.areas.common.fsdp2_adapter import error_line, full_tensor, load_cause
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import placed, rank_device
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
@@ -282,7 +282,7 @@ def observe(spec: CaseSpec) -> InitObservation:
             set_model_state_dict(model, rank0_sd if rank == 0 else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         except Exception as e:
-            sync_error = error_line(e)
+            sync_error = error_line(e) + load_cause(e)  # load_state_dict's first line names only the module
     if any_rank_failed(init_error is not None or sync_error is not None):
         return InitObservation(**common, init_error=init_error, sync_error=sync_error, failed=True, bad_shards=bad_shards,
                                empty_shard=empty, skipped_params=skipped, seconds=time.perf_counter() - t_start)

@@ -44,6 +44,13 @@ def error_tag(text: str) -> str:
         return "error:sync-needs-gpu"
     if "Expected out tensor to have dtype" in text:
         return "error:out-dtype"
+    # load_state_dict's cause (the adapter keeps it): the same mechanisms as HSDP-SYNC's
+    if "mixed torch.Tensor and DTensor" in text:
+        return "error:mixed-tensor-dtensor"
+    if "in-place operations that require placement changes are not supported" in text:
+        return "error:placement-change"  # the same copy into a one-element parameter
+    if "Missing key(s) in state_dict" in text:
+        return "error:missing-key"  # broadcast_from_rank0: a rank other than 0 has no target for a key rank 0 sent
     if "Error(s) in loading state_dict" in text:
         return "error:load-state-dict"
     if "Timed out" in text:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
 from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
+from conformance.areas.common.violations import tie_within_one_module
 from conformance.case.spec import CaseSpec, InitPlan
 from conformance.case.target import graph_of
 
@@ -62,8 +63,8 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
         tags.add("shared-module")
     if api == "fsdp2" and container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
-    if any(t.module == t.source.rpartition(".")[0] for t in spec.ties):
-        tags.add("tie:same-module")  # one Parameter under two names of one module
+    if tie_within_one_module(spec):
+        tags.add("tie:same-module")  # one module holds a Parameter under two of its names
     if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):
         tags.add("tie")
     if plan.dtype and any(a.startswith("unshard") for a in plan.before):

@@ -9,12 +9,11 @@ import re
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
-from conformance.areas.common.violations import backend_tag, violation
+from conformance.areas.common.violations import backend_tag, tie_within_one_module, violation
 from conformance.areas.tp.observation import TpObservation
 from conformance.areas.tp.oracle import TpPrediction
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
-from conformance.case.tree import join
 from conformance.case.violation import Violation
 
 catalog = Catalog()
@@ -72,10 +71,7 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
         tags.add("frozen")
     if spec.ties:
         tags.add("tie")
-        aliases: dict[str, set[str]] = {}
-        for t in spec.ties:
-            aliases.setdefault(t.source, {t.source}).add(join(t.module, t.name))
-        if any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in aliases.values()):
+        if tie_within_one_module(spec):
             tags.add("tie:same-module")  # one module holds a Parameter under two of its names
     return tags
 
