@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from conformance.areas.activation_checkpointing.observation import ACObservation
-from conformance.areas.activation_checkpointing.oracle import FREED_READ
+from conformance.areas.activation_checkpointing.oracle import FREED_READ, RESHARDED_READ
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
@@ -70,23 +70,32 @@ def apply_ac(plan: ActivationCheckpointPlan, built: Built) -> None:
 def guard_freed_reads(built: Built) -> None:
     """Before FSDP: a forward pre-hook on every module of the case that
     raises where one of its parameters (or the view FSDP1 put in its
-    place) has elements but a freed storage (size 0): the read of a
-    parameter FSDP already resharded. Unguarded, the kernel reads freed
-    memory: garbage values or a segfault (seed 15: a reentrant recompute
-    after its unit's early post-backward, fsdp1-reentrant-checkpoint-frees-
-    unit-early), which in the in-process fake tier kills the test process.
-    Installed on the models with and without AC alike (a read that fails
-    without AC too is FSDP's, not checkpointing's)."""
+    place) has elements but a freed storage (size 0), or where it is not of
+    its own shape (FSDP1 use_orig_params=True puts a 1-D view of the rank's
+    shard in the parameter when it reshards): the read of a parameter FSDP
+    already resharded. Unguarded, the kernel reads freed memory: garbage
+    values or a segfault (seed 15: a reentrant recompute after its unit's
+    early post-backward, fsdp1-reentrant-checkpoint-frees-unit-early), which
+    in the in-process fake tier kills the test process; or the shard, which
+    raises a shape error that differs by rank and module, or, shaped right
+    by chance, computes with the wrong values (seed 35). Installed on the
+    models with and without AC alike (a read that fails without AC too is
+    FSDP's, not checkpointing's)."""
     for path, mod in built.modules.items():
-        names = tuple(n for n, p in mod._parameters.items() if p is not None)
-        if not names:
+        shapes = {n: tuple(p.shape) for n, p in mod._parameters.items() if p is not None}
+        if not shapes:
             continue
 
-        def check(m, args, __path=path, __names=names):
-            for n in __names:
+        def check(m, args, __path=path, __shapes=shapes):
+            for n, shape in __shapes.items():
                 t = getattr(m, n, None)
-                if type(t) in (torch.Tensor, nn.Parameter) and t.numel() and t.untyped_storage().size() == 0:
-                    raise RuntimeError(f"{(__path + '.' if __path else '') + n} {FREED_READ} (numel {t.numel()}, storage of size 0)")
+                if type(t) not in (torch.Tensor, nn.Parameter):
+                    continue
+                fqn = (__path + "." if __path else "") + n
+                if t.numel() and t.untyped_storage().size() == 0:
+                    raise RuntimeError(f"{fqn} {FREED_READ} (numel {t.numel()}, storage of size 0)")
+                if tuple(t.shape) != shape:  # the message is the same on every rank (a shard's shape is not)
+                    raise RuntimeError(f"{fqn} {RESHARDED_READ}, not its {list(shape)} parameter")
 
         mod.register_forward_pre_hook(check)
 

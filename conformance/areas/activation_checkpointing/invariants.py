@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.areas.activation_checkpointing.observation import ACObservation
-from conformance.areas.activation_checkpointing.oracle import FREED_READ, ACPrediction
+from conformance.areas.activation_checkpointing.oracle import FREED_READ, RESHARDED_READ, ACPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.case.spec import CaseSpec
@@ -34,6 +34,8 @@ def error_tag(text: str) -> str:
     """The mechanism of an error, for findings to match on."""
     if "out of bounds for storage of size 0" in text or "but its data is not allocated yet" in text or FREED_READ in text:
         return "error:freed-storage"  # a parameter (view) over a flat parameter FSDP already freed
+    if RESHARDED_READ in text:
+        return "error:resharded-view"  # FSDP1 use_orig_params=True: the parameter is its rank's shard again
     if "got mixed torch.Tensor and DTensor" in text:
         return "error:mixed-tensor-dtensor"  # a module run with its FSDP2 parameters back to sharded DTensors
     if "encountered during backward but not found in storage" in text:

@@ -43,6 +43,7 @@ from conformance.case.target import graph_of
 WRAPPERS = ("wrapper-non-reentrant", "wrapper-reentrant")  # the kinds that put a CheckpointWrapper in the tree
 # the adapter's guard: a module's forward read a parameter FSDP already freed (adapter.guard_freed_reads)
 FREED_READ = "read in forward with its storage freed"
+RESHARDED_READ = "read in forward as FSDP's sharded view"
 
 
 @dataclass(frozen=True)
