@@ -309,9 +309,9 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
     if modes is None:  # the reduction dtype needs two ranks to show
         modes = (("torchrun --nproc-per-node 2 repro.py", True, ""), ("python repro.py", True, ""))
     doc = header(f"({api} training schedule) {title}".rstrip(), violations, expected, modes, finding, name)
-    imports = ["import contextlib", "import copy", "import os", "import socket"]
     pol_imports, fsdp_names = policy_imports(spec) if api == "fsdp1" else ([], [])
-    imports += [i for i in pol_imports if not i.startswith("from")]
+    # the standard library's imports in ruff's order (a policy may add functools)
+    imports = sorted(["import contextlib", "import copy", "import os", "import socket", *(i for i in pol_imports if not i.startswith("from"))])
     imports += ["", "import torch", "import torch.distributed as dist", "import torch.nn as nn"]
     pr = s.precision
     if api == "fsdp1":
