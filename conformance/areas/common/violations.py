@@ -44,3 +44,16 @@ def tie_within_one_module(spec) -> bool:
     for t in spec.ties:
         aliases.setdefault(t.source, {t.source}).add(f"{t.module}.{t.name}" if t.module else t.name)
     return any(len({n.rpartition(".")[0] for n in group}) < len(group) for group in aliases.values())
+
+
+def load_cause_tag(text: str) -> str | None:
+    """The cause of a failed load_state_dict / set_model_state_dict, as the
+    error's text keeps it (fsdp2_adapter.load_cause), as a tag for findings
+    to match on; None: not one of these."""
+    if "mixed torch.Tensor and DTensor" in text:
+        return "error:mixed-tensor-dtensor"
+    if "in-place operations that require placement changes are not supported" in text:
+        return "error:placement-change"  # the same copy into a one-element parameter
+    if "Missing key(s) in state_dict" in text:
+        return "error:missing-key"  # broadcast_from_rank0: a rank other than 0 has no target for a key rank 0 sent
+    return None

@@ -10,7 +10,7 @@ from collections import Counter
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags
-from conformance.areas.common.violations import backend_tag, tie_within_one_module, violation
+from conformance.areas.common.violations import backend_tag, load_cause_tag, tie_within_one_module, violation
 from conformance.areas.hsdp.observation import HsdpObservation
 from conformance.areas.hsdp.oracle import PLACEMENTS_2D, HsdpPrediction, local_shape
 from conformance.case.spec import CaseSpec
@@ -350,13 +350,7 @@ def sync_error_tag(text: str) -> str:
     """The mechanism of a sync's error, for findings to match on."""
     if "requires them to be on GPU" in text:
         return "error:sync-needs-gpu"
-    if "mixed torch.Tensor and DTensor" in text:
-        return "error:mixed-tensor-dtensor"
-    if "in-place operations that require placement changes are not supported" in text:
-        return "error:placement-change"  # the same copy into a one-element parameter
-    if "Missing key(s) in state_dict" in text:
-        return "error:missing-key"  # broadcast_from_rank0: a rank other than 0 has no target for a key rank 0 sent
-    return "error:other"
+    return load_cause_tag(text) or "error:other"
 
 
 DOC_SYNC = ("FullyShardedDataParallel docstring (sync_module_states: 'each FSDP module will broadcast module parameters and "

@@ -6,7 +6,7 @@ some ranks do not call."""
 from __future__ import annotations
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
-from conformance.areas.common.violations import backend_tag, violation
+from conformance.areas.common.violations import backend_tag, load_cause_tag, violation
 from conformance.areas.init_order.observation import InitObservation
 from conformance.areas.init_order.oracle import InitPrediction
 from conformance.case.spec import CaseSpec
@@ -44,13 +44,9 @@ def error_tag(text: str) -> str:
         return "error:sync-needs-gpu"
     if "Expected out tensor to have dtype" in text:
         return "error:out-dtype"
-    # load_state_dict's cause (the adapter keeps it): the same mechanisms as HSDP-SYNC's
-    if "mixed torch.Tensor and DTensor" in text:
-        return "error:mixed-tensor-dtensor"
-    if "in-place operations that require placement changes are not supported" in text:
-        return "error:placement-change"  # the same copy into a one-element parameter
-    if "Missing key(s) in state_dict" in text:
-        return "error:missing-key"  # broadcast_from_rank0: a rank other than 0 has no target for a key rank 0 sent
+    cause = load_cause_tag(text)  # load_state_dict's cause (the adapter keeps it), as HSDP-SYNC tags it
+    if cause:
+        return cause
     if "Error(s) in loading state_dict" in text:
         return "error:load-state-dict"
     if "Timed out" in text:
