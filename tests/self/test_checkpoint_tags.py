@@ -42,3 +42,23 @@ def test_the_finding_explains_the_wrap_error_only_where_torch_has_the_bug():
     assert not finding.matches(v, "2.13.0+cpu")
     plain = Violation(v.invariant, v.message, frozenset(case_tags(_as_plain_module(CASE)) | {"kind:raised", "error:ValueError"}))
     assert not finding.matches(plain, "2.10.0+cu128")
+
+
+def test_a_group_that_keeps_its_parameters_unsharded_after_forward_is_tagged():
+    """Not only the root (reshard_after_forward None is False for it): a
+    group given False keeps its unsharded parameters registered after
+    forward too, and set_model_state_dict after a forward copies into them
+    (seed 40 of the ci profile, torch 2.13.0: TIES-KEPT, a non-root group's
+    2.weight); with None there the case loads."""
+    spec = CaseSpec.from_json((Path(__file__).parent / "data" / "ckpt-warm-load-group-no-reshard.json").read_text())
+    assert spec.ckpt.warm and spec.plan.groups[1].reshard_after_forward is False
+    assert "group-unsharded-after-forward" in case_tags(spec)
+    groups = (spec.plan.groups[0], dataclasses.replace(spec.plan.groups[1], reshard_after_forward=None))
+    resharding = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, groups=groups))
+    assert "group-unsharded-after-forward" not in case_tags(resharding)  # the root manages nothing here
+    error = ("rank 0: load raised RuntimeError: Error(s) in loading state_dict for FSDPModelSeq: 2.weight: aten.copy_.default "
+             "got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling distributed operators!")
+    finding = next(k for k in known.load() if k.id == "fsdp2-set-model-state-dict-after-forward-raises")
+    extra = {"kind:raised", "phase:load", "error:RuntimeError", "cause:copy-into-unsharded"}
+    assert finding.matches(Violation("TIES-KEPT", error, frozenset(case_tags(spec) | extra)), "2.13.0")
+    assert not finding.matches(Violation("TIES-KEPT", error, frozenset(case_tags(resharding) | extra)), "2.13.0")

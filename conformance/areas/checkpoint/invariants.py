@@ -46,10 +46,11 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add(flag)
     if ck.warm:
         tags.add("load-after-forward")
-        if spec.plan.api == "fsdp2" and _root_group_has_params(spec):
-            # the root does not reshard after forward (reshard_after_forward
-            # None -> False): its unsharded parameters stay registered
-            tags.add("root-unsharded-after-forward")
+        if spec.plan.api == "fsdp2" and _group_unsharded_after_forward(spec):
+            # a group that does not reshard after forward (the root's
+            # reshard_after_forward None -> False, or False given): its
+            # unsharded parameters stay registered
+            tags.add("group-unsharded-after-forward")
     # a real model's ties and shared modules are in its graph, not its case
     shared = bool(spec.shared) or (is_model_case(spec) and graph_of(spec).shared_modules())
     if spec.ties or shared or (is_model_case(spec) and pred is not None and pred.tied):
@@ -159,12 +160,15 @@ def _renamed_tags(pred: CkptPrediction, obs: CkptObservation) -> tuple[str, ...]
     return ("params:renamed-alias",) if same else ()
 
 
-def _root_group_has_params(spec: CaseSpec) -> bool:
+def _group_unsharded_after_forward(spec: CaseSpec) -> bool:
+    """Whether a group that manages parameters keeps them unsharded after
+    forward (reshard_after_forward False in effect: given, or the root's
+    default)."""
     import torch
 
     from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 
-    return any(g.root and g.managed for g in predict_fsdp2(spec, torch.__version__).groups)
+    return any(g.managed and not g.reshard for g in predict_fsdp2(spec, torch.__version__).groups)
 
 
 def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
