@@ -451,8 +451,7 @@ class Runner:
                 g = read_attr(self.built.model, f).grad
                 out[f] = None if g is None else full_tensor(g)
             return out
-        pr = self.spec.schedule.precision
-        if not self.uop or (pr is not None and pr.keep_low_precision_grads):
+        if not self._summons_grads():
             return None
 
         with FSDP.summon_full_params(self.model, writeback=False, with_grads=True):
@@ -590,11 +589,12 @@ class Runner:
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
         failed = None
-        try:
-            self._check_flat_grads()
-        except FlatGradNotSharded as e:
-            failed = e
-        self.agree(obs, f"step {si} gradients", failed)
+        if self._summons_grads():  # every rank alike (the spec decides): the agreement is one more collective
+            try:
+                self._check_flat_grads()
+            except FlatGradNotSharded as e:
+                failed = e
+            self.agree(obs, f"step {si} gradients", failed)
         try:
             self._record_grads(si, obs)
         except Exception as e:
@@ -676,6 +676,12 @@ class Runner:
         self.agree(obs, where, failed)
         return out
 
+    def _summons_grads(self) -> bool:
+        """Whether full_grads unshards gradients: FSDP1 with
+        use_orig_params=True, not keep_low_precision_grads."""
+        pr = self.spec.schedule.precision
+        return self.api == "fsdp1" and self.uop and not (pr is not None and pr.keep_low_precision_grads)
+
     def _check_flat_grads(self) -> None:
         """FSDP1, before summon_full_params(with_grads=True) (full_grads):
         FlatGradNotSharded on a rank where a unit's flat gradient is not what
@@ -684,9 +690,6 @@ class Runner:
         wait in its all-gather: a hang that would hide what FSDP left behind
         (fsdp1-mixed-precision-forward-without-backward's unreduced
         low-precision gradient). Every rank agrees on it first (step)."""
-        pr = self.spec.schedule.precision
-        if self.api != "fsdp1" or not self.uop or (pr is not None and pr.keep_low_precision_grads):
-            return  # full_grads unshards no gradient
         for path, g, flat in self.flat_grads():
             want = tuple(getattr(flat, "_sharded_size", flat.shape))
             if g is not None and (tuple(g.shape) != want or g.dtype != flat.dtype):
