@@ -30,6 +30,10 @@ from conformance.selfcheck import fsdp_source
 PLUGIN_NAME = "fsdp-conformance-report"
 FLUSH_SECONDS = 1.0
 REPORT_SECONDS = 2.0
+# The progress files (a worker's partial tallies, the running report) are
+# written at most this share of the time: each write serializes every
+# finding so far, so a long run's writes grow, and their interval with them.
+PROGRESS_SHARE = 0.02
 NEEDS_RANKS_REASON = "needs several real ranks: not run on the fake tier"
 
 
@@ -82,6 +86,8 @@ class ReportPlugin:
         self.interrupted_by: str | None = None
         self._last_flush = 0.0
         self._last_report = 0.0
+        self._flush_every = FLUSH_SECONDS
+        self._report_every = REPORT_SECONDS
         self._final: dict | None = None
         self._baselines: list[dict] = []
         self._baseline_paths: list[str] = []
@@ -172,7 +178,7 @@ class ReportPlugin:
         return self.session
 
     def _changed(self) -> None:
-        if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
+        if time.monotonic() - self._last_flush >= self._flush_every:
             self.flush_partial()
             if not self.uses_xdist and not self.is_worker:
                 self.maybe_write_running()
@@ -180,7 +186,7 @@ class ReportPlugin:
     def flush_partial(self) -> None:
         if self.mode == "never":
             return
-        self._last_flush = time.monotonic()
+        t0 = time.monotonic()
         part = {"worker": self.worker or "main", "pid": os.getpid(), "collected": self.collected, "tallies": []}
         if self.session is not None:
             part.update(self.session.to_dict())
@@ -188,6 +194,8 @@ class ReportPlugin:
             data.write_json(self.partial_dir / f"{self.worker or 'main'}.json", part)
         except OSError:
             pass
+        self._last_flush = time.monotonic()
+        self._flush_every = max(FLUSH_SECONDS, (self._last_flush - t0) / PROGRESS_SHARE)
 
     # ---- collection and items -----------------------------------------------
 
@@ -340,15 +348,17 @@ class ReportPlugin:
         )
 
     def maybe_write_running(self) -> None:
-        if self.is_worker or self.mode == "never" or time.monotonic() - self._last_report < REPORT_SECONDS:
+        if self.is_worker or self.mode == "never" or time.monotonic() - self._last_report < self._report_every:
             return
-        self._last_report = time.monotonic()
+        t0 = time.monotonic()
         try:
             report = self.build("running")
             if report is not None:
                 data.write_json(self.report_dir / write.FILES["json"], report)
         except Exception as e:  # noqa: BLE001 - progress reports must not break the run
             print(f"fsdp-conformance: could not write the running report: {e}", file=sys.stderr)
+        self._last_report = time.monotonic()
+        self._report_every = max(REPORT_SECONDS, (self._last_report - t0) / PROGRESS_SHARE)
 
     # first: the report needs no engine, and an engine that fails to close
     # (after SIGTERM killed its ranks) must not cost the report

@@ -305,3 +305,45 @@ def test_a_hung_example_is_a_hang_finding_with_the_engines_account():
     assert row["verdict"] == "FAIL" and row["outcomes"] == {"HANG": 1}
     (f,) = report["findings"]
     assert f["kind"] == "HANG" and f["engine"]["ranks"][1]["state"] == "running" and f["engine"]["verdict"] == "HANG"
+
+
+def test_progress_files_take_a_bounded_share_of_the_run(tmp_path, monkeypatch):
+    """A worker's partial tallies and the running report serialize every
+    finding so far: a write that costs more than PROGRESS_SHARE of its
+    interval pushes the next one out, so a long run's growing writes stay
+    a bounded share of its time (cheap ones keep the 1 s / 2 s interval)."""
+    from types import SimpleNamespace
+
+    from conformance.plugin import report as plugin_report
+
+    clock = [1000.0]
+    monkeypatch.setattr(plugin_report.time, "monotonic", lambda: clock[0])
+    writes = []
+
+    def write_json(path, obj):  # each write costs `cost` seconds of the fake clock
+        writes.append(path.name)
+        clock[0] += cost
+
+    monkeypatch.setattr(plugin_report.data, "write_json", write_json)
+    options = {"--report-dir": str(tmp_path), "--report": "always", "--invariant": None}
+    config = SimpleNamespace(getoption=lambda name, default=None: options.get(name, default),
+                             option=SimpleNamespace(dist="no"), rootpath=tmp_path)
+    plugin = plugin_report.ReportPlugin(config)
+    monkeypatch.setattr(plugin, "build", lambda status: {"status": status})
+
+    def run(seconds: float, step: float = 0.01) -> dict:
+        writes.clear()
+        end = clock[0] + seconds
+        while clock[0] < end:
+            clock[0] += step  # an example's work
+            plugin._changed()
+        return {name: writes.count(name) for name in set(writes)}
+
+    cost = 0.001  # cheap writes: the fixed intervals
+    got = run(20.0)
+    assert 19 <= got["main.json"] <= 21 and 9 <= got["report.json"] <= 11, got
+    cost = 0.5  # a long run's writes: at most PROGRESS_SHARE of the time each
+    got = run(200.0)
+    spent = cost * sum(got.values())
+    assert got["main.json"] >= 1 and got["report.json"] >= 1, got
+    assert spent <= 2 * plugin_report.PROGRESS_SHARE * 200.0 + 2 * cost, (got, spent)
