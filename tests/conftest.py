@@ -46,13 +46,15 @@ def fault_pools():
 
     def get(world_size: int) -> RankPool:
         if world_size not in made:
+            first = next(iter(made.values()), None)  # its fork server serves every world size
             made[world_size] = RankPool(world_size, "gloo", deadline=60.0 if world_size <= 2 else 120.0,
-                                        preload=("conformance.areas.checkpoint.adapter", *FAULT_MODULES))
+                                        preload=("conformance.areas.checkpoint.adapter", *FAULT_MODULES),
+                                        share_server_with=first)
             made[world_size].tier = "gloo"
         return made[world_size]
 
     yield get
-    for p in made.values():
+    for p in reversed(list(made.values())):  # the pools that share the first one's server first
         p.close()
 
 

@@ -146,7 +146,7 @@ class _ForkServer:
             sys.executable, "-m", "conformance.engine.rank",
             "--world-size", str(pool.world_size), "--backend", pool.backend,
             "--ctl-fd", str(theirs.fileno()), "--parent", str(os.getpid()),
-            "--timeout", str(max(300.0, 2 * pool.deadline)), "--preload", ",".join(pool.preload),
+            "--timeout", str(pool.rank_timeout), "--preload", ",".join(pool.preload),
             "--pdeathsig", str(pdeathsig), "--dir", pool._dir,
         ]
         self.log_path = log_path
@@ -208,8 +208,11 @@ class _ForkServer:
             tail = _last_line(self.log_path)
             raise PoolStartError(f"the pool's fork server did not start ({how})" + (f": {tail}" if tail else ""))
 
-    def fork(self, rank: int, store: str, log: str, cmd_r: int, res_w: int) -> int:
-        msg = json.dumps({"op": "fork", "rank": rank, "store": store, "log": log}).encode()
+    def fork(self, rank: int, store: str, log: str, cmd_r: int, res_w: int, pool: "RankPool | None" = None) -> int:
+        m = {"op": "fork", "rank": rank, "store": store, "log": log}
+        if pool is not None:  # a pool that shares this server: its own world and folder
+            m.update(world_size=pool.world_size, backend=pool.backend, timeout=pool.rank_timeout, dir=pool._dir)
+        msg = json.dumps(m).encode()
         self.forked.pop(rank, None)
         try:
             socket.send_fds(self.sock, [msg], [cmd_r, res_w])
@@ -267,7 +270,10 @@ class RankPool:
     raises is an error record, not a failure of the pool.
 
     One fork server per pool imports torch once; every generation of ranks is
-    forked from it. The processes run in their own session and die with the
+    forked from it. A pool made with ``share_server_with=other`` (another
+    world size of the same driver: conformance.engine.worlds) forks its
+    ranks from ``other``'s server instead of starting one, while that
+    server lives and has every module it preloads. The processes run in their own session and die with the
     driver: the server by PR_SET_PDEATHSIG (when the pool is made on the main
     thread) and a parent-pid poll, the ranks by PR_SET_PDEATHSIG on the
     server; the driver also closes every pool at exit and kills their
@@ -283,6 +289,7 @@ class RankPool:
         startup_deadline: float = 120.0,
         preload: tuple[str, ...] | None = None,
         threads: int = 1,
+        share_server_with: "RankPool | None" = None,
     ) -> None:
         self.backend = resolve_backend(backend, world_size)
         if self.backend == "fake":
@@ -295,12 +302,18 @@ class RankPool:
         # None: what the registered scenarios need (scenarios.default_preload)
         self.preload = default_preload() if preload is None else tuple(preload)
         self.threads = threads
+        # A pool of another world size may fork its ranks from this one's
+        # server (torch imported once per driver, not once per pool): where
+        # the server has every module this pool preloads, and the same
+        # threads. It never closes that server; its ranks die with it.
+        self._share = share_server_with
         self.generation = 0  # how many times ranks were started
         self.rebuilds = 0  # restarts after a hang, crash or lost sync
         self.events: list[str] = []  # one line per rebuild, why
         self.startup_seconds: float | None = None  # the last start, spawn to ready
         self._dir = tempfile.mkdtemp(prefix="fsdp-conformance-pool-")
         self._server: _ForkServer | None = None
+        self._borrowed = False  # self._server is another pool's
         self._servers_started = 0
         self._ranks: list[_Rank] = []
         self._spawned_at = 0.0
@@ -326,6 +339,20 @@ class RankPool:
     @property
     def forkserver_pid(self) -> int | None:
         return self._server.proc.pid if self._server is not None else None
+
+    @property
+    def rank_timeout(self) -> float:
+        """The ranks' process-group timeout: well past the deadline, so that
+        the driver, not a collective, decides when an example hangs."""
+        return max(300.0, 2 * self.deadline)
+
+    def _shared_server(self) -> "_ForkServer | None":
+        src = self._share
+        if src is None or src._closed or src._server is None or src._borrowed or not src._server.alive():
+            return None
+        if not set(self.preload) <= set(src.preload) or src.threads != self.threads:
+            return None
+        return src._server
 
     def run(self, scenario: str, spec: CaseSpec, *, deadline: float | None = None, args: dict | None = None) -> list[dict]:
         """Run ``scenario`` on every rank with ``spec`` (and the JSON-able
@@ -383,7 +410,7 @@ class RankPool:
                     pids = self.pids
                     self._server.drain(5.0, lambda: all(p in self._server.exits for p in pids))
             self._teardown()
-            if self._server is not None:
+            if self._server is not None and not self._borrowed:
                 self._server.close()
         finally:
             _live_pools.discard(self)
@@ -408,18 +435,23 @@ class RankPool:
         self._ready = False
         self._spawned_at = time.monotonic()
         if self._server is None or not self._server.alive():
-            if self._server is not None:
+            if self._server is not None and not self._borrowed:
                 self._server.kill()
-            self._servers_started += 1
-            self._server = _ForkServer(self, os.path.join(self._dir, f"forkserver-{self._servers_started}.log"))
-            self._server.wait_ready(self._spawned_at + self.startup_deadline)
+            self._server, self._borrowed = self._shared_server(), True
+            if self._server is None:
+                self._borrowed = False
+                self._servers_started += 1
+                os.makedirs(self._dir, exist_ok=True)  # a shared server that shut down removed it
+                self._server = _ForkServer(self, os.path.join(self._dir, f"forkserver-{self._servers_started}.log"))
+                self._server.wait_ready(self._spawned_at + self.startup_deadline)
+        os.makedirs(self._dir, exist_ok=True)
         store = os.path.join(self._dir, f"store-{self.generation}")
         for r in range(self.world_size):
             cmd_r, cmd_w = os.pipe()
             res_r, res_w = os.pipe()
             log_path = os.path.join(self._dir, f"gen{self.generation}-rank{r}.log")
             try:
-                pid = self._server.fork(r, store, log_path, cmd_r, res_w)
+                pid = self._server.fork(r, store, log_path, cmd_r, res_w, self if self._borrowed else None)
             except BaseException:
                 os.close(cmd_w)
                 os.close(res_r)
@@ -497,7 +529,7 @@ class RankPool:
                     os.kill(r.pid, signal.SIGKILL)
                 except OSError:
                     pass
-        if server is not None:
+        if server is not None and not self._borrowed:
             server.kill()
 
     # ---- messages ----------------------------------------------------------
@@ -649,7 +681,9 @@ _previous_sigterm = None
 
 
 def _close_all_pools() -> None:
-    for pool in list(_live_pools):
+    # the pools that share another's fork server first: their ranks stop
+    # cleanly before the server that forked them goes
+    for pool in sorted(_live_pools, key=lambda p: not p._borrowed):
         try:
             pool.close()
         except Exception:

@@ -4,8 +4,10 @@ the ranks it forks, which join the group and run examples until told to stop.
 Fork server (``python -m conformance.engine.rank``): talks to the driver over
 a SOCK_SEQPACKET socket, one JSON message per packet. It answers
 ``{"op": "ready"}`` once its imports are done; for ``{"op": "fork", "rank",
-"store", "log"}`` (with the rank's two pipe ends attached as SCM_RIGHTS) it
-forks a rank and answers ``{"op": "forked", "rank", "pid"}``; it reaps its
+"store", "log"}`` (with the rank's two pipe ends attached as SCM_RIGHTS; and
+the rank's "world_size", "backend", "timeout" and its pool's scratch "dir"
+where they differ from the server's own: a pool of another world size that
+shares the server) it forks a rank and answers ``{"op": "forked", "rank", "pid"}``; it reaps its
 ranks and reports ``{"op": "exited", "pid", "code"}`` (negative code: killed
 by that signal). It exits, killing its ranks, when the driver closes the
 socket or dies.
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     started = time.perf_counter()
     children: dict[int, int] = {}  # pid -> rank
+    # the scratch folders of the pools this server forks for (a pool of
+    # another world size may share it: conformance.engine.pool.RankPool)
+    dirs: list[str] = [a.dir] if a.dir else []
 
     def shut_down(code: int) -> None:
         for pid in children:
@@ -70,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
                 os.waitpid(-1, 0)
             except ChildProcessError:
                 break
-        if a.dir:  # the driver does too, unless it died
-            shutil.rmtree(a.dir, ignore_errors=True)
+        for d in dirs:  # the driver does too, unless it died
+            shutil.rmtree(d, ignore_errors=True)
         os._exit(code)
 
     # The kernel signals us when the driver dies, even by SIGKILL (SIGTERM,
@@ -159,12 +164,14 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 ctl.close()
-                _rank_main(msg["rank"], a.world_size, a.backend, msg["store"], msg["log"], fds[0], fds[1],
-                           a.timeout)
+                _rank_main(msg["rank"], msg.get("world_size", a.world_size), msg.get("backend", a.backend),
+                           msg["store"], msg["log"], fds[0], fds[1], msg.get("timeout", a.timeout))
             finally:
                 os._exit(1)  # never back into the server's loop
         for fd in fds:
             os.close(fd)
+        if msg.get("dir") and msg["dir"] not in dirs:
+            dirs.append(msg["dir"])
         children[pid] = msg["rank"]
         tell({"op": "forked", "rank": msg["rank"], "pid": pid})
 

@@ -50,7 +50,10 @@ class Worlds:
             # death of the test process (seed 4711 killed an xdist worker)
             from conformance.engine.pool import RankPool
 
-            eng = RankPool(world_size, self.backend, deadline=self.deadline)
+            # forked from the base pool's server where it can be: the new
+            # world's start is a fork and a group init, not a torch import
+            share = self.base if isinstance(self.base, RankPool) else None
+            eng = RankPool(world_size, self.backend, deadline=self.deadline, share_server_with=share)
             self._engines[world_size] = eng
             self._owned.append(eng)
         return eng

@@ -459,6 +459,48 @@ def test_dtensor_ops_after_the_default_group_is_made_again_use_the_new_mesh():
 
 
 @pytest.mark.gloo
+def test_a_pool_of_another_world_size_forks_from_the_base_pools_server(pool):
+    """Worlds' other world sizes fork their ranks from the base pool's fork
+    server (torch imported once per driver, not once per pool), each its
+    own group of its own size; one closed, or the server gone, leaves the
+    others working (a pool whose shared server died starts its own)."""
+    from conformance.engine.worlds import Worlds
+
+    w = Worlds(pool)
+    try:
+        four, one = w.engine(4), w.engine(1)
+        assert four.forkserver_pid == one.forkserver_pid == pool.forkserver_pid
+        recs = four.run("echo", small_spec(3))
+        assert [(r["value"]["rank"], r["value"]["world_size"], r["value"]["rank_sum"]) for r in recs] == [(r, 4, 10) for r in range(4)]
+        assert len({r["value"]["pid"] for r in recs} | set(pool.pids)) == 6
+        check_echo(pool.run("echo", small_spec(4)), 4)
+        # a hang in the sharing pool rebuilds its ranks only, from the same server
+        base_ranks = pool.pids
+        with pytest.raises(RankHang):
+            four.run("sleep_forever", small_spec(5), deadline=2.0)
+        assert four.forkserver_pid == pool.forkserver_pid and pool.pids == base_ranks
+        assert [r["value"]["rank_sum"] for r in four.run("echo", small_spec(6))] == [10] * 4
+        # closed: its ranks go, the server and the base pool stay
+        ranks4 = four.pids
+        four.close()
+        assert wait_gone(ranks4) == [] and alive(pool.forkserver_pid)
+        check_echo(pool.run("echo", small_spec(7)), 7, base_ranks)
+        # the server killed: every pool on it starts a server of its own
+        server = pool.forkserver_pid
+        os.kill(server, signal.SIGKILL)
+        assert wait_gone([server, *pool.pids, *one.pids]) == []
+        rec = one.run("echo", small_spec(8))[0]
+        assert rec["ok"] and rec["value"]["world_size"] == 1
+        check_echo(pool.run("echo", small_spec(9)), 9)
+        assert len({server, one.forkserver_pid, pool.forkserver_pid}) == 3
+    finally:
+        w.close()
+    # a module the server did not preload: a server of its own
+    with RankPool(1, "gloo", deadline=DEADLINE, preload=("tests.self.faults_tp",), share_server_with=pool) as own:
+        assert own.forkserver_pid != pool.forkserver_pid and own.run("echo", small_spec(10))[0]["ok"]
+
+
+@pytest.mark.gloo
 def test_a_one_rank_world_runs_in_a_rank_process_not_the_driver(pool):
     """Worlds' world size 1 (a checkpoint saved or loaded on one rank) is a
     pool of its own: a save that segfaults (fsdp2-tied-list-group-unsharded-
