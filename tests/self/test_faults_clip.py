@@ -129,7 +129,7 @@ def test_the_reference_norm_is_the_definition():
 
     import torch
 
-    from conformance.areas.clip.adapter import reference_norm
+    from conformance.areas.common.clipping import reference_norm
 
     g = [torch.tensor([3.0, -4.0]), torch.zeros(0), torch.tensor([[12.0]])]
     assert reference_norm(g, 2.0) == pytest.approx(13.0)

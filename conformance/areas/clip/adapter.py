@@ -5,6 +5,7 @@ rank's data. The only code of the area that calls FSDP and torch.distributed."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -15,6 +16,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from conformance.areas.clip.observation import ClipObservation
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
+from conformance.areas.common.clipping import norm_agrees, reference_norm
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
 from conformance.areas.common.observation import GradObservation
 from conformance.areas.common.precision_adapter import wrap_kwargs
@@ -66,15 +68,6 @@ def _ignored(spec: CaseSpec, model: nn.Module) -> list[nn.Parameter]:
         p = model.get_parameter(f)
         out[id(p)] = p
     return list(out.values())
-
-
-def reference_norm(grads: list[torch.Tensor], norm_type: float) -> float:
-    """The single-process total norm, by its definition rather than by the
-    clip_grad functions under test: the norm of every gradient flattened
-    into one vector (0 for none)."""
-    if not grads or not any(g.numel() for g in grads):
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.cat([g.detach().flatten().float() for g in grads]), norm_type))
 
 
 def _norm_value(t) -> float:
@@ -201,9 +194,12 @@ def observe(spec: CaseSpec) -> ClipObservation:
         want, rtol = ref_norm, CLIP_RTOL
         if own is not None:
             want, rtol = own_norm, (CLIP_RTOL if norm_dtype == "float32" else BF16_RTOL)
-        obs["norm_close"] = abs(norm - want) <= rtol * abs(want) + CLIP_ATOL
+        obs["norm_close"] = norm_agrees(norm, want, rtol, CLIP_ATOL)
     if failed:
         return ClipObservation(**obs, seconds=time.perf_counter() - t0)
+    # the norm the clipped gradients are scaled by: max_norm / an overflowed
+    # norm is inf / inf, nothing to compare them with
+    obs["scale_finite"] = math.isfinite(ref_norm if own is None else own_norm)
     if trainable:
         _sgd_step(model)
     final, grads_none = _final(spec, model, built.model, aliases, frozen)

@@ -122,6 +122,9 @@ def check_grads(spec: CaseSpec, pred: ClipPrediction, obs: ClipObservation) -> l
             out.append(violation("CLIP-GRADS", f"frozen parameter {fqn} has a gradient", tags, "kind:frozen-grad"))
     if not obs.values_meaningful:
         return out or VALUES_UNCHECKED
+    if not obs.scale_finite:  # CLIP-NORM compares the norms, overflowed ones included
+        return out or NotChecked(f"the total norm the gradients are scaled by is {obs.own_norm if obs.own_norm is not None else obs.ref_norm} "
+                                 f"(norm_type {pred.plan.norm_type} overflows float32): max_norm / that norm scales nothing comparable")
     clipped = set(obs.clipped)
     for p in obs.params:
         if p.fqn in frozen and not p.unchanged:

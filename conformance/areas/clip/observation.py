@@ -35,6 +35,9 @@ class ClipObservation(Record):
     # clip, gathered whole (what norm_close and the params compare with)
     own_norm: float | None = None
     norm_close: bool | None = None
+    # the norm the clipped gradients are scaled by is finite: max_norm / an
+    # overflowed norm (inf / inf) gives nothing to compare them with
+    scale_finite: bool = True
     max_norm: float | None = None
     clipped: tuple[str, ...] = ()  # canonical FQNs of the trainable parameters clipped
     # this rank's local shard of these clipped gradients is empty (the

@@ -9,6 +9,7 @@ module of the area that calls torch.distributed and FSDP."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import time
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.areas.common import fsdp1_adapter as a1
+from conformance.areas.common.clipping import norm_agrees, reference_norm
 from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensor
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.ranks import any_rank_failed, failed_ranks
@@ -301,13 +303,6 @@ def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: 
 # ---- clipping -------------------------------------------------------------------------
 
 
-def reference_norm(grads: list[torch.Tensor], norm_type: float) -> float:
-    """The total norm by its definition: every gradient flattened into one vector."""
-    if not grads or not any(g.numel() for g in grads):
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.cat([g.detach().flatten().float() for g in grads]), norm_type))
-
-
 def _local_probe(grads: list[torch.Tensor], norm_type: float, foreach: bool) -> bool:
     """Whether the rank-local part of the norm raises here (no collective): a
     rank whose clip raises before its reduction leaves the others waiting in it."""
@@ -361,9 +356,11 @@ def clip(spec: CaseSpec, model: nn.Module, ref: nn.Module, aliases, ref_aliases,
     failed = failed_ranks(error is not None or not call) > 0
     out.update(clip_error=error, clip_peer_failed=not call, clip_failed=failed, norm=norm)
     if norm is not None:
-        out["norm_close"] = abs(norm - ref_norm) <= CLIP_RTOL * abs(ref_norm) + CLIP_ATOL
+        out["norm_close"] = norm_agrees(norm, ref_norm, CLIP_RTOL, CLIP_ATOL)
     if failed:
         return out
+    # max_norm / an overflowed norm is inf / inf: nothing to compare the clipped gradients with
+    out["scale_finite"] = math.isfinite(ref_norm)
     got = {aliases.param_canon.get(n, n): full_tensor(p.grad.detach()).clone() for n, p in model.named_parameters()
            if aliases.param_canon.get(n, n) in clipped and p.grad is not None}
     want = {f: ref_params[f].grad * coef for f in got}

@@ -348,6 +348,9 @@ def check_clip(spec: CaseSpec, pred: TpPrediction, obs: list[TpObservation]) -> 
         if o.norm_close is False:
             out.append(violation("TP-CLIP", f"rank {o.rank}: total norm {o.norm:.6g}, single-process {o.ref_norm:.6g} "
                                  f"(norm_type {spec.tp.norm_type})", tags, "kind:norm"))
+    if not first.scale_finite:
+        return out or NotChecked(f"the single-process total norm is {first.ref_norm} (norm_type {spec.tp.norm_type} overflows float32), "
+                                 "and so is every rank's: the clipped gradients, scaled by max_norm / that norm, are not compared")
     for p in first.clipped_grads:
         if not p.close:
             out.append(violation("TP-CLIP", f"{p.fqn}'s clipped gradient differs from single-process by {p.max_diff:.3g}", tags, "kind:grad"))

@@ -58,6 +58,7 @@ class TpObservation(RankRecord):
     norm: float | None = None
     ref_norm: float | None = None
     norm_close: bool | None = None
+    scale_finite: bool = True  # the reference norm is finite: max_norm / inf (inf / inf) scales nothing comparable
     clipped_grads: tuple[ValueSeen, ...] = ()
     clip_meshes: tuple[tuple[int, ...], ...] = ()  # the meshes of the clipped gradients, each once
     tp_empty: tuple[str, ...] = ()  # parameters whose TP-local tensor is empty on this rank
