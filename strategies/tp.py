@@ -16,6 +16,7 @@ from hypothesis.strategies import SearchStrategy
 from conformance.case.spec import CLIP_WAYS, NORM_TYPES, TP_MESHES, TP_OPTIMIZERS, TP_PRECISIONS, TP_STYLES, CaseSpec, TpPlan
 from conformance.case.tree import join, walk
 from conformance.strategies._common import maybe, pick
+from conformance.strategies.freeze import apply_freeze_mask
 from conformance.strategies.groups import fsdp2_case_specs
 
 # the dim of each parameter a style shards over tp (conformance.areas.tp.oracle's TP_PLACEMENT, by dim)
@@ -65,6 +66,16 @@ def _tp_specs(draw: Any, cases: SearchStrategy, meshes: tuple[tuple[int, int], .
         styles = [(p, s) for p, s in styles if p not in (a, b)] + [(a, "colwise"), (b, "rowwise")]
         pairs = ((a, b),)
         event("tp: colwise -> rowwise pair")
+    styled = {path for path, _ in styles}
+    styled_params = [join(p, q.name) for p, m in walk(spec.tree) if p in styled for q in m.params]
+    if not any(q.requires_grad for p, m in walk(spec.tree) if p in styled for q in m.params) and maybe(draw, 2):
+        # The shared freeze masks leave no styled parameter trainable in about
+        # half the draws (41% nothing trainable at all): TP-PARITY, TP-CLIP
+        # and TP-MP-DTYPE then have no TP gradient to compare. Two in three
+        # such draws train the styled leaves; the rest keep them frozen
+        # (TP-LAYOUT's requires_grad findings need frozen styled parameters).
+        spec = dataclasses.replace(spec, tree=apply_freeze_mask(spec.tree, dict.fromkeys(styled_params, True), spec.ties))
+        event("tp: frozen styled leaves made trainable")
     for _, s in styles:
         event(f"tp: style {s}")
     event(f"tp: mesh {mesh}")

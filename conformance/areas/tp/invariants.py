@@ -233,6 +233,8 @@ def _error_tag(text: str) -> str:
         return "error:mixed-tensor-dtensor"
     if "must have the same mesh" in text or _stack_over_meshes(text):
         return "error:mixed-meshes"
+    if "would remove or reshape sharded dimension" in text:
+        return "error:view-sharded-dim"
     if "distribute_module should only be called once" in text:
         return "error:distributed-twice"
     if text.startswith("AssertionError") and text.rstrip(": ") == "AssertionError":
