@@ -116,10 +116,11 @@ def test_a_module_one_rank_skips_in_a_group_of_its_own_is_a_hang_not_a_blocked_r
     deadline, and the recorded finding makes it KNOWN."""
     spec = model(plan, InitPlan(skip="block"))
     t0 = time.monotonic()
-    res = run("INIT-DIVERGENT", spec, pool, known_failures=[])
+    obs = observations(pool, spec, "init_order", InitObservation.from_dict)  # one hang, judged twice
     assert time.monotonic() - t0 < pool.deadline / 2
+    res = evaluate("INIT-DIVERGENT", spec, obs, [])
     assert res.verdict == FAIL and any("kind:hang" in v.tags and "skip:own-group" in v.tags for v in res.violations), res.describe()
-    again = run("INIT-DIVERGENT", spec, pool, known_failures=known.load())
+    again = evaluate("INIT-DIVERGENT", spec, obs, known.load())
     assert again.verdict == KNOWN, again.describe()
     assert {fid for _, fid in again.known} == {f"{api}-rank-divergent-{'module-collective-mismatch' if api == 'fsdp2' else 'unit-hangs'}"}
 
