@@ -523,3 +523,26 @@ def test_a_one_rank_world_runs_in_a_rank_process_not_the_driver(pool):
     finally:
         w.close()
     assert one._closed
+
+
+def test_a_two_phase_example_counts_both_phases_inside_the_ranks():
+    """A checkpoint round trip's records carry the time inside both phases'
+    scenario functions (the slowest save rank's plus the load rank's own):
+    the bench's pool overhead is the driver's wait less this, and with the
+    load phase's alone the save phase read as pool overhead (checkpoint's
+    gloo row: 109% of FSDP)."""
+    from types import SimpleNamespace
+
+    from conformance.engine.worlds import Worlds
+
+    class Base:
+        world_size, deadline, backend = 2, 60.0, "gloo"
+
+        def run(self, scenario, spec, deadline=None, args=None):
+            secs = {"save": (3.0, 5.0), "load": (1.0, 2.0)}[scenario]
+            return [{"rank": r, "ok": True, "value": {"phase": scenario}, "seconds": s} for r, s in enumerate(secs)]
+
+    spec = SimpleNamespace(ckpt=SimpleNamespace(save_world=2, load_world=2))
+    recs = Worlds(Base(), phases={"roundtrip": ("save", "load")}).run("roundtrip", spec)
+    assert [r["seconds"] for r in recs] == [6.0, 7.0]
+    assert [r["value"]["save"] for r in recs] == [{"phase": "save"}] * 2
