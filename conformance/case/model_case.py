@@ -87,6 +87,10 @@ class ModelCase:
     def _json(self) -> str:
         return json.dumps({"version": MODEL_CASE_VERSION, "model_case": _spec.encode(self)}, sort_keys=True)
 
+    def __getstate__(self) -> dict:
+        # pickled (the rank pool ships cases so): without the cached JSON
+        return {k: v for k, v in self.__dict__.items() if k != "_json"}
+
     @classmethod
     def from_json(cls, text: str) -> "ModelCase":
         return _spec.load_json(text, ModelCase, MODEL_CASE_VERSION, "model_case", types=(ModelCase,))

@@ -609,6 +609,10 @@ class CaseSpec:
         # the spec is immutable: its JSON (digests, repro names, sizes) is made once
         return json.dumps({"version": SPEC_VERSION, "case": encode(self)}, sort_keys=True)
 
+    def __getstate__(self) -> dict:
+        # pickled (the rank pool ships specs so): without the cached JSON
+        return {k: v for k, v in self.__dict__.items() if k != "_json"}
+
     @classmethod
     def from_json(cls, text: str) -> "CaseSpec":
         return load_json(text, CaseSpec, SPEC_VERSION, "case")

@@ -13,7 +13,7 @@ by that signal). It exits, killing its ranks, when the driver closes the
 socket or dies.
 
 Rank (one JSON object a line on its pipes): the driver sends ``{"op": "run",
-"id", "scenario", "module", "spec"}``, ``{"op": "sync", "id"}`` or ``{"op":
+"id", "scenario", "module", "spec"}`` (the case pickled: pool.ship), ``{"op": "sync", "id"}`` or ``{"op":
 "stop"}``; the rank answers ``{"op": "ready", ...}`` once, ``{"op":
 "result", "id", **record}`` per run, ``{"op": "synced", "id", "value"}`` per
 sync and ``{"op": "bye"}`` before it exits.
@@ -206,6 +206,7 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
+    from conformance.engine.pool import unship
     from conformance.engine.scenarios import error_record, run_scenario
 
     cmd = os.fdopen(cmd_fd, "rb", buffering=0)
@@ -234,10 +235,15 @@ def _rank_main(
         msg = json.loads(line)
         op = msg["op"]
         if op == "run":
-            record = run_scenario(
-                msg["scenario"], msg["spec"], rank=rank, module=msg.get("module"), catch=(BaseException,),
-                args=msg.get("args"),
-            )
+            try:
+                spec = unship(msg["spec"])
+            except Exception as e:  # a case this rank's code cannot rebuild: the example's error
+                record = {"rank": rank, "ok": False, "error": error_record(e), "seconds": 0.0}
+            else:
+                record = run_scenario(
+                    msg["scenario"], spec, rank=rank, module=msg.get("module"), catch=(BaseException,),
+                    args=msg.get("args"),
+                )
             try:
                 text = json.dumps({"op": "result", "id": msg["id"], **record})
             except (TypeError, ValueError) as e:

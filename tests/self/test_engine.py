@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import time
 import pytest
 
 from conformance.case.examples import lora_model
-from conformance.case.spec import CaseSpec, ModuleSpec, ParamSpec
+from conformance.case.model_case import ModelCase
+from conformance.case.spec import CaseSpec, ModuleSpec, ModuleWrap, ParamSpec, WrapPlan
 from conformance.engine import (
     CRASH,
     HANG,
@@ -86,6 +88,28 @@ def pool():
 
 
 # ---- the pool ----------------------------------------------------------------
+
+
+@scenario("case-as-received", test_only=True)
+def case_as_received(spec) -> dict:
+    return {"type": type(spec).__name__, "json": spec.to_json()}
+
+
+@pytest.mark.gloo
+def test_a_rank_receives_the_drivers_case_as_it_was(pool):
+    """A case crosses the pipe pickled (pool.ship), not as JSON that each
+    rank decodes and validates again: a CaseSpec and a ModelCase arrive
+    equal to the driver's, and the pickle leaves the cached JSON behind."""
+    cases = [lora_model(num_layers=2, seed=3), small_spec(9),
+             ModelCase("tests.self.same_name_target:target", frozen=("blocks.0.attn.base_layer.weight",),
+                       plan=WrapPlan("fsdp1", ModuleWrap(("Linear",)), True))]
+    for case in cases:
+        before = len(pickle.dumps(case))
+        case.to_json()  # cached on the object from now on
+        assert len(pickle.dumps(case)) == before
+        for r in pool.run("case-as-received", case):
+            assert r["ok"], r
+            assert r["value"] == {"type": type(case).__name__, "json": case.to_json()}
 
 
 @pytest.mark.gloo
