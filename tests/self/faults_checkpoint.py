@@ -144,6 +144,25 @@ def optim_state_dropped():
     return mock.patch.object(sd, "set_state_dict", set_state_dict)
 
 
+@fault("grads-summed")
+def grads_summed():
+    """FSDP2's gradient reduce-scatter sums where it averages (a lost divide
+    factor): every sharded gradient is world-size times too large."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+
+    orig = coll.DefaultReduceScatter.__call__
+
+    def call(self, output_tensor, input_tensor, group, op, async_op=False):
+        work = orig(self, output_tensor, input_tensor, group, op, async_op=async_op)
+        if work is not None:
+            work.wait()
+        output_tensor.mul_(dist.get_world_size(group))
+        return work
+
+    return mock.patch.object(coll.DefaultReduceScatter, "__call__", call)
+
+
 # ---- test-only scenarios ----------------------------------------------------------
 
 
@@ -193,6 +212,12 @@ def load_skips(spec: CaseSpec, dir: str) -> dict:
 def load_drops_optim(spec: CaseSpec, dir: str) -> dict:
     with FAULTS["optim-state-dropped"]():
         return _adapter().load(spec, dir)
+
+
+@scenario("fault:ckpt-save:grads-summed", test_only=True)
+def save_grads_summed(spec: CaseSpec, dir: str) -> dict:
+    with FAULTS["grads-summed"]():
+        return _adapter().save(spec, dir)
 
 
 @scenario("fault:ckpt-save:unwritable", test_only=True)

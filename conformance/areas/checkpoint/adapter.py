@@ -24,7 +24,7 @@ from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err1
 from conformance.areas.common.fsdp2_adapter import load_cause
 from conformance.areas.common.support import on_rank_device, placed, rank_device
-from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, reference_loss
+from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, noise, reference_loss
 from conformance.case.build import build, is_sharded, read_attr
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
@@ -182,7 +182,7 @@ def single_process(spec: CaseSpec, *, until_save: bool, dtype: torch.dtype | Non
     return ref.model, opt
 
 
-def _noise_only(spec: CaseSpec, ref32: nn.Module, ref64: nn.Module, fqns) -> set[str]:
+def _noise_only(init: nn.Module, ref32: nn.Module, ref64: nn.Module, fqns) -> set[str]:
     """The parameters among ``fqns`` whose trajectory is rounding noise: the
     float32 reference moved them, the float64 one did not (to 1e-9 of their
     size): their gradient is zero in exact arithmetic (a LayerNorm's weight
@@ -190,8 +190,7 @@ def _noise_only(spec: CaseSpec, ref32: nn.Module, ref64: nn.Module, fqns) -> set
     apart by noise alone, by more than the float32-float64 distance predicts
     (seed 54: FSDP resumed 0.2881, uninterrupted 0.2843, the reference
     0.2831, from 0.2842 at the start). A frozen parameter moves in neither
-    and stays compared."""
-    init = placed(build(spec)).model
+    and stays compared. ``init``: the case's model as built."""
     out = set()
     for f in fqns:
         try:
@@ -204,13 +203,6 @@ def _noise_only(spec: CaseSpec, ref32: nn.Module, ref64: nn.Module, fqns) -> set
         if still64 and not torch.equal(p32, p0):
             out.add(f)
     return out
-
-
-def _noise_floor(got, ref64) -> torch.Tensor | float:
-    """|float32 reference - float64 reference| where both are tensors of one shape, else 0."""
-    if isinstance(got, torch.Tensor) and isinstance(ref64, torch.Tensor) and got.shape == ref64.shape and got.is_floating_point():
-        return (got.detach().double().cpu() - ref64.detach().double().cpu()).abs().float()
-    return 0.0
 
 
 def _by_id(spec: CaseSpec) -> dict[str, str]:
@@ -576,16 +568,18 @@ def load(spec: CaseSpec, dir: str) -> dict:
     ref_model, ref_opt = single_process(spec, until_save=True)
     ref_state = _ref_state(ref_model, ref_opt)
     # a real model's reference is not rerun in float64: no noise floor
-    ref64_model, ref64_opt = (None, None) if is_model_case(spec) else single_process(spec, until_save=True, dtype=torch.float64)
-    ref64_state = {} if ref64_model is None else _ref_state(ref64_model, ref64_opt)
-    noise_saved = set() if ref64_model is None else _noise_only(spec, ref_model, ref64_model, ref_state)
+    fp64 = not is_model_case(spec)
+    init = placed(build(spec)).model if fp64 else None
+    ref64_model, ref64_opt = single_process(spec, until_save=True, dtype=torch.float64) if fp64 else (None, None)
+    ref64_state = _ref_state(ref64_model, ref64_opt) if fp64 else {}
+    noise_saved = _noise_only(init, ref_model, ref64_model, ref_state) if fp64 else set()
     ref_diff = []
     for fqn, st in ref_state.items():
         got = next((saved_state[n] for n in _aliases(ref_model, fqn) if n in saved_state), None)
         if got is None or fqn in noise_saved:  # presence is compared by name; a noise trajectory is no value
             continue
-        st64 = ref64_state.get(fqn, {})
-        ref_diff += [f"{fqn}.{k}" for k, v in st.items() if k not in got or not _close(got[k], v, _noise_floor(v, st64.get(k)))]
+        floor = noise({k: v for k, v in st.items() if isinstance(v, torch.Tensor)}, ref64_state.get(fqn, {}))
+        ref_diff += [f"{fqn}.{k}" for k, v in st.items() if k not in got or not _close(got[k], v, floor.get(k, 0.0))]
     # resume: the load mask, the steps after the save
     try:
         with _timed(times, "fsdp"):
@@ -596,9 +590,9 @@ def load(spec: CaseSpec, dir: str) -> dict:
         return CkptObservation(**base, error=_err(e), phase="resume").to_dict()
     ref_final, _ = single_process(spec, until_save=False)
     ref_values = {f: read_attr(ref_final, f).detach() for f in final}
-    ref64_final = None if is_model_case(spec) else single_process(spec, until_save=False, dtype=torch.float64)[0]
-    floors = {f: 0.0 if ref64_final is None else _noise_floor(v, read_attr(ref64_final, f)) for f, v in ref_values.items()}
-    noise_final = set() if ref64_final is None else _noise_only(spec, ref_final, ref64_final, ref_values)
+    ref64_final = single_process(spec, until_save=False, dtype=torch.float64)[0] if fp64 else None
+    floors = noise(ref_values, {f: read_attr(ref64_final, f) for f in ref_values}) if fp64 else {}
+    noise_final = _noise_only(init, ref_final, ref64_final, ref_values) if fp64 else set()
     cont = saved.get("continued")
     if _diverged(spec, ref_values):
         # the reference training diverged: two correct summation orders end
@@ -607,9 +601,9 @@ def load(spec: CaseSpec, dir: str) -> dict:
         resume_ref, resume_cont = (), None
     else:
         compared = {f: v for f, v in final.items() if f not in noise_final}
-        resume_ref = tuple(sorted(f for f, v in compared.items() if not _close(v, ref_values[f], floors[f])))
+        resume_ref = tuple(sorted(f for f, v in compared.items() if not _close(v, ref_values[f], floors.get(f, 0.0))))
         resume_cont = None if cont is None else tuple(sorted(
-            f for f, v in final.items() if f not in cont or (f in compared and not _close(v, cont[f], floors[f]))))
+            f for f, v in final.items() if f not in cont or (f in compared and not _close(v, cont[f], floors.get(f, 0.0)))))
     return CkptObservation(
         **base, model_diff=tuple(model_diff), optim_saved=tuple(sorted(saved_state)), optim_loaded=tuple(sorted(got_state)),
         optim_ref=tuple(sorted(ref_state)), optim_diff=tuple(optim_diff), optim_ref_diff=tuple(ref_diff),
