@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -195,9 +197,53 @@ def _make_module(m: ModuleSpec, classes: dict[str, type]) -> nn.Module:
 
 def build(spec: CaseSpec) -> Built:
     """The case's model: same spec and seed, same module and values. A
-    ModelCase builds its target's model (conformance.case.build.build_target)."""
-    if isinstance(spec, ModelCase):
-        return build_target(spec)
+    ModelCase builds its target's model (conformance.case.build.build_target).
+    Inside a ``released()`` block, its modules are released when the block ends."""
+    built = build_target(spec) if isinstance(spec, ModelCase) else _build_spec(spec)
+    if _scopes:
+        _scopes[-1].extend(weakref.ref(m) for m in built.model.modules())
+    return built
+
+
+# The modules build() made in each open released() block (innermost last).
+_scopes: list[list[weakref.ref]] = []
+
+
+@contextlib.contextmanager
+def released() -> Iterator[None]:
+    """Release every module build() makes inside the block when it ends
+    (the engine runs each scenario in one): its parameters, buffers,
+    submodules and tensor attributes are dropped, so that the example's
+    model is freed even where FSDP tied it into a cycle that Python's
+    collector cannot see. FSDP1 with use_orig_params=False does: a wrapped
+    module holds views of its FlatParameter, whose autograd nodes hold the
+    FlatParameter from C++, whose ParamInfo entries hold the module
+    (pytorch/pytorch#183211). Unreleased, every such example's model stayed
+    in memory for the rest of the process, and every full collection of the
+    garbage collector walked them all again. A module still in use after the
+    block is emptied too: a block's models belong to it."""
+    refs: list[weakref.ref] = []
+    _scopes.append(refs)
+    try:
+        yield
+    finally:
+        _scopes.remove(refs)
+        for ref in refs:
+            m = ref()
+            if m is not None:
+                _empty(m)
+
+
+def _empty(m: nn.Module) -> None:
+    state = vars(m)
+    for k in [k for k, v in state.items() if isinstance(v, torch.Tensor)]:
+        del state[k]
+    m._parameters.clear()
+    m._buffers.clear()
+    m._modules.clear()
+
+
+def _build_spec(spec: CaseSpec) -> Built:
     classes = make_classes(spec)
     modules: dict[str, nn.Module] = {}
     for path, m in walk(spec.tree):

@@ -135,11 +135,14 @@ def run_scenario(
     for the scenario besides the spec (pure data, e.g. a directory)."""
     start = time.perf_counter()
     try:
+        from conformance.case.build import released
+
         sc = get_scenario(name, module)
         # in-process callers may hand the (immutable) spec over as it is
         spec = spec_json if not isinstance(spec_json, str) else case_from_json(spec_json)
         start = time.perf_counter()
-        value = sc.fn(spec, **args) if args else sc.fn(spec)
+        with released():  # the example's models go with it (conformance.case.build.released)
+            value = sc.fn(spec, **args) if args else sc.fn(spec)
         seconds = time.perf_counter() - start
         if not isinstance(value, dict):
             raise EngineError(f"scenario {name!r} returned {type(value).__name__}, not a dict")
