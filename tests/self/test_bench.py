@@ -73,3 +73,28 @@ def test_a_row_whose_tests_failed_says_so():
     bad = {**ok, "pytest_exit_status": 1}
     assert "FAILED" not in bench.format_row(ok) and "FAILED: pytest exited 1" in bench.format_row(bad)
     assert bench.failed_rows({"rows": [ok, bad]}) == [bad]
+
+
+def test_reading_the_records_is_the_drivers_check_not_the_engines_time():
+    """The pool's overhead is what running the scenario in ranks adds: the
+    engine's run() less the ranks' time in it. Reading the records as
+    observations is the driver's own work, which the fake tier does the same
+    way; counted in the engine's time it read as pool overhead (a fifth of
+    autowrap's 1.28 ms an example)."""
+    import time
+
+    from conformance.run.runner import Timing, observations
+
+    class Engine:
+        def run(self, scenario, spec):
+            time.sleep(0.02)
+            return [{"rank": 0, "ok": True, "value": {}, "seconds": 0.01}]
+
+    def slow_parse(value):
+        time.sleep(0.05)
+        return value
+
+    timing = Timing("echo")
+    observations(Engine(), None, "echo", parse=slow_parse, timing=timing)
+    assert 0.02 <= timing.engine < 0.05 and timing.in_rank == 0.01
+    assert timing.check >= 0.05
