@@ -8,7 +8,10 @@ bias trains) needs its parameters in backward: the group reshards after its
 last module's forward and is not unsharded again for the backward through the
 Linear, so backward raises "setStorage: ... out of bounds for storage of size
 0". The same with reshard_after_forward=False when the group runs twice in one
-forward (the rerun form). Expected (fully_shard docstring: parameters are
+forward (the rerun form). With b's forward under torch.utils.checkpoint
+(non-reentrant), the backward through b starts with its recompute, which runs
+on the group's sharded DTensor parameters ("got mixed torch.Tensor and
+DTensor"; the checkpoint form). Expected (fully_shard docstring: parameters are
 unsharded for forward and backward): backward runs, the gradients as the
 unsharded model's.
 
@@ -17,6 +20,7 @@ Run: torchrun --nproc-per-node 2 fsdp2-frozen-list-group-freed-in-backward.py
 """
 
 import copy
+import functools
 import os
 import socket
 
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
 
 
 def init():
@@ -66,10 +71,12 @@ class Net(nn.Module):
 def main():
     init()
     wrong = []
-    for runs, reshard in ((1, True), (2, False)):
+    for runs, reshard, ckpt in ((1, True, False), (2, False, False), (1, True, True)):
         torch.manual_seed(0)  # the same model on every rank
         model = Net(runs)
         ref = copy.deepcopy(model)
+        if ckpt:  # the checkpoint form: b's forward recomputed in backward
+            model.b.forward = functools.partial(checkpoint, model.b.forward, use_reentrant=False)
         fully_shard([model.emb, model.b], reshard_after_forward=reshard)
         fully_shard(model)
         x = torch.linspace(-1.0, 1.0, 2)[:, None]
@@ -77,10 +84,12 @@ def main():
         try:
             model(x).pow(2).sum().backward()
         except RuntimeError as e:
-            wrong.append(f"group run {runs}x, reshard_after_forward={reshard}: backward raised {str(e).splitlines()[0]}")
+            wrong.append(f"group run {runs}x, reshard_after_forward={reshard}{', b checkpointed' if ckpt else ''}: "
+                         f"backward raised {str(e).splitlines()[0]}")
             continue
         if not torch.allclose(model.a.bias.grad.full_tensor(), ref.a.bias.grad, atol=1e-5):
-            wrong.append(f"group run {runs}x, reshard_after_forward={reshard}: a.bias.grad differs from the unsharded model's")
+            wrong.append(f"group run {runs}x, reshard_after_forward={reshard}{', b checkpointed' if ckpt else ''}: "
+                         "a.bias.grad differs from the unsharded model's")
     finish(wrong and f"a list group whose last module's output needs no gradient: {'; '.join(wrong)} (expected the unsharded model's gradients)",
            "the list group's backward gives the unsharded model's gradients")
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from conformance.areas.common.comm_oracle import Expected, FSDP2Comm, Knobs, simulate_fsdp1, simulate_fsdp2
 from conformance.areas.common.fsdp1_oracle import SIZE_EXCLUDE_WRAP
-from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags
 from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
 from conformance.case.spec import ActivationCheckpointPlan, CaseSpec, CommPlan, CustomWrap, SizeBasedWrap
 from conformance.case.target import graph_of
@@ -161,6 +161,12 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
         tags.add("ac:root-unit")  # only the root unit manages it
     if spec.plan.api == "fsdp2" and container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    if training.fsdp2 is not None:
+        # a list group whose last module's output needs no gradient, which
+        # FSDP2 leaves resharded for the backward of its earlier modules
+        # (fsdp2-frozen-list-group-freed-in-backward): a recompute of one of
+        # them reads its sharded parameters
+        tags |= {t for t in fsdp2_case_tags(spec, training.fsdp2) if t.startswith("group:multi-frozen-embedding")}
     if training.frozen:
         tags.add("frozen")
         if any(f == t or f.startswith(t + ".") for f in training.frozen for t in plan.targets):
