@@ -8,10 +8,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from conformance.areas.checkpoint.observation import CkptObservation
 from conformance.areas.checkpoint.oracle import CkptPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
+from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags, predict_fsdp2
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL
 from conformance.areas.common.violations import violation
 from conformance.case.model_case import is_model_case
@@ -61,6 +64,10 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
         tags.add("group:multi-no-reshard-tie-reversed")
     if container_given_to_fully_shard(spec, load):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    if spec.plan.api == "fsdp2" and not is_model_case(spec):
+        # the save's training: a list group whose last module's output needs
+        # no gradient (fsdp2-frozen-list-group-freed-in-backward)
+        tags |= {t for t in fsdp2_case_tags(spec, predict_fsdp2(spec, torch.__version__)) if t.startswith("group:multi-frozen-embedding")}
     if pred is not None:
         if any(len(group) > 2 for group in pred.tied):
             tags.add("aliases:3+")  # one Parameter under three or more names
@@ -179,6 +186,8 @@ def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
     names (key:model, key:optim-state, key:param-groups) and key:alias when
     its FQN is not the first of a Parameter's names (``aliases``: those
     other names)."""
+    if "out of bounds for storage of size 0" in error:
+        return ("cause:freed-storage",)  # a parameter read over its freed unsharded storage
     if "got mixed torch.Tensor and DTensor" in error or "placement changes are not supported" in error:
         # load_state_dict copying a DTensor into a registered plain (unsharded)
         # tensor, or into a DTensor of another placement

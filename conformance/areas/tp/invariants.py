@@ -231,6 +231,8 @@ def _error_tag(text: str) -> str:
         return "error:inf-norm-empty"
     if "got mixed torch.Tensor and DTensor" in text:
         return "error:mixed-tensor-dtensor"
+    if "placement changes are not supported" in text:
+        return "error:placement-change"  # the same copy into a one-element parameter
     if "must have the same mesh" in text or _stack_over_meshes(text):
         return "error:mixed-meshes"
     if "would remove or reshape sharded dimension" in text:
