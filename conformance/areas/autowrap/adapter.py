@@ -19,6 +19,7 @@ from torch.distributed.fsdp.wrap import _Policy
 
 from conformance.areas.autowrap.observation import FROZEN_MARK, FrozenMessage, UnitObservation, WrapObservation
 from conformance.areas.common.fsdp1_adapter import Aliases, clean, error_text, make_policy, wrap
+from conformance.areas.common.ranks import all_ranks_equal
 from conformance.areas.common.support import placed
 from conformance.case.build import build
 from conformance.case.spec import CaseSpec
@@ -189,12 +190,8 @@ def _unit_kwargs(unit) -> tuple:
 
 def _same_structure_on_all_ranks(mine) -> bool:
     """Whether every rank built what this one did (its units, or a wrap that
-    raised): one all_gather_object that every rank reaches."""
-    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
-        return True  # one real rank: nothing to disagree with
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return all(x == mine for x in everyone)
+    raised): one all-reduce that every rank reaches (ranks.all_ranks_equal)."""
+    return all_ranks_equal(mine)
 
 
 def _get_attr(model: nn.Module, path: str):

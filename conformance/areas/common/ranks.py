@@ -5,6 +5,8 @@ every rank's observation the same."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -47,6 +49,19 @@ def failed_ranks(failed: bool) -> int:
     flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
     dist.all_reduce(flag, group=_side_group())
     return int(flag.item())
+
+
+def all_ranks_equal(value) -> bool:
+    """Whether every rank holds a ``value`` equal to this rank's (a tree of
+    tuples, lists, strings and numbers: compared by its repr), in one
+    all-reduce of a 63-bit digest and its negation on the default group: the
+    maximum of both is this rank's digest only if no rank's differs."""
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return True  # one real rank: nothing to disagree with
+    h = int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+    both = torch.tensor([h, -h], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return both.tolist() == [h, -h]
 
 
 def ranks_agree(obs: list, tags: set | frozenset = frozenset()) -> list[Violation]:
