@@ -498,9 +498,9 @@ def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
-    if any(len(g.modules) > 1 and g.reshard and any(_frozen_embedding(spec, m) for m in g.modules) for g in pred.groups):
-        # a list group with a module whose output needs no gradient (the case
-        # looks a frozen Embedding up with constant indices)
+    if any(len(g.modules) > 1 and g.reshard and _completed_by_frozen_embedding(spec, g.modules) for g in pred.groups):
+        # a list group completed by a module whose output needs no gradient
+        # (the case looks a frozen Embedding up with constant indices)
         tags.add("group:multi-frozen-embedding")
     if any(len(g.modules) > 1 for g in pred.groups) and group_rerun_after_frozen_embedding(spec, pred.groups, _frozen_fqns(spec)):
         tags.add("group:rerun-after-frozen-embedding")  # see that function
@@ -547,12 +547,14 @@ def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
     return g.is_torch(nid, ("Embedding",), exact=True) and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
 
 
-def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = ()) -> list[str]:
+def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = (), *, completed: bool = False) -> list[str]:
     """Node ids of the modules whose forward (and so whose FSDP hooks) the
     case's generic forward runs, in order, with multiplicity: a module
     registered under two parents runs once per parent; torch's own containers
     are walked, not called (conformance.case.build.call_child). ``skip``: spec paths
-    a microbatch passes over (as conformance.areas.schedule.oracle.used_params)."""
+    a microbatch passes over (as conformance.areas.schedule.oracle.used_params).
+    ``completed``: in the order the forwards finish (a module after the
+    children it runs: its post-forward hooks' order), not the order they start."""
 
     g = graph_of(spec)
     containers = ("ModuleList", "ModuleDict", "Sequential")
@@ -561,15 +563,43 @@ def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = ()) -> list[str]:
     def visit(nid: str, stack: tuple[str, ...]) -> None:
         if nid in stack:
             return  # a module that holds itself: never built
-        if not g.is_torch(nid, containers, exact=True):
+        called = not g.is_torch(nid, containers, exact=True)
+        if called and not completed:
             out.append(nid)
         for name, child in g.nodes[nid].children:
             tree_child = child == (f"{nid}.{name}" if nid else name)
             if not (tree_child and child in skipped):
                 visit(child, stack + (nid,))
+        if called and completed:
+            out.append(nid)
 
     visit("", ())
     return out
+
+
+def _completed_by_frozen_embedding(spec: CaseSpec, paths) -> bool:
+    """The list group of ``paths`` (fully_shard([a, b])) is completed, in the
+    case's forward, by a frozen Embedding: FSDP2 registers a group's
+    pre-backward hook on the output of the module whose forward completes
+    the group's pass alone (_register_group_forward_hooks), and a frozen
+    Embedding's output needs no gradient, so the group is not unsharded for
+    its other modules' backward (fsdp2-frozen-list-group-freed-in-backward).
+    A group one of whose modules never runs forward is completed from the
+    root's output instead (_force_complete_incomplete_states). A ModelCase
+    runs its own forward, in an order the oracle does not know: any frozen
+    Embedding of the group."""
+    if getattr(spec, "tree", None) is None:
+        return any(_frozen_embedding(spec, m) for m in paths)
+    g = graph_of(spec)
+    try:
+        remaining = {g.resolve_module(m) for m in paths}
+    except KeyError:
+        return False
+    for nid in forward_calls(spec, completed=True):
+        remaining.discard(nid)
+        if not remaining:
+            return _frozen_embedding(spec, g.module_path[nid])
+    return False
 
 
 def _group_reruns(spec: CaseSpec, groups, skip: tuple[str, ...] = ()):

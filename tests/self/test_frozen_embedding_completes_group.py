@@ -1,0 +1,73 @@
+"""fsdp2-frozen-list-group-freed-in-backward needs the frozen Embedding to
+*complete* its list group's forward: FSDP2 registers a group's pre-backward
+hook on the output of the module whose forward completes the group alone
+(torch/distributed/fsdp/_fully_shard/_fsdp_state.py,
+_register_group_forward_hooks), and a frozen Embedding's lookup needs no
+gradient, so nothing unshards the group for its other modules' backward.
+The corpus case (fully_shard(['2.embed1', '1']), the Embedding run last)
+raises "setStorage ... storage of size 0"; the same model with the
+Embedding run first trains (torch 2.13.0, fake and gloo). The oracle's
+group:multi-frozen-embedding tag said only that a list group holds a frozen
+Embedding, so a regression raising that error where the mechanism is absent
+read KNOWN: it must be a FAIL."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conformance.areas.common.fsdp2_oracle import forward_calls, fsdp2_case_tags, predict_fsdp2
+from conformance.case.spec import CaseSpec
+from conformance.case.target import graph_of
+from conformance.paths import PACKAGE
+from conformance.run.runner import check_example
+
+pytestmark = [pytest.mark.selfcheck, pytest.mark.fake]
+
+CASE = CaseSpec.from_json(json.dumps(json.loads((PACKAGE / "run" / "corpus" / "fsdp2-frozen-list-group-freed-in-backward.json").read_text())["spec"]))
+FINDING = "fsdp2-frozen-list-group-freed-in-backward"
+TAG = "group:multi-frozen-embedding"
+
+
+def _embedding_first(spec: CaseSpec) -> CaseSpec:
+    """The root's children 0, 2 (the Block holding the frozen Embedding), 1:
+    the frozen Linear '1', whose input needs a gradient, completes the group."""
+    c = spec.tree.children
+    assert [m.name for m in c] == ["0", "1", "2"]
+    return dataclasses.replace(spec, tree=dataclasses.replace(spec.tree, children=(c[0], c[2], c[1])))
+
+
+def _tags(spec: CaseSpec) -> set[str]:
+    return fsdp2_case_tags(spec, predict_fsdp2(spec, torch.__version__))
+
+
+def test_forward_calls_in_completion_order():
+    g = graph_of(CASE)
+    path = lambda nids: [g.module_path[n] for n in nids]  # noqa: E731
+    assert path(forward_calls(CASE)) == ["", "0", "1", "2", "2.embed1"]
+    assert path(forward_calls(CASE, completed=True)) == ["0", "1", "2.embed1", "2", ""]
+
+
+def test_the_tag_needs_the_embedding_to_complete_the_group():
+    assert CASE.plan.groups[0].modules == ("2.embed1", "1")
+    assert TAG in _tags(CASE)
+    assert TAG not in _tags(_embedding_first(CASE))
+
+
+def test_the_embedding_run_first_trains_and_a_regression_there_is_a_failure(fake_engine, monkeypatch):
+    known = check_example(["FSDP2-FROZEN"], CASE, fake_engine)[0]
+    assert known.verdict == "KNOWN" and {fid for _, fid in known.known} == {FINDING}, known.describe()
+    swapped = _embedding_first(CASE)
+    clean = check_example(["FSDP2-FROZEN"], swapped, fake_engine)[0]
+    assert clean.verdict == "PASS", clean.describe()
+    # the fault: FSDP2 registers no pre-backward hook at all, so every group
+    # stays resharded for its backward (the finding's error, its mechanism absent)
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    monkeypatch.setattr(FSDPState, "_register_pre_backward_hook", lambda self, output: output)
+    broken = check_example(["FSDP2-FROZEN"], swapped, fake_engine)[0]
+    assert broken.verdict == "FAIL" and not broken.known, broken.describe()
+    assert any("storage of size 0" in str(v) for v in broken.violations), broken.describe()
