@@ -80,6 +80,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("optim-empty-at-save")
         if pred.nothing_trains_first:
             tags.add("nothing-trains-first")
+            if spec.plan.api == "fsdp2" and _refreeze_in_unsharded_group(spec):
+                tags.add("refreeze:unsharded-group")
         if pred.uneven_steps_in_load_unit:
             tags.add("load-unit:uneven-steps")
         if pred.fsdp1_paramless_root:
@@ -176,6 +178,19 @@ def _group_unsharded_after_forward(spec: CaseSpec) -> bool:
     from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 
     return any(g.managed and not g.reshard for g in predict_fsdp2(spec, torch.__version__).groups)
+
+
+def _refreeze_in_unsharded_group(spec: CaseSpec) -> bool:
+    """A parameter the plan unfreezes after the first step lives in an FSDP2
+    group that keeps its parameters unsharded after forward
+    (reshard_after_forward False in effect: given, or the root's default).
+    With nothing trainable in that first step there is no backward to
+    reshard them, so requires_grad_ reaches the registered unsharded
+    Parameter, not the sharded one the optimizer holds
+    (fsdp2-frozen-root-forward-leaves-params-unsharded)."""
+    g = graph_of(spec)
+    unfrozen = {g.param_fqn[g.resolve_param(f)] for f in spec.ckpt.refreeze}
+    return any(grp.managed and not grp.reshard and unfrozen & set(grp.managed) for grp in predict_fsdp2(spec, torch.__version__).groups)
 
 
 def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:

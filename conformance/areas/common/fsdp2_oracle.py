@@ -498,7 +498,7 @@ def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
-    if any(len(g.modules) > 1 and g.reshard and _completed_by_frozen_embedding(spec, g.modules) for g in pred.groups):
+    if any(len(g.modules) > 1 and g.reshard and group_completed_by_frozen_embedding(spec, g.modules) for g in pred.groups):
         # a list group completed by a module whose output needs no gradient
         # (the case looks a frozen Embedding up with constant indices)
         tags.add("group:multi-frozen-embedding")
@@ -534,8 +534,9 @@ def _frozen_fqns(spec: CaseSpec) -> set[str]:
     return {g.param_fqn[pid] for pid in g.param_fqn if not g.requires_grad(pid)}
 
 
-def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
-    """The module at ``path`` is an Embedding whose parameters are all frozen:
+def _frozen_embedding(spec: CaseSpec, path: str, frozen: set[str] | None = None) -> bool:
+    """The module at ``path`` is an Embedding whose parameters are all frozen
+    (``frozen``: the canonical FQNs frozen then, None: the case's own mask):
     its output needs no gradient (the indices never do)."""
 
     g = graph_of(spec)
@@ -544,7 +545,11 @@ def _frozen_embedding(spec: CaseSpec, path: str) -> bool:
     except KeyError:
         return False
     node = g.nodes[nid]
-    return g.is_torch(nid, ("Embedding",), exact=True) and bool(node.params) and not any(g.requires_grad(pid) for _, pid in node.params)
+    if not (g.is_torch(nid, ("Embedding",), exact=True) and node.params):
+        return False
+    if frozen is None:
+        return not any(g.requires_grad(pid) for _, pid in node.params)
+    return all(g.param_fqn[pid] in frozen for _, pid in node.params)
 
 
 def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = (), *, completed: bool = False) -> list[str]:
@@ -577,7 +582,7 @@ def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = (), *, completed: bool
     return out
 
 
-def _completed_by_frozen_embedding(spec: CaseSpec, paths) -> bool:
+def group_completed_by_frozen_embedding(spec: CaseSpec, paths, frozen: set[str] | None = None, skip: tuple[str, ...] = ()) -> bool:
     """The list group of ``paths`` (fully_shard([a, b])) is completed, in the
     case's forward, by a frozen Embedding: FSDP2 registers a group's
     pre-backward hook on the output of the module whose forward completes
@@ -585,20 +590,22 @@ def _completed_by_frozen_embedding(spec: CaseSpec, paths) -> bool:
     Embedding's output needs no gradient, so the group is not unsharded for
     its other modules' backward (fsdp2-frozen-list-group-freed-in-backward).
     A group one of whose modules never runs forward is completed from the
-    root's output instead (_force_complete_incomplete_states). A ModelCase
+    root's output instead (_force_complete_incomplete_states). ``frozen``:
+    the canonical FQNs frozen in that forward (None: the case's own mask);
+    ``skip``: the spec paths it passes over (forward_calls). A ModelCase
     runs its own forward, in an order the oracle does not know: any frozen
     Embedding of the group."""
     if getattr(spec, "tree", None) is None:
-        return any(_frozen_embedding(spec, m) for m in paths)
+        return any(_frozen_embedding(spec, m, frozen) for m in paths)
     g = graph_of(spec)
     try:
         remaining = {g.resolve_module(m) for m in paths}
     except KeyError:
         return False
-    for nid in forward_calls(spec, completed=True):
+    for nid in forward_calls(spec, skip, completed=True):
         remaining.discard(nid)
         if not remaining:
-            return _frozen_embedding(spec, g.module_path[nid])
+            return _frozen_embedding(spec, g.module_path[nid], frozen)
     return False
 
 

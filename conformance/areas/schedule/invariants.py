@@ -8,6 +8,7 @@ from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import (
     container_given_to_fully_shard,
     fsdp2_case_tags,
+    group_completed_by_frozen_embedding,
     group_rerun,
     group_rerun_after_frozen_embedding,
     predict_fsdp2,
@@ -83,11 +84,18 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
 
 
 def _multi_frozen_embedding(spec: CaseSpec) -> bool:
-    """A list group with a module whose output needs no gradient (the
-    fully_shard area's tag, conformance.areas.common.fsdp2_oracle.fsdp2_case_tags)."""
+    """A list group completed, in some microbatch, by an Embedding frozen in
+    that step: its output needs no gradient (the fully_shard area's tag,
+    conformance.areas.common.fsdp2_oracle.fsdp2_case_tags, with each step's
+    own mask and skips: a freeze change can freeze the Embedding later)."""
     import torch
 
-    return "group:multi-frozen-embedding" in fsdp2_case_tags(spec, predict_fsdp2(spec, torch.__version__))
+    pred = predict_fsdp2(spec, torch.__version__)
+    if "group:multi-frozen-embedding" in fsdp2_case_tags(spec, pred):
+        return True
+    lists = [g.modules for g in pred.groups if len(g.modules) > 1 and g.reshard]
+    return any(group_completed_by_frozen_embedding(spec, modules, set(st.frozen), mb.skip)
+               for st in spec.schedule.steps for mb in st.microbatches for modules in lists)
 
 
 def _group_rerun_after_frozen_embedding(spec: CaseSpec) -> bool:

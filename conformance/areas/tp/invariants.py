@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
-from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags
 from conformance.areas.common.violations import backend_tag, tie_within_one_module, violation
 from conformance.areas.tp.observation import TpObservation
 from conformance.areas.tp.oracle import TpPrediction
@@ -69,6 +69,9 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
         tags.add("shard:strided-uneven")  # a _StridedShard parameter whose TP-local rows split unevenly over dp
     if pred.training.frozen:
         tags.add("frozen")
+    if pred.training.fsdp2 is not None:
+        # a list group completed by a frozen Embedding (fsdp2-frozen-list-group-freed-in-backward)
+        tags |= {t for t in fsdp2_case_tags(spec, pred.training.fsdp2) if t.startswith("group:multi-frozen-embedding")}
     if spec.ties:
         tags.add("tie")
         if tie_within_one_module(spec):
@@ -233,6 +236,8 @@ def _error_tag(text: str) -> str:
         return "error:mixed-tensor-dtensor"
     if "placement changes are not supported" in text:
         return "error:placement-change"  # the same copy into a one-element parameter
+    if "out of bounds for storage of size 0" in text:
+        return "error:freed-storage"  # a parameter read over its freed unsharded storage
     if "must have the same mesh" in text or _stack_over_meshes(text):
         return "error:mixed-meshes"
     if "would remove or reshape sharded dimension" in text:

@@ -1,0 +1,103 @@
+"""Thorough seed 71 (torch 2.13.0, gloo) FAILed three rows whose deviations
+are recorded findings' own mechanisms, in forms the areas did not tag:
+- MP-DTYPES and ACCUM: fully_shard([model1.model0.embed1, proj0]) where a
+  freeze change freezes the Embedding (tied to proj0.weight) at step 1 only;
+  the Embedding, run last, completes the group, and step 1's backward raised
+  "setStorage ... storage of size 0": fsdp2-frozen-list-group-freed-in-backward
+  (the schedule area now reads each step's own mask; step 0 trains);
+- TP-PARITY: fully_shard([model1.layers1.0, model1.layers1.1]) on a (2, 2)
+  mesh, the frozen Embedding layers1.1 run last: the same finding (the tp
+  area now carries the group's tag and names the freed-storage error; with
+  the group's weights trainable it trains);
+- CKPT-RESHARD and OPTIM-STATE: a non-root group given
+  reshard_after_forward=False, unfrozen after a first step in which nothing
+  trains: its sharded parameter stays frozen, gets no optimizer state, and
+  the resume asks for it ("Missing key in checkpoint state_dict:
+  optim.state.model1.proj0.weight.momentum_buffer"):
+  fsdp2-frozen-root-forward-leaves-params-unsharded's mechanism (with
+  reshard_after_forward=True the case passes).
+The same errors where the mechanism is absent match neither."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from conformance.areas.checkpoint.observation import CkptObservation
+from conformance.areas.schedule.observation import ScheduleObservation
+from conformance.areas.tp.observation import TpObservation
+from conformance.case.model_case import case_from_json
+from conformance.run.runner import evaluate
+
+pytestmark = pytest.mark.selfcheck
+
+DATA = Path(__file__).parent / "data"
+SCHEDULE = case_from_json((DATA / "schedule-embedding-frozen-at-step-1.json").read_text())
+TP = case_from_json((DATA / "tp-frozen-embedding-completes-group.json").read_text())
+CKPT = case_from_json((DATA / "ckpt-unfrozen-in-unresharded-group.json").read_text())
+FREED = "RuntimeError: setStorage: sizes [6, 4], strides [4, 1], storage offset 0, and itemsize 4 requiring a storage size of 96 are out of bounds for storage of size 0"
+MISSING = "CheckpointException: rank 0: RuntimeError: Missing key in checkpoint state_dict: optim.state.model1.proj0.weight.momentum_buffer."
+FREED_LIST_GROUP = "fsdp2-frozen-list-group-freed-in-backward"
+
+
+def _known(res) -> set[str]:
+    return {fid for _, fid in res.known}
+
+
+def _schedule(spec, invariant):
+    obs = [ScheduleObservation(api="fsdp2", rank=r, world_size=2, backend="gloo", torch_version="2.13.0",
+                               step_error=f"step 1 microbatch 0: {FREED}") for r in range(2)]
+    return evaluate(invariant, spec, obs)
+
+
+@pytest.mark.parametrize("invariant", ["MP-DTYPES", "ACCUM"])
+def test_an_embedding_frozen_at_a_later_step_completing_the_group_is_that_finding(invariant):
+    steps = SCHEDULE.schedule.steps
+    assert steps[0].frozen == ("proj0.bias",) and "proj0.weight" in steps[1].frozen  # proj0.weight is embed1's weight too
+    res = _schedule(SCHEDULE, invariant)
+    assert res.verdict == "KNOWN" and _known(res) == {FREED_LIST_GROUP}, res.describe()
+    # the Embedding trainable in every step: not that mechanism
+    never = dataclasses.replace(steps[1], frozen=("proj0.bias",))
+    other = _schedule(dataclasses.replace(SCHEDULE, schedule=dataclasses.replace(SCHEDULE.schedule, steps=(steps[0], never))), invariant)
+    assert other.verdict == "FAIL", other.describe()
+
+
+def _tp(spec):
+    obs = [TpObservation(api="fsdp2", rank=r, world_size=4, backend="gloo", torch_version="2.13.0", step_error=FREED) for r in range(4)]
+    return evaluate("TP-PARITY", spec, obs)
+
+
+def _trainable(spec, paths):
+    def walk(m, path):
+        params = tuple(dataclasses.replace(p, requires_grad=True) if path in paths else p for p in m.params)
+        return dataclasses.replace(m, params=params, children=tuple(walk(c, f"{path}.{c.name}" if path else c.name) for c in m.children))
+
+    return dataclasses.replace(spec, tree=walk(spec.tree, ""))
+
+
+def test_the_tp_training_over_a_group_completed_by_a_frozen_embedding_is_that_finding():
+    assert TP.plan.groups[0].modules == ("model1.layers1.0", "model1.layers1.1")
+    res = _tp(TP)
+    assert res.verdict == "KNOWN" and _known(res) == {FREED_LIST_GROUP}, res.describe()
+    other = _tp(_trainable(TP, {"model1.layers1.0", "model1.layers1.1"}))
+    assert other.verdict == "FAIL", other.describe()
+
+
+def _ckpt(spec, invariant):
+    obs = [CkptObservation(kind="roundtrip", api="fsdp2", rank=r, world_size=2, backend="gloo", torch_version="2.13.0",
+                           error=MISSING, phase="load") for r in range(2)]
+    return evaluate(invariant, spec, obs)
+
+
+@pytest.mark.parametrize("invariant", ["CKPT-RESHARD", "OPTIM-STATE"])
+def test_unfreezing_in_a_group_left_unsharded_by_a_forward_is_that_finding(invariant):
+    assert CKPT.plan.groups[1] == dataclasses.replace(CKPT.plan.groups[1], modules=("model1.proj0",), reshard_after_forward=False)
+    assert CKPT.ckpt.refreeze == ("model1.proj0.weight",)
+    res = _ckpt(CKPT, invariant)
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp2-frozen-root-forward-leaves-params-unsharded"}, res.describe()
+    # the group resharded after forward: requires_grad_ reaches the sharded parameter, the case passes on torch
+    groups = (CKPT.plan.groups[0], dataclasses.replace(CKPT.plan.groups[1], reshard_after_forward=True))
+    other = _ckpt(dataclasses.replace(CKPT, plan=dataclasses.replace(CKPT.plan, groups=groups)), invariant)
+    assert other.verdict == "FAIL", other.describe()
