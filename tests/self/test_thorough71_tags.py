@@ -16,6 +16,13 @@ are recorded findings' own mechanisms, in forms the areas did not tag:
   optim.state.model1.proj0.weight.momentum_buffer"):
   fsdp2-frozen-root-forward-leaves-params-unsharded's mechanism (with
   reshard_after_forward=True the case passes).
+The area's re-run (seed 71 again, after those changes): MP-DTYPES and ACCUM
+on fully_shard([model1.model0.embed0, proj0], reshard_after_forward=False),
+proj0 run three times (two shared names), the Embedding frozen at step 1
+through its tie: the re-runs' post-backward reshards the weight proj0's first
+run's backward reads ("setStorage ... storage of size 0"):
+fsdp2-list-group-reentered-loses-grad (its Linear form; without the re-runs,
+or with the Embedding trainable, it trains).
 The same errors where the mechanism is absent match neither."""
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ pytestmark = pytest.mark.selfcheck
 
 DATA = Path(__file__).parent / "data"
 SCHEDULE = case_from_json((DATA / "schedule-embedding-frozen-at-step-1.json").read_text())
+RERUN = case_from_json((DATA / "schedule-unresharded-group-rerun-after-embedding.json").read_text())
 TP = case_from_json((DATA / "tp-frozen-embedding-completes-group.json").read_text())
 CKPT = case_from_json((DATA / "ckpt-unfrozen-in-unresharded-group.json").read_text())
 FREED = "RuntimeError: setStorage: sizes [6, 4], strides [4, 1], storage offset 0, and itemsize 4 requiring a storage size of 96 are out of bounds for storage of size 0"
@@ -61,6 +69,16 @@ def test_an_embedding_frozen_at_a_later_step_completing_the_group_is_that_findin
     # the Embedding trainable in every step: not that mechanism
     never = dataclasses.replace(steps[1], frozen=("proj0.bias",))
     other = _schedule(dataclasses.replace(SCHEDULE, schedule=dataclasses.replace(SCHEDULE.schedule, steps=(steps[0], never))), invariant)
+    assert other.verdict == "FAIL", other.describe()
+
+
+@pytest.mark.parametrize("invariant", ["MP-DTYPES", "ACCUM"])
+def test_a_rerun_after_a_frozen_embedding_reading_a_resharded_weight_is_the_reentered_finding(invariant):
+    assert RERUN.plan.groups[0].reshard_after_forward is False and len(RERUN.shared) == 2
+    res = _schedule(RERUN, invariant)
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp2-list-group-reentered-loses-grad"}, res.describe()
+    # no re-run (the shared names gone): not that mechanism
+    other = _schedule(dataclasses.replace(RERUN, shared=()), invariant)
     assert other.verdict == "FAIL", other.describe()
 
 

@@ -143,6 +143,7 @@ ERRORS = {
     "_post_backward_hook_state": "error:post-backward-hook-state",
     "has no attribute '_unsharded_param'": "error:no-unsharded-param",
     "its data is not allocated yet": "error:data-not-allocated",
+    "out of bounds for storage of size 0": "error:freed-storage",  # a parameter read over its freed unsharded storage
 }
 
 
