@@ -300,6 +300,38 @@ def test_the_reduction_slack_covers_every_order_and_no_more():
     assert float(reduction_slack(two, 2, mean(two), EPS["bfloat16"]).abs().max()) == 0.0  # a + b = b + a
 
 
+def test_the_reduction_slack_covers_a_subnormal_contributions_pre_division():
+    """FSDP divides each rank's gradient by a power of two before the sum
+    (pre-division 2 with two or four ranks, post-division 1 or 2): exact
+    for normal numbers, not for a subnormal one, which rounds to its
+    spacing. Thorough seed 71 (float16, two ranks): a 0.00837 and a
+    -3.43e-05 gradient gave 0.0041656 where the mean rounded once is
+    0.0041695, one ulp apart, and MP-PIPELINE failed. The slack covers
+    FSDP's order on such elements, and only there: with normal
+    contributions two ranks still get none."""
+    import torch
+
+    from conformance.areas.schedule.oracle import EPS, reduction_slack
+
+    a, b = torch.tensor([0.00836944580078125], dtype=torch.float16), torch.tensor([-3.427267074584961e-05], dtype=torch.float16)
+    emulated = ((a + b) / 2).float()
+    fsdp = (a / 2 + b / 2).float()
+    assert float(fsdp) != float(emulated)  # the seed's element: one ulp apart
+    assert float((fsdp - emulated).abs()) <= float(reduction_slack([a, b], 2, emulated, EPS["float16"]))
+    gen = torch.Generator().manual_seed(0)
+    tiny = torch.finfo(torch.float16).tiny
+    for world, pre, post in ((2, 2, 1), (4, 2, 2)):
+        have = [(torch.randn(20000, generator=gen) * (tiny if r % 2 else 1e-2)).to(torch.float16) for r in range(world)]
+        emulated = (sum(have[1:], have[0]) / world).float()
+        fsdp = (sum((h / pre for h in have[1:]), have[0] / pre) / post).float()
+        slack = reduction_slack(have, world, emulated, EPS["float16"])
+        assert float(((fsdp - emulated).abs() - slack).max()) <= 0.0, world
+        assert float((fsdp - emulated).abs().max()) > 0.0  # the pre-division did round somewhere
+        assert float((slack - 4 * EPS["float16"] * emulated.abs() - world * tiny).max()) <= 0.0  # about one ulp of the mean, no more
+    normal = [torch.randn(4096, generator=gen).clamp(min=0.1).to(torch.float16) for _ in range(2)]
+    assert float(reduction_slack(normal, 2, ((normal[0] + normal[1]) / 2).float(), EPS["float16"]).abs().max()) == 0.0
+
+
 @pytest.fixture(scope="module")
 def pool4(fault_pools):
     return fault_pools(4)

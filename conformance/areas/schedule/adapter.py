@@ -230,9 +230,10 @@ class Emulation:
     reduce-scatter and post-divides the rest after it
     (_get_gradient_predivide_factor, against overflow): implemented, not
     documented; with two ranks the pre-division is by 2 and the
-    post-division by 1, both exact, so the mean computed here as sum then
-    division rounds identically; with more ranks the sum may run in another
-    order, bounded element by element (oracle.reduction_slack)."""
+    post-division by 1, both exact for normal numbers, so the mean computed
+    here as sum then division rounds identically; with more ranks the sum
+    may run in another order, and a subnormal contribution's division
+    rounds: both bounded element by element (oracle.reduction_slack)."""
 
     def __init__(self, spec: CaseSpec, pred, fsdp_paths: list[str], world: int):
         """``fsdp_paths``: the canonical paths of the modules given to

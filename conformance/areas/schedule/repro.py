@@ -107,12 +107,22 @@ def order_slack(have, world, red):
     """How far, element by element, two orders of the ranks' sum in
     reduce_dtype may land apart (no order is promised): 2 (n-1) u sum |x_i|
     (Higham, eq. 4.4), over the world, plus a rounding of the mean on each
-    side where the world is no power of two; none with two ranks."""
-    if world <= 2 or len(have) < 2:
+    side where the world is no power of two; none with two ranks. Where a
+    contribution is subnormal (or becomes so divided), FSDP's power-of-two
+    pre-division rounds it: a rounding of the mean on each side and the
+    subnormal spacing per contribution more."""
+    if len(have) < 2:
         return torch.zeros_like(red)
-    mag = sum(a.float().abs() for a in have)
-    out = 2 * 1.01 * (len(have) - 1) * REDUCE_EPS * mag / world
-    return out if world & (world - 1) == 0 else out + 2 * 1.01 * REDUCE_EPS * red.abs()
+    out = torch.zeros_like(red, dtype=torch.float32)
+    if world > 2:
+        mag = sum(a.float().abs() for a in have)
+        out = 2 * 1.01 * (len(have) - 1) * REDUCE_EPS * mag / world
+        out = out if world & (world - 1) == 0 else out + 2 * 1.01 * REDUCE_EPS * red.abs()
+    fi = torch.finfo(have[0].dtype)
+    sub = torch.zeros_like(out, dtype=torch.bool)
+    for a in have:
+        sub |= (a != 0) & (a.float().abs() < world * fi.tiny)
+    return torch.where(sub, out + 2 * 1.01 * REDUCE_EPS * red.float().abs() + len(have) * fi.tiny * fi.eps, out)
 
 
 def rel(a, b, slack=None):
