@@ -136,3 +136,46 @@ def test_backward_post_from_a_frozen_unit_is_not_promised(fake_engine):
                     comm=CommPlan(iterations=1, fsdp1_backward_prefetch="BACKWARD_POST"))
     res = run("COMM-FSDP1-PREFETCH", spec, fake_engine)
     assert res.verdict == PASS, res.describe()
+
+
+def _frozen_unit_after_nested_units() -> CaseSpec:
+    """Thorough seed 72: units model0.model0 and its child
+    model0.model0.model0 return one tensor (the child's output), which is
+    the input of the all-frozen unit model0.model1 (use_orig_params=True,
+    BACKWARD_POST)."""
+    from conformance.case.spec import ModuleWrap
+
+    tree = ModuleSpec("", "Model", (), children=(
+        ModuleSpec("model0", "Model", (), children=(
+            ModuleSpec("model0", "Model", (ParamSpec("weight", (1, 1), False),), children=(
+                ModuleSpec("model0", "Model", (ParamSpec("weight", (1, 1), False), ParamSpec("bias", (1,), True))),
+            )),
+            ModuleSpec("model1", "Model", (ParamSpec("weight", (1, 1), False),)),
+        )),
+    ))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan("fsdp1", ModuleWrap(("Model",)), True),
+                    comm=CommPlan(iterations=1, fsdp1_backward_prefetch="BACKWARD_POST"))
+
+
+def test_a_frozen_units_reshard_only_hook_fires_after_the_pre_backward_hooks_on_its_input():
+    """The frozen unit's reshard-only post-backward hook is a hook on its
+    input's gradient, registered at its pre-forward: it runs after the
+    pre-backward hooks the units whose output that tensor is registered on
+    it earlier. FSDP gathers model0.model0.model0 then model0.model0, each in
+    its own pre-backward; the oracle had the frozen unit's hook prefetch
+    model0.model0 first (thorough seed 72: COMM-FSDP1-PREFETCH FAILed on
+    fake and gloo)."""
+    from conformance.areas.common.comm_oracle import simulate_fsdp1
+
+    spec = _frozen_unit_after_nested_units()
+    backward = [(c.group, c.context) for c in simulate_fsdp1(spec, 4, spec.comm).iterations[0].collectives
+                if c.phase == "backward" and c.op == "all_gather"]
+    assert backward == [("model0.model1", "pre_backward model0.model1"),
+                        ("model0.model0.model0", "pre_backward model0.model0.model0"),
+                        ("model0.model0", "pre_backward model0.model0")], backward
+
+
+def test_the_frozen_units_hook_order_holds_on_torch(fake_engine):
+    spec = _frozen_unit_after_nested_units()
+    res = run("COMM-FSDP1-PREFETCH", spec, fake_engine)
+    assert res.verdict == PASS, res.describe()

@@ -78,6 +78,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("unfrozen-at-load")
         if pred.optim_empty_at_save:
             tags.add("optim-empty-at-save")
+        if not is_model_case(spec) and _list_group_completed_by_embedding_frozen_at_load(spec, pred):
+            tags.add("group:multi-frozen-embedding-after-load")
         if pred.nothing_trains_first:
             tags.add("nothing-trains-first")
             if spec.plan.api == "fsdp2" and _refreeze_in_unsharded_group(spec):
@@ -178,6 +180,24 @@ def _group_unsharded_after_forward(spec: CaseSpec) -> bool:
     from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 
     return any(g.managed and not g.reshard for g in predict_fsdp2(spec, torch.__version__).groups)
+
+
+def _list_group_completed_by_embedding_frozen_at_load(spec: CaseSpec, pred: CkptPrediction) -> bool:
+    """The training after the save (the save side's continued run under its
+    own plan, and the load side's resume under the load plan), both under
+    the mask at load: an FSDP2 list group completed by an Embedding frozen
+    then (fsdp2-frozen-list-group-freed-in-backward's mechanism; the save's
+    own training is group:multi-frozen-embedding)."""
+    from conformance.areas.common.fsdp2_oracle import group_completed_by_frozen_embedding
+
+    frozen = set(pred.frozen_at_load)
+    plans = [p for p in (spec.plan, spec.ckpt.load_plan or spec.plan) if p.api == "fsdp2"]
+    for plan in plans:
+        case = dataclasses.replace(spec, plan=plan)
+        for g in predict_fsdp2(case, torch.__version__).groups:
+            if len(g.modules) > 1 and g.reshard and group_completed_by_frozen_embedding(case, g.modules, frozen):
+                return True
+    return False
 
 
 def _refreeze_in_unsharded_group(spec: CaseSpec) -> bool:

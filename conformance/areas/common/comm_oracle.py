@@ -108,6 +108,7 @@ class Step:
     path: str
     grad: bool  # enter: the module's input requires grad; exit: its output does
     tensor: int = -1  # exit: which tensor the output is (a module returning its last child's output shares it)
+    input: int = -1  # enter: which tensor the input is (-1: an index, never differentiable)
 
 
 def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> tuple[tuple[Step, ...], bool]:
@@ -139,7 +140,7 @@ def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> 
             out = _trainable_own(m, path)
             steps.append(Step("exit", path, out, new()))
             return out or x, new()  # the residual: f(i) + x
-        steps.append(Step("enter", path, x))
+        steps.append(Step("enter", path, x, input=t))
         if m.cls in ("Linear", "LayerNorm"):
             out = x or _trainable_own(m, path)
             steps.append(Step("exit", path, out, new()))
@@ -469,19 +470,31 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
                         unshard(t, phase, f"{ctx} or pre_backward {t}" if either else ctx)
                         prefetched[t] = True
 
+            def pre_backward(p: str) -> None:
+                ran_pre_bw[p] = True
+                ctx = f"pre_backward {p}"
+                if needs_bw[p] and not prefetched[p]:
+                    unshard(p, "backward", ctx)
+                needs_bw[p] = False
+                if c.fsdp1_backward_prefetch == "BACKWARD_PRE":
+                    prefetch(p, "backward", ctx)
+
             for s in backward_order(steps):
                 p = s.path
                 if p not in units:
                     continue
                 if s.kind == "exit" and s.grad and not ran_pre_bw[p]:
-                    ran_pre_bw[p] = True
-                    ctx = f"pre_backward {p}"
-                    if needs_bw[p] and not prefetched[p]:
-                        unshard(p, "backward", ctx)
-                    needs_bw[p] = False
-                    if c.fsdp1_backward_prefetch == "BACKWARD_PRE":
-                        prefetch(p, "backward", ctx)
+                    pre_backward(p)
                 elif s.kind == "enter" and (units[p][1] or s.grad):
+                    if not units[p][1]:
+                        # a frozen unit's reshard-only hook is a hook on its
+                        # input's gradient (_register_post_backward_reshard_only_hook,
+                        # registered at its pre-forward): it fires after the
+                        # pre-backward hooks that units whose output that
+                        # tensor is registered on it earlier (thorough seed 72)
+                        for x in steps:
+                            if x.kind == "exit" and x.tensor == s.input and x.grad and x.path in units and not ran_pre_bw[x.path]:
+                                pre_backward(x.path)
                     # the flat parameter's gradient is ready (its post-backward
                     # hook), or for a frozen unit its inputs' gradients (the
                     # reshard-only post-backward hook)
