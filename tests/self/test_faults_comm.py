@@ -175,7 +175,34 @@ def test_a_frozen_units_reshard_only_hook_fires_after_the_pre_backward_hooks_on_
                         ("model0.model0", "pre_backward model0.model0")], backward
 
 
-def test_the_frozen_units_hook_order_holds_on_torch(fake_engine):
-    spec = _frozen_unit_after_nested_units()
-    res = run("COMM-FSDP1-PREFETCH", spec, fake_engine)
+def _frozen_linear_after_a_unit() -> CaseSpec:
+    """Thorough seed 72's re-run: the all-frozen unit is a Linear, which the
+    generic forward gives a view of the activation (x[:, None].expand): its
+    reshard-only hook sits on that view and fires first, prefetching
+    model0.model0 before that unit's own pre-backward."""
+    from conformance.case.spec import SizeBasedWrap
+
+    tree = ModuleSpec("", "Model", (), children=(
+        ModuleSpec("model0", "Model", (), children=(
+            ModuleSpec("model0", "Model", (ParamSpec("weight", (1, 1), False), ParamSpec("bias", (1,), True))),
+            ModuleSpec("proj1", "Linear", (ParamSpec("weight", (1, 1), False),)),
+        )),
+    ))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan("fsdp1", SizeBasedWrap(1), True),
+                    comm=CommPlan(iterations=1, fsdp1_backward_prefetch="BACKWARD_POST"))
+
+
+def test_a_frozen_linears_hook_on_a_view_fires_before_them():
+    from conformance.areas.common.comm_oracle import simulate_fsdp1
+
+    spec = _frozen_linear_after_a_unit()
+    backward = [(c.group, c.context) for c in simulate_fsdp1(spec, 4, spec.comm).iterations[0].collectives
+                if c.phase == "backward" and c.op == "all_gather"]
+    assert backward == [("model0.proj1", "pre_backward model0.proj1"),
+                        ("model0.model0", "post_backward model0.proj1 or pre_backward model0.model0")], backward
+
+
+@pytest.mark.parametrize("case", [_frozen_unit_after_nested_units, _frozen_linear_after_a_unit])
+def test_the_frozen_units_hook_order_holds_on_torch(case, fake_engine):
+    res = run("COMM-FSDP1-PREFETCH", case(), fake_engine)
     assert res.verdict == PASS, res.describe()

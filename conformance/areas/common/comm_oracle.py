@@ -108,7 +108,7 @@ class Step:
     path: str
     grad: bool  # enter: the module's input requires grad; exit: its output does
     tensor: int = -1  # exit: which tensor the output is (a module returning its last child's output shares it)
-    input: int = -1  # enter: which tensor the input is (-1: an index, never differentiable)
+    input: int = -1  # enter: which tensor the module's forward is given (-1: one of its own, an index, a view)
 
 
 def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> tuple[tuple[Step, ...], bool]:
@@ -140,7 +140,10 @@ def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> 
             out = _trainable_own(m, path)
             steps.append(Step("exit", path, out, new()))
             return out or x, new()  # the residual: f(i) + x
-        steps.append(Step("enter", path, x, input=t))
+        if m.cls in ("Linear", "LayerNorm"):  # given a view of the activation (conformance.case.build.call_child)
+            steps.append(Step("enter", path, x))
+        else:  # given the activation itself
+            steps.append(Step("enter", path, x, input=t))
         if m.cls in ("Linear", "LayerNorm"):
             out = x or _trainable_own(m, path)
             steps.append(Step("exit", path, out, new()))
@@ -486,12 +489,14 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
                 if s.kind == "exit" and s.grad and not ran_pre_bw[p]:
                     pre_backward(p)
                 elif s.kind == "enter" and (units[p][1] or s.grad):
-                    if not units[p][1]:
+                    if not units[p][1] and s.input >= 0 and c.param_dtype is None:
                         # a frozen unit's reshard-only hook is a hook on its
                         # input's gradient (_register_post_backward_reshard_only_hook,
-                        # registered at its pre-forward): it fires after the
-                        # pre-backward hooks that units whose output that
-                        # tensor is registered on it earlier (thorough seed 72)
+                        # registered at its pre-forward): given the activation
+                        # itself (not a view, nor a cast of it: no param_dtype),
+                        # it fires after the pre-backward hooks that units whose
+                        # output that tensor is registered on it earlier
+                        # (thorough seed 72)
                         for x in steps:
                             if x.kind == "exit" and x.tensor == s.input and x.grad and x.path in units and not ran_pre_bw[x.path]:
                                 pre_backward(x.path)
