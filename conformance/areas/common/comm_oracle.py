@@ -489,14 +489,14 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
                 if s.kind == "exit" and s.grad and not ran_pre_bw[p]:
                     pre_backward(p)
                 elif s.kind == "enter" and (units[p][1] or s.grad):
-                    if not units[p][1] and s.input >= 0 and c.param_dtype is None:
+                    if not units[p][1] and s.input >= 0:
                         # a frozen unit's reshard-only hook is a hook on its
                         # input's gradient (_register_post_backward_reshard_only_hook,
                         # registered at its pre-forward): given the activation
-                        # itself (not a view, nor a cast of it: no param_dtype),
-                        # it fires after the pre-backward hooks that units whose
-                        # output that tensor is registered on it earlier
-                        # (thorough seed 72)
+                        # itself (not a view; MixedPrecision's cast_forward_inputs
+                        # is False here, so no cast of it either), it fires after
+                        # the pre-backward hooks that units whose output that
+                        # tensor is registered on it earlier (thorough seed 72)
                         for x in steps:
                             if x.kind == "exit" and x.tensor == s.input and x.grad and x.path in units and not ran_pre_bw[x.path]:
                                 pre_backward(x.path)
