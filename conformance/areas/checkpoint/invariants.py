@@ -188,16 +188,12 @@ def _list_group_completed_by_embedding_frozen_at_load(spec: CaseSpec, pred: Ckpt
     the mask at load: an FSDP2 list group completed by an Embedding frozen
     then (fsdp2-frozen-list-group-freed-in-backward's mechanism; the save's
     own training is group:multi-frozen-embedding)."""
-    from conformance.areas.common.fsdp2_oracle import group_completed_by_frozen_embedding
+    from conformance.areas.common.fsdp2_oracle import list_group_completed_by_frozen_embedding
 
     frozen = set(pred.frozen_at_load)
-    plans = [p for p in (spec.plan, spec.ckpt.load_plan or spec.plan) if p.api == "fsdp2"]
-    for plan in plans:
-        case = dataclasses.replace(spec, plan=plan)
-        for g in predict_fsdp2(case, torch.__version__).groups:
-            if len(g.modules) > 1 and g.reshard and group_completed_by_frozen_embedding(case, g.modules, frozen):
-                return True
-    return False
+    plans = {p for p in (spec.plan, spec.ckpt.load_plan or spec.plan) if p.api == "fsdp2"}  # one when the load keeps the plan
+    cases = [dataclasses.replace(spec, plan=plan) for plan in plans]
+    return any(list_group_completed_by_frozen_embedding(case, predict_fsdp2(case, torch.__version__).groups, frozen) for case in cases)
 
 
 def _refreeze_in_unsharded_group(spec: CaseSpec) -> bool:

@@ -142,12 +142,10 @@ def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> 
             return out or x, new()  # the residual: f(i) + x
         if m.cls in ("Linear", "LayerNorm"):  # given a view of the activation (conformance.case.build.call_child)
             steps.append(Step("enter", path, x))
-        else:  # given the activation itself
-            steps.append(Step("enter", path, x, input=t))
-        if m.cls in ("Linear", "LayerNorm"):
             out = x or _trainable_own(m, path)
             steps.append(Step("exit", path, out, new()))
             return out, new()  # the residual: f(x) + x
+        steps.append(Step("enter", path, x, input=t))  # given the activation itself
         y = x or _trainable_own(m, path)
         if m.params or m.buffers:
             t = new()

@@ -498,7 +498,7 @@ def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("frozen:mixed-group")
     if any(len(g.modules) > 1 for g in pred.groups):
         tags.add("group:multi")
-    if any(len(g.modules) > 1 and g.reshard and group_completed_by_frozen_embedding(spec, g.modules) for g in pred.groups):
+    if list_group_completed_by_frozen_embedding(spec, pred.groups):
         # a list group completed by a module whose output needs no gradient
         # (the case looks a frozen Embedding up with constant indices)
         tags.add("group:multi-frozen-embedding")
@@ -607,6 +607,14 @@ def group_completed_by_frozen_embedding(spec: CaseSpec, paths, frozen: set[str] 
         if not remaining:
             return _frozen_embedding(spec, g.module_path[nid], frozen)
     return False
+
+
+def list_group_completed_by_frozen_embedding(spec: CaseSpec, groups, frozen: set[str] | None = None, skip: tuple[str, ...] = ()) -> bool:
+    """Some list group of ``groups`` (the FSDP2 prediction's) that reshards
+    after forward is completed by a frozen Embedding
+    (group_completed_by_frozen_embedding; reshard_after_forward=False keeps
+    it unsharded for backward: group:multi-frozen-embedding-rerun)."""
+    return any(len(g.modules) > 1 and g.reshard and group_completed_by_frozen_embedding(spec, g.modules, frozen, skip) for g in groups)
 
 
 def _group_reruns(spec: CaseSpec, groups, skip: tuple[str, ...] = ()):

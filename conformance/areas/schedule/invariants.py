@@ -7,10 +7,9 @@ from conformance.areas.common.catalog import Catalog, NotChecked
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import (
     container_given_to_fully_shard,
-    fsdp2_case_tags,
-    group_completed_by_frozen_embedding,
     group_rerun,
     group_rerun_after_frozen_embedding,
+    list_group_completed_by_frozen_embedding,
     predict_fsdp2,
 )
 from conformance.areas.common.violations import backend_tag, violation
@@ -90,12 +89,9 @@ def _multi_frozen_embedding(spec: CaseSpec) -> bool:
     own mask and skips: a freeze change can freeze the Embedding later)."""
     import torch
 
-    pred = predict_fsdp2(spec, torch.__version__)
-    if "group:multi-frozen-embedding" in fsdp2_case_tags(spec, pred):
-        return True
-    lists = [g.modules for g in pred.groups if len(g.modules) > 1 and g.reshard]
-    return any(group_completed_by_frozen_embedding(spec, modules, set(st.frozen), mb.skip)
-               for st in spec.schedule.steps for mb in st.microbatches for modules in lists)
+    groups = predict_fsdp2(spec, torch.__version__).groups
+    return list_group_completed_by_frozen_embedding(spec, groups) or any(
+        list_group_completed_by_frozen_embedding(spec, groups, set(st.frozen), mb.skip) for st in spec.schedule.steps for mb in st.microbatches)
 
 
 def _group_rerun_after_frozen_embedding(spec: CaseSpec) -> bool:

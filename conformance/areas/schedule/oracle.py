@@ -166,7 +166,6 @@ def reduction_slack(contributions: list, world_size: int, reduced, u: float):
     other way: one rounding of the mean on each side and the subnormal
     spacing per contribution (thorough seed 71, float16, two ranks: a
     -3.4e-05 contribution moved the mean by one ulp)."""
-    mag = None
     if world_size > 2 and len(contributions) >= 2:
         mag = contributions[0].float().abs()
         for c in contributions[1:]:
