@@ -242,6 +242,27 @@ def fsdp1_backward_pre_prefetches_post():
     return mock.patch.object(ru, "_get_handle_to_prefetch", get)
 
 
+@fault("fsdp1-unit-given-a-view-of-its-input")
+def fsdp1_unit_given_a_view_of_its_input():
+    """FSDP1's pre-forward hands each unit a view of its input tensors (a
+    copy or cast that always makes a new tensor): a frozen unit's
+    reshard-only hook then sits on the view and fires before the
+    pre-backward hooks on the activation itself, so BACKWARD_POST prefetches
+    the outer of two nested units before the inner one, which runs backward
+    first."""
+    import torch
+    from torch.distributed.fsdp import _runtime_utils as ru
+    from torch.distributed.fsdp import fully_sharded_data_parallel as fsdp_mod
+
+    orig = ru._pre_forward
+
+    def pre_forward(state, handle, unshard_fn, module, args, kwargs):
+        args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+        return orig(state, handle, unshard_fn, module, args, kwargs)
+
+    return mock.patch.object(fsdp_mod, "_pre_forward", pre_forward)
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.comm import adapter

@@ -215,3 +215,13 @@ def _bf16(spec: CaseSpec) -> CaseSpec:
 def test_the_frozen_units_hook_order_holds_on_torch(case, fake_engine):
     res = run("COMM-FSDP1-PREFETCH", case(), fake_engine)
     assert res.verdict == PASS, res.describe()
+
+
+def test_a_unit_given_a_view_of_its_input_prefetches_out_of_order(fake_engine):
+    """The fault: FSDP1 hands each unit a view of its input, so the frozen
+    unit's reshard-only hook fires before the nested units' pre-backward
+    hooks and prefetches the outer unit first. The oracle this session
+    replaced allowed exactly that order (either the prefetch or the
+    target's own pre-backward); it is now a FAIL."""
+    res = run("COMM-FSDP1-PREFETCH", _frozen_unit_after_nested_units(), fake_engine, "fault:comm:fsdp1-unit-given-a-view-of-its-input")
+    assert res.verdict == FAIL and any("kind:order" in v.tags for v in res.violations), res.describe()
