@@ -67,7 +67,7 @@ def apply_ac(plan: ActivationCheckpointPlan, built: Built) -> None:
             m.forward = functools.partial(checkpoint, m.forward, **kwargs)
 
 
-def guard_freed_reads(built: Built) -> None:
+def guard_freed_reads(built: Built) -> dict[int, object]:
     """Before FSDP: a forward pre-hook on every module of the case that
     raises where one of its parameters (or the view FSDP1 put in its
     place) has elements but a freed storage (size 0), or where it is not of
@@ -80,7 +80,16 @@ def guard_freed_reads(built: Built) -> None:
     raises a shape error that differs by rank and module, or, shaped right
     by chance, computes with the wrong values (seed 35). Installed on the
     models with and without AC alike (a read that fails without AC too is
-    FSDP's, not checkpointing's)."""
+    FSDP's, not checkpointing's).
+
+    The shape alone differs by rank: a 1-D parameter whose elements all lie
+    in one rank's shard keeps its shape there, so that rank would go on into
+    the next collective while the others raise, and the ranks hang (seed 81).
+    Returns the owners map (id of a parameter -> its FSDP1 FlatParamHandle,
+    filled after wrapping by note_fsdp1_owners): a parameter whose handle is
+    sharded (a padded shard's size, the same on every rank) is a resharded
+    read on every rank at once."""
+    owners: dict[int, object] = {}
     for path, mod in built.modules.items():
         shapes = {n: tuple(p.shape) for n, p in mod._parameters.items() if p is not None}
         if not shapes:
@@ -94,10 +103,24 @@ def guard_freed_reads(built: Built) -> None:
                 fqn = (__path + "." if __path else "") + n
                 if t.numel() and t.untyped_storage().size() == 0:
                     raise RuntimeError(f"{fqn} {FREED_READ} (numel {t.numel()}, storage of size 0)")
-                if tuple(t.shape) != shape:  # the message is the same on every rank (a shard's shape is not)
+                handle = owners.get(id(t))
+                if (handle is not None and handle.is_sharded(handle.flat_param)) or tuple(t.shape) != shape:  # the message is the same on every rank (a shard's shape is not)
                     raise RuntimeError(f"{fqn} {RESHARDED_READ}, not its {list(shape)} parameter")
 
         mod.register_forward_pre_hook(check)
+    return owners
+
+
+def note_fsdp1_owners(model: nn.Module, owners: dict[int, object]) -> None:
+    """Each FSDP1 use_orig_params=True parameter (tied names included) to
+    the handle whose flat parameter holds it (guard_freed_reads)."""
+    for unit in FSDP.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None:
+            continue
+        fp = handle.flat_param
+        for p in (*(fp._params or ()), *(fp._shared_params or ())):
+            owners[id(p)] = handle
 
 
 class Calls:
@@ -276,8 +299,8 @@ def observe(spec: CaseSpec) -> ACObservation:
     error = None
     calls, plain_calls = Calls(), Calls()
     try:
-        guard_freed_reads(built)
-        guard_freed_reads(plain)
+        owners = guard_freed_reads(built)
+        plain_owners = guard_freed_reads(plain)
         calls.install(built, plan.targets)
         plain_calls.install(plain, plan.targets, saved=True)
         apply_ac(plan, built)
@@ -292,6 +315,9 @@ def observe(spec: CaseSpec) -> ACObservation:
         error = error_line(e)
     if any_rank_failed(error is not None):
         return ACObservation(**base, wrap_error=error or "another rank's wrapping raised")
+    if spec.plan.api == "fsdp1":
+        note_fsdp1_owners(model, owners)
+        note_fsdp1_owners(plain_model, plain_owners)
     fsdp2 = spec.plan.api == "fsdp2"
     labels = aliases.canon_of_module if fsdp2 else fsdp1_units(model, aliases)
     losses: list[float] = []
