@@ -56,3 +56,46 @@ def test_the_finding_explains_the_read_under_use_orig_params_only():
     res = _raised("0.proj1.weight read in forward as FSDP's sharded view, not its [7, 7] parameter")
     assert res.verdict == KNOWN and {fid for _, fid in res.known} == {FINDING}, res.describe()
     assert _raised("size mismatch, got input (2), mat (2x7), vec (39)").verdict == FAIL  # an unnamed shape error stays a failure
+
+
+# FSDP1 use_orig_params=True, SizeBasedWrap(1): the checkpoint_wrapper around
+# the ModuleDict 0.0 becomes a unit holding 0.0.bias, which 0.1 reads as its
+# tied bias after that unit resharded (fsdp1-tie-below-lca-not-rejected). The
+# one-element bias lies whole in rank 1's shard of a world of 2: the view has
+# the bias's own shape there and the wrong shape on rank 0 (ci, seed 81).
+TIED_BIAS = CaseSpec.from_json((Path(__file__).parent / "data" / "ac-fsdp1-tied-bias-whole-in-one-shard.json").read_text())
+TIE_FINDING = "fsdp1-tie-below-lca-not-rejected"
+
+
+def test_a_tied_read_of_a_sharded_unit_raises_on_every_rank_alike():
+    """Before: rank 0 raised, rank 1 read its shard (shaped right by chance)
+    and went on into backward's all-gather, and the ranks hung until the
+    pool's deadline (60 s: HANG, no finding). The guard now asks the
+    parameter's FSDP handle whether it is sharded: the same answer on every
+    rank."""
+    from conformance.engine.fake import FakeEngine
+
+    errors = []
+    for rank in range(2):
+        engine = FakeEngine(world_size=2, rank=rank)
+        try:
+            (rec,) = engine.run("activation-checkpointing", TIED_BIAS)
+        finally:
+            engine.close()
+        assert rec["ok"], rec
+        errors.append(rec["value"]["step_error"])
+    assert errors[0] == errors[1] == "RuntimeError: 0.1.bias read in forward as FSDP's sharded view, not its [1] parameter"
+
+
+# the size policy's unit around checkpoint_wrapper(0) holds 0.weight, which 1
+# reads as its tied weight (ci, seed 81: FAIL on both tiers before the rule)
+BELOW_TIE = CaseSpec.from_json((Path(__file__).parent / "data" / "ac-fsdp1-wrapper-unit-below-tie.json").read_text())
+
+
+def test_the_tie_finding_explains_a_read_of_the_tie_outside_its_unit_only():
+    res = _raised("1.weight read in forward as FSDP's sharded view, not its [1, 1] parameter", BELOW_TIE)
+    assert res.verdict == KNOWN and {fid for _, fid in res.known} == {TIE_FINDING}, res.describe()
+    # the same read of the unit's own name: not the tie's outside user
+    assert _raised("0.weight read in forward as FSDP's sharded view, not its [1, 1] parameter", BELOW_TIE).verdict == FAIL
+    res = _raised("0.1.bias read in forward as FSDP's sharded view, not its [1] parameter", TIED_BIAS)
+    assert res.verdict == KNOWN and {fid for _, fid in res.known} == {TIE_FINDING}, res.describe()

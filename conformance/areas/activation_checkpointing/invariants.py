@@ -52,14 +52,26 @@ def sac_op_tag(text: str) -> tuple[str, ...]:
     return ("sac-op:record-function",) if "profiler._record_function" in op else ("sac-op:compute",)
 
 
-def _raised(inv: str, obs: ACObservation, tags: set[str], *, state_dict: bool = False) -> list[Violation] | NotChecked | None:
+def read_tags(text: str, pred: ACPrediction) -> tuple[str, ...]:
+    """Whose read the adapter's guard caught: a tied parameter read by a
+    user outside the checkpoint_wrapper's size-policy unit that holds it
+    (the unit below the tie's common ancestor: outside:tie-below-lca)."""
+    if RESHARDED_READ not in text:
+        return ()
+    words = text.split(RESHARDED_READ)[0].split()  # "RuntimeError: <name> read in forward as ..."
+    name = (words[-1] if words else "").replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+    return ("read:tie-outside-unit",) if name in pred.tie_reads_outside else ()
+
+
+def _raised(inv: str, obs: ACObservation, tags: set[str], pred: ACPrediction, *, state_dict: bool = False) -> list[Violation] | NotChecked | None:
     if obs.plain_error and (obs.step_error or (state_dict and obs.state_dict_error)):
         # FSDP fails without checkpointing too: the failure is not AC's
         # (the PARITY and comm areas check FSDP itself)
         return NotChecked(f"the same FSDP training without AC raised too ({obs.plain_error}): not checkpointing's failure")
     for at, err in (("ac", obs.ac_error), ("wrap", obs.wrap_error), ("training", obs.step_error)):
         if err:
-            return [violation(inv, f"{at} raised {err}", tags, "kind:raised", f"at:{at}", error_tag(err), *sac_op_tag(err))]
+            return [violation(inv, f"{at} raised {err}", tags, "kind:raised", f"at:{at}", error_tag(err), *sac_op_tag(err),
+                              *read_tags(err, pred))]
     if state_dict and obs.state_dict_error:
         return [violation(inv, f"state_dict raised {obs.state_dict_error}", tags, "kind:state-dict-raised", "at:state-dict")]
     return None
@@ -77,7 +89,7 @@ def check_parity(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> list
     if pred.applicable:
         return NotChecked(f"training is not promised for this case: {pred.applicable}")
     tags = set(pred.tags) | {backend_tag(obs)}
-    raised = _raised("AC-PARITY", obs, tags)
+    raised = _raised("AC-PARITY", obs, tags, pred)
     if raised is not None:
         return raised
     out = []
@@ -111,7 +123,7 @@ def check_state_dict(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> 
     if pred.applicable:
         return NotChecked(f"training is not promised for this case: {pred.applicable}")
     tags = set(pred.tags)
-    raised = _raised("AC-STATE-DICT", obs, tags, state_dict=True)
+    raised = _raised("AC-STATE-DICT", obs, tags, pred, state_dict=True)
     if raised is not None:
         return raised
     got, want = set(obs.state_dict_keys), set(obs.plain_keys)
@@ -138,7 +150,7 @@ def check_allgather(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> l
     if pred.applicable:
         return NotChecked(f"training is not promised for this case: {pred.applicable}")
     tags = set(pred.tags)
-    raised = _raised("AC-ALLGATHER", obs, tags)
+    raised = _raised("AC-ALLGATHER", obs, tags, pred)
     if raised is not None:
         return raised
     if obs.plain_error:

@@ -57,6 +57,9 @@ class ACPrediction:
     # checkpointed region with every parameter frozen: the recompute may be
     # the only reader of their parameters in backward
     frozen_in_region: frozenset[str] = frozenset()
+    # the names under which users outside a checkpoint_wrapper's size-policy
+    # unit read a tied parameter that unit holds (outside:tie-below-lca)
+    tie_reads_outside: frozenset[str] = frozenset()
 
     def expect(self, world: int) -> Expected:
         """The collectives of the plan's steps without AC (what the unit
@@ -94,20 +97,21 @@ def _expect(spec: CaseSpec, world: int) -> Expected:
     return simulate_fsdp1(spec, world, CommPlan(iterations=steps), input_grad=True)
 
 
-def _wrapper_unit_below_tie(spec: CaseSpec, plan: ActivationCheckpointPlan) -> bool:
-    """A checkpoint_wrapper around a torch container (which the size policy
-    may make a unit in its stead) holds a tied parameter some other user
-    outside it reads."""
+def _tie_reads_below_wrapper_unit(spec: CaseSpec, plan: ActivationCheckpointPlan) -> frozenset[str]:
+    """The names under which users outside a checkpoint_wrapper around a
+    torch container (which the size policy may make a unit in its stead)
+    read a tied parameter inside it."""
     g = graph_of(spec)
+    out = set()
     for t in plan.targets:
         if not g.is_torch(g.resolve_module(t), SIZE_EXCLUDE_WRAP):
             continue
         inside = set(g.subtree_params(g.resolve_module(t)))
         for f, pid in g.named_parameters():
             names = g.aliases(pid)
-            if pid in inside and len(names) > 1 and any(not (n == t or n.startswith(t + ".")) for n in names):
-                return True
-    return False
+            if pid in inside and len(names) > 1:
+                out |= {n for n in names if not n.startswith(t + ".")}
+    return frozenset(out)
 
 
 @functools.lru_cache(maxsize=256)
@@ -150,7 +154,10 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
         tags.add("ac:unit-in-region")
     if frozen_in_region:
         tags.add("ac:frozen-unit-in-region")
-    if wrapper and spec.plan.api == "fsdp1" and isinstance(spec.plan.policy, SizeBasedWrap) and _wrapper_unit_below_tie(spec, plan):
+    tie_reads = frozenset()
+    if wrapper and spec.plan.api == "fsdp1" and isinstance(spec.plan.policy, SizeBasedWrap):
+        tie_reads = _tie_reads_below_wrapper_unit(spec, plan)
+    if tie_reads:
         # size_based_auto_wrap_policy never wraps a ModuleList / ModuleDict but
         # may wrap the CheckpointWrapper around one: a unit the tree without
         # AC does not have, below a tie's users' common ancestor (TIES: FSDP1
@@ -173,4 +180,4 @@ def predict_ac(spec: CaseSpec) -> ACPrediction:
             tags.add("ac:frozen-inside")
     if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):
         tags.add("tie")
-    return ACPrediction(spec, training, plan, training.applicable, frozenset(tags), frozenset(frozen_in_region))
+    return ACPrediction(spec, training, plan, training.applicable, frozenset(tags), frozenset(frozen_in_region), tie_reads)
