@@ -28,6 +28,7 @@ from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optim
 from conformance.areas.init_order.observation import InitObservation, ValueCheck
 from conformance.case.build import Built, build, is_sharded, read_attr
 from conformance.case.spec import CaseSpec, InitPlan
+from conformance.engine.fake import forget_meshes
 
 LR = 0.05
 # The buffers the sync cases add to the root (the drawn trees hold few
@@ -247,6 +248,12 @@ def observe(spec: CaseSpec) -> InitObservation:
                 from torch.distributed.device_mesh import DeviceMesh
 
                 mesh = DeviceMesh.from_group(group, rank_device().type)
+                # DTensor's sharding-propagation cache takes this mesh for an
+                # equal one of an earlier example (the default group's: mesh
+                # equality ignores groups), whose collectives then go there,
+                # without this group's timeout: a missed one hung the pool
+                # until its deadline (ci seed 81; conformance.engine.fake)
+                forget_meshes()
                 a2.shard(spec, built, extra=lambda _mods: {"mesh": mesh})
             else:
                 a2.shard(spec, built)
