@@ -15,7 +15,15 @@ that a hang shows as a timeout:
 - partly (one group, rank 1 skips c only): rank 1 reduce-scatters fewer
   elements and gloo aborts its process ("Received data size doesn't match
   expected size"), rank 0 sees the connection reset. That mode kills a rank,
-  so torchrun exits non-zero: run it by hand (it is no header mode).
+  so torchrun exits non-zero: run it by hand (it is no header mode);
+- silent (c, of the root's size, is its own group with
+  reshard_after_forward=False, the root's True; every parameter frozen, two
+  forwards; rank 1 skips c): no timeout and no error. Rank 1's second
+  all-gather (the root's, for the second forward) pairs with rank 0's
+  all-gather of c, and rank 0's of the root with rank 1's full_tensor() of
+  c: each rank computes with the other group's shards, and the losses and
+  the frozen parameters' values differ from the unsharded model's,
+  silently (ci seed 81, INIT-DIVERGENT).
 
 Root cause: FSDPParamGroup.post_backward reduces only the parameters that
 have a gradient on this rank, and a group's all-gather is issued by its
@@ -24,6 +32,7 @@ module's pre-forward: the collectives follow each rank's own control flow.
 Finding: fsdp2-rank-divergent-module-collective-mismatch
 Run: torchrun --nproc-per-node 2 fsdp2-rank-divergent-module-collective-mismatch.py own
 Run: torchrun --nproc-per-node 2 fsdp2-rank-divergent-module-collective-mismatch.py unused
+Run: torchrun --nproc-per-node 2 fsdp2-rank-divergent-module-collective-mismatch.py silent
 Not shown by: python fsdp2-rank-divergent-module-collective-mismatch.py own: one rank has nothing to diverge from
 """
 import datetime
@@ -59,10 +68,12 @@ def finish(deviation, as_specified):
         print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
     print(end="", flush=True)
     os._exit(0)  # every rank leaves here, the group not torn down (gloo's teardown can abort a rank now and then)
+import copy
 import sys
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 
 class Model(nn.Module):
@@ -79,6 +90,43 @@ class Model(nn.Module):
         return self.c(x) if "c" not in self.skip else x
 
 
+class Silent(nn.Module):
+    """A root with a parameter of its own and a child of the same size, every
+    parameter frozen (the suite's case, ci seed 81)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(7, 7), requires_grad=False)
+        self.c = nn.Linear(7, 7, bias=False).requires_grad_(False)
+        self.skip = False
+
+    def forward(self, x):
+        x = x @ self.w
+        return x if self.skip else self.c(x)
+
+
+def silent(rank, mesh, x):
+    torch.manual_seed(0)
+    model = Silent().to(DEVICE)
+    ref = copy.deepcopy(model)
+    model.skip = ref.skip = rank == 1
+    fully_shard(model.c, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the root all-gathers again in the second forward
+    x = torch.randn(2, 7, device=DEVICE) * (1 + rank)
+    try:
+        got = [float((model(x) ** 2).sum()) for _ in range(2)]
+        # a collective per DTensor: the root's group stays unsharded after the forward
+        final = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    except RuntimeError as e:
+        finish(f"silent: rank {rank} raised RuntimeError: {str(e).splitlines()[0][:140]}", "")
+    want = float((ref(x) ** 2).sum())
+    changed = sorted(n for n, p in ref.named_parameters() if not torch.equal(final[n], p))
+    wrong = [round(g, 4) for g in got if abs(g - want) > 1e-4 * max(1.0, abs(want))]
+    finish(f"silent: rank {rank}'s losses {[round(g, 4) for g in got]}, the unsharded model's {want:.4f}; frozen parameters "
+           f"changed: {changed} (rank 1 skipped c; no error, no timeout)" if wrong or changed else None,
+           "silent: every rank's losses and parameters equal the unsharded model's")
+
+
 def main():
     form = sys.argv[1] if len(sys.argv) > 1 else "own"
     init()
@@ -87,12 +135,14 @@ def main():
     mesh = DeviceMesh.from_group(group, DEVICE.type)
     torch.manual_seed(0)
     model = Model().to(DEVICE)
+    x = torch.randn(2, 3, device=DEVICE) * (1 + rank)
+    if form == "silent":
+        silent(rank, mesh, x)
+    skip = {"own": ("c",), "unused": ("a", "b", "c"), "partly": ("c",)}[form]
     if form == "own":
         fully_shard(model.c, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    skip = {"own": ("c",), "unused": ("a", "b", "c"), "partly": ("c",)}[form]
     model.skip = skip if rank == 1 else ()
-    x = torch.randn(2, 3, device=DEVICE) * (1 + rank)
     try:
         (model(x) ** 2).sum().backward()
         grads = {n: p.grad for n, p in model.named_parameters()}  # local: no further collective on the group

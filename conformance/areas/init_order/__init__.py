@@ -15,7 +15,8 @@ AREA = Area(
     title="Init and order: user actions around lazy init, meta-device init, sync from rank 0, rank-divergent modules",
     invariants=invariants.INVARIANTS,
     scenarios=(AreaScenario("init_order", scenario.init_order, InitObservation, predict_init,
-                            failure_tags=invariants.failure_tags, fsdp_seconds=lambda obs: obs.fsdp_seconds),),
+                            ranks_tags=invariants.ranks_tags, failure_tags=invariants.failure_tags,
+                            fsdp_seconds=lambda obs: obs.fsdp_seconds),),
     applies=lambda case: getattr(case, "init", None) is not None,
     unavailable=lambda case: fsdp2_unavailable() if case.plan.api == "fsdp2" else None,
     # INIT-META's shards and placements and INIT-ORDER's dtype and errors are

@@ -204,6 +204,13 @@ def check_divergent(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservat
     return _trajectory("INIT-DIVERGENT", pred, obs, tags)
 
 
+def ranks_tags(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation]) -> set[str]:
+    """A rank disagreement's facts: which module rank 1 skips, and how its
+    group is used (a finding of rank-divergent collectives explains the
+    ranks' different values only there)."""
+    return {t for t in pred.tags if t.startswith("skip:")}
+
+
 def failure_tags(spec: CaseSpec, pred: InitPrediction) -> set[str]:
     """A HANG or CRASH of an init_order example: the case's tags (a rank
     that torch's gloo kills on a collective mismatch is then KNOWN)."""
