@@ -65,6 +65,7 @@ class ExampleFailed(EngineError):
         deadline: float,
         elapsed: float,
         ranks: tuple[RankState, ...],
+        idle: float | None = None,
     ) -> None:
         self.scenario = scenario
         self.spec = spec  # the CaseSpec as given to run()
@@ -73,6 +74,7 @@ class ExampleFailed(EngineError):
         self.deadline = deadline
         self.elapsed = elapsed
         self.ranks = tuple(ranks)
+        self.idle = idle  # a HANG declared before the deadline: every running rank used no CPU for this long
         super().__init__(self._line())
         if hasattr(self, "add_note"):
             self.add_note(self.report(headline=False))
@@ -80,9 +82,10 @@ class ExampleFailed(EngineError):
     def _line(self) -> str:
         what = "no result within" if self.verdict == HANG else "rank died after"
         states = "; ".join(r.describe() for r in self.ranks)
+        why = f"deadline {self.deadline:g}s" + (f"; no running rank used CPU for {self.idle:g}s" if self.idle else "")
         return (
             f"{self.verdict}: scenario {self.scenario!r} on {self.world_size} {self.backend} ranks, "
-            f"{what} {self.elapsed:.1f}s (deadline {self.deadline:g}s): {states}"
+            f"{what} {self.elapsed:.1f}s ({why}): {states}"
         )
 
     def report(self, headline: bool = True) -> str:
@@ -108,6 +111,7 @@ class ExampleFailed(EngineError):
             "world_size": self.world_size,
             "deadline": self.deadline,
             "elapsed": self.elapsed,
+            "idle": self.idle,
             "ranks": [asdict(r) for r in self.ranks],
         }
 

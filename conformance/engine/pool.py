@@ -275,6 +275,12 @@ class _ForkServer:
 STARTS: list[tuple[int, float]] = []
 
 
+# seconds without CPU in every rank still running before an example is a HANG:
+# past the groups of an example's own (init_order's rank-divergent cases time
+# out after 8 s) and any scheduling delay on a loaded 2-core machine
+IDLE_DEADLINE = 20.0
+
+
 class RankPool:
     """``world_size`` rank processes in one process group, kept across examples.
 
@@ -305,13 +311,19 @@ class RankPool:
         preload: tuple[str, ...] | None = None,
         threads: int = 1,
         share_server_with: "RankPool | None" = None,
+        idle_deadline: float | None = IDLE_DEADLINE,
     ) -> None:
         self.backend = resolve_backend(backend, world_size)
         if self.backend == "fake":
             raise EngineError("the fake backend runs in-process: use conformance.engine.fake.FakeEngine")
         if deadline <= 0:
             raise EngineError(f"deadline must be > 0 seconds, got {deadline!r}")
+        if idle_deadline is not None and idle_deadline <= 0:
+            raise EngineError(f"idle_deadline must be > 0 seconds or None, got {idle_deadline!r}")
         self.world_size = world_size
+        # a HANG is declared sooner than the deadline where no rank still
+        # running has used CPU for this long (None: the deadline only)
+        self.idle_deadline = None if idle_deadline is None else float(idle_deadline)
         self.deadline = float(deadline)
         self.startup_deadline = float(startup_deadline)
         # None: what the registered scenarios need (scenarios.default_preload)
@@ -389,11 +401,14 @@ class RankPool:
         start = time.monotonic()
         try:
             dead = self._send_all(line)
-            got, died = self._collect("result", msg_id, start + deadline, stop_on_death=True)
+            idle: list[float] = []
+            got, died = self._collect("result", msg_id, start + deadline, stop_on_death=True,
+                                      idle_after=self.idle_deadline, idle=idle)
             dead |= died
             if dead or len(got) < self.world_size:
                 raise self._give_up(
-                    RankCrash if dead else RankHang, scenario, spec, deadline, start, got, dead, offsets
+                    RankCrash if dead else RankHang, scenario, spec, deadline, start, got, dead, offsets,
+                    idle=idle[0] if idle and not dead else None,
                 )
         except ExampleFailed:
             raise
@@ -562,14 +577,19 @@ class RankPool:
         return dead
 
     def _collect(
-        self, op: str, msg_id: int | None, until: float, *, stop_on_death: bool, grace: float = 1.0
+        self, op: str, msg_id: int | None, until: float, *, stop_on_death: bool, grace: float = 1.0,
+        idle_after: float | None = None, idle: list | None = None,
     ) -> tuple[dict[int, dict], set[int]]:
         """Messages ``op`` (with ``msg_id``) from every rank, until ``until``.
-        After a rank dies, waits at most ``grace`` more seconds for the rest."""
+        After a rank dies, waits at most ``grace`` more seconds for the rest.
+        ``idle_after``: stop early once no rank still pending has used CPU
+        for that long (each is blocked: in a collective no other rank will
+        enter, a lock, a sleep), appending that time to ``idle``."""
         got: dict[int, dict] = {}
         dead: set[int] = set()
         by_fd = {r.res_r: r for r in self._ranks}
         pending = {r.rank for r in self._ranks}
+        watch = _IdleWatch(self._ranks, idle_after) if idle_after is not None else None
 
         def take(r: _Rank) -> None:
             while r.inbox:
@@ -588,6 +608,11 @@ class RankPool:
             fds = [self._ranks[i].res_r for i in pending if not self._ranks[i].eof]
             if not fds:
                 break
+            if watch is not None:
+                if watch.idle(pending):
+                    idle.append(watch.quiet)
+                    break
+                remaining = min(remaining, watch.poll)
             readable, _, _ = select.select(fds, [], [], remaining)
             for fd in readable:
                 r = by_fd[fd]
@@ -619,7 +644,7 @@ class RankPool:
         if dead or died or len(got) < self.world_size or any(m.get("value") != want for m in got.values()):
             self._rebuild(f"ranks out of step after a scenario raised (example {msg_id})")
 
-    def _give_up(self, cls, scenario, spec, deadline, start, got, dead, offsets) -> ExampleFailed:
+    def _give_up(self, cls, scenario, spec, deadline, start, got, dead, offsets, idle: float | None = None) -> ExampleFailed:
         elapsed = time.monotonic() - start
         server = self._server
         server.drain(0.0)
@@ -653,7 +678,7 @@ class RankPool:
             states.append(RankState(r.rank, r.pid, state, code, record, stack, log))
         failure = cls(
             scenario=scenario, spec=spec, backend=self.backend, world_size=self.world_size,
-            deadline=deadline, elapsed=elapsed, ranks=tuple(states),
+            deadline=deadline, elapsed=elapsed, ranks=tuple(states), idle=idle,
         )
         self._rebuild(str(failure))
         return failure
@@ -666,6 +691,52 @@ def _last_line(path: str) -> str:
     except OSError:
         return ""
     return lines[-1] if lines else ""
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The process's user + system CPU time (every thread), from /proc; None
+    where that cannot be read (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+class _IdleWatch:
+    """Whether every pending rank has been idle for ``quiet`` seconds: used
+    under 2% of one core since the window began (a rank blocked in gloo
+    still wakes a background thread now and then: about 0.5% measured here;
+    a rank that computes, even on a loaded machine, uses far more), sampled
+    every ``poll`` seconds. A rank whose CPU cannot be read counts as busy:
+    the deadline alone decides then."""
+
+    RATE = 0.02  # of one core
+    SLACK = 0.03  # seconds: a few clock ticks
+
+    def __init__(self, ranks: list[_Rank], quiet: float) -> None:
+        self.quiet = quiet
+        self.poll = min(1.0, quiet / 4)
+        self._pids = {r.rank: r.pid for r in ranks}
+        self._base: dict[int, float | None] = {}
+        self._since = time.monotonic()
+        self._next = 0.0
+
+    def idle(self, pending: set[int]) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.poll
+        cpu = {r: _cpu_seconds(self._pids[r]) for r in pending}
+        allowed = self.RATE * (now - self._since) + self.SLACK
+        if any(c is None or self._base.get(r) is None or c - self._base[r] > allowed for r, c in cpu.items()):
+            self._since, self._base = now, cpu  # some pending rank works (or cannot be read): a new window
+            return False
+        return now - self._since >= self.quiet
 
 
 def _strip(msg: dict) -> dict:

@@ -66,6 +66,23 @@ def sleep_forever(spec: CaseSpec) -> dict:
         time.sleep(3600)
 
 
+@scenario("compute_then_reduce", test_only=True)
+def compute_then_reduce(spec: CaseSpec, seconds: float = 3.0) -> dict:
+    """Rank 0 computes for ``seconds`` while the others wait for it in an
+    all_reduce: one rank busy, the rest blocked, no hang."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        end = time.monotonic() + seconds
+        x = torch.ones(64, 64)
+        while time.monotonic() < end:
+            x = torch.tanh(x @ x)
+    t = torch.ones(1, device=_device())
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": float(t.item())}
+
+
 @scenario("exit_mid_collective", test_only=True, fault=True)
 def exit_mid_collective(spec: CaseSpec) -> dict:
     """Rank 1 calls os._exit(3) while rank 0 waits in an all_reduce."""

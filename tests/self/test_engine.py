@@ -171,6 +171,34 @@ def test_hang_is_reported_with_every_rank_stack_and_the_pool_rebuilds(pool):
 
 
 @pytest.mark.gloo
+def test_a_hang_is_declared_once_no_running_rank_uses_cpu(pool, monkeypatch):
+    """Every rank blocked (a barrier one rank never leaves, a sleep): the
+    HANG comes after idle_deadline seconds without CPU, not at the deadline
+    (ci seed 81's rank-divergent hang held its worker 60 s an example, and
+    Hypothesis shrinks a hang through many)."""
+    monkeypatch.setattr(pool, "idle_deadline", 1.5)
+    start = time.monotonic()
+    with pytest.raises(RankHang) as info:
+        pool.run("sleep_forever", small_spec(21), deadline=60)
+    assert time.monotonic() - start < 1.5 + 8  # the idle window, stack dumps, teardown
+    e = info.value
+    assert e.idle == 1.5 and "no running rank used CPU for 1.5s" in str(e) and "\n" not in str(e)
+    assert [(r.rank, r.state) for r in e.ranks] == [(0, "running"), (1, "running")]
+    check_echo(pool.run("echo", small_spec(22)), 22)
+
+
+@pytest.mark.gloo
+def test_a_rank_that_computes_while_the_others_wait_is_no_hang(pool, monkeypatch):
+    """Rank 0 computes for 3 s while rank 1 waits for it in an all_reduce:
+    one rank busy is progress, whatever the idle window."""
+    monkeypatch.setattr(pool, "idle_deadline", 1.0)
+    records = pool.run("compute_then_reduce", small_spec(23), deadline=60, args={"seconds": 3.0})
+    assert [r["ok"] for r in records] == [True, True] and records[0]["value"]["sum"] == 2.0
+    with pytest.raises(EngineError, match="idle_deadline must be > 0"):
+        RankPool(2, "gloo", idle_deadline=0)
+
+
+@pytest.mark.gloo
 def test_exit_mid_collective_is_a_crash_and_the_pool_rebuilds(pool):
     pool.run("echo", small_spec())
     old = pool.pids
