@@ -103,8 +103,11 @@ def guard_freed_reads(built: Built) -> dict[int, object]:
                 fqn = (__path + "." if __path else "") + n
                 if t.numel() and t.untyped_storage().size() == 0:
                     raise RuntimeError(f"{fqn} {FREED_READ} (numel {t.numel()}, storage of size 0)")
+                # the handle's state, the same on every rank, decides first; the
+                # shape (a shard's differs by rank) where FSDP1 holds no handle
+                # for it; the message names no shard, the same on every rank
                 handle = owners.get(id(t))
-                if (handle is not None and handle.is_sharded(handle.flat_param)) or tuple(t.shape) != shape:  # the message is the same on every rank (a shard's shape is not)
+                if (handle is not None and handle.is_sharded(handle.flat_param)) or tuple(t.shape) != shape:
                     raise RuntimeError(f"{fqn} {RESHARDED_READ}, not its {list(shape)} parameter")
 
         mod.register_forward_pre_hook(check)

@@ -107,7 +107,7 @@ def _tie_reads_below_wrapper_unit(spec: CaseSpec, plan: ActivationCheckpointPlan
         if not g.is_torch(g.resolve_module(t), SIZE_EXCLUDE_WRAP):
             continue
         inside = set(g.subtree_params(g.resolve_module(t)))
-        for f, pid in g.named_parameters():
+        for _, pid in g.named_parameters():
             names = g.aliases(pid)
             if pid in inside and len(names) > 1:
                 out |= {n for n in names if not n.startswith(t + ".")}
