@@ -191,7 +191,7 @@ class ReportPlugin:
         if self.session is not None:
             part.update(self.session.to_dict())
         try:
-            data.write_json(self.partial_dir / f"{self.worker or 'main'}.json", part)
+            data.write_json(self.partial_dir / f"{self.worker or 'main'}.json", part, indent=None)  # read by the run only
         except OSError:
             pass
         self._last_flush = time.monotonic()
@@ -354,7 +354,8 @@ class ReportPlugin:
         try:
             report = self.build("running")
             if report is not None:
-                data.write_json(self.report_dir / write.FILES["json"], report)
+                # compact while running (the finished report is indented): every 2 s of a full run
+                data.write_json(self.report_dir / write.FILES["json"], report, indent=None)
         except Exception as e:  # noqa: BLE001 - progress reports must not break the run
             print(f"fsdp-conformance: could not write the running report: {e}", file=sys.stderr)
         self._last_report = time.monotonic()

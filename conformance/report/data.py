@@ -522,12 +522,16 @@ def validate(data, where: str = "report") -> dict:
     return data
 
 
-def write_json(path: Path, data) -> None:
-    """Write atomically: a reader sees the old file or the new one, never half."""
+def write_json(path: Path, data, *, indent: int | None = 1) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half.
+    ``indent=None``: compact, for files only the suite reads (json's C
+    encoder runs only without an indent: a full run's worker partial takes
+    about 15 ms that way, 90 ms indented)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    text = json.dumps(data, indent=indent, sort_keys=False) if indent is not None else json.dumps(data, separators=(",", ":"))
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
 
 
