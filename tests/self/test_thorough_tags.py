@@ -141,3 +141,56 @@ def test_the_training_after_the_save_under_the_load_mask_is_the_freed_list_group
     trainable = dataclasses.replace(CKPT_AT_LOAD, ckpt=dataclasses.replace(CKPT_AT_LOAD.ckpt, load_frozen=()))
     other = _ckpt(trainable, invariant, freed, "resume")
     assert other.verdict == "FAIL", other.describe()
+
+
+# Thorough seed 84 (MP-DTYPES, ACCUM; FSDP1, ModuleWrapPolicy(Model)): the
+# unit model1, its one parameter frozen, passes over its Linear in the
+# microbatch and returns its input; its reshard-only hook (on that input)
+# fires before its pre-backward hook (on the same tensor, its output):
+# "expected to be in states [IDLE] but current state is FORWARD_BACKWARD"
+# (fsdp1-frozen-unit-returning-its-input-fails-backward, a new finding; its
+# repro shows it on one rank and two, and trains where the Linear runs)
+PASSTHROUGH = case_from_json((DATA / "schedule-frozen-unit-passes-input-through.json").read_text())
+STATE = "ValueError: expected to be in states [<TrainingState.IDLE: 1>] but current state is TrainingState.FORWARD_BACKWARD"
+
+
+def _fsdp1_schedule(spec, invariant, error=STATE):
+    obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0",
+                               step_error=f"step 0 microbatch 0: {error}") for r in range(2)]
+    return evaluate(invariant, spec, obs)
+
+
+def _with_microbatch(spec, **changes):
+    st = spec.schedule.steps[0]
+    st = dataclasses.replace(st, microbatches=(dataclasses.replace(st.microbatches[0], **changes),))
+    return dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, steps=(st,)))
+
+
+@pytest.mark.parametrize("invariant", ["MP-DTYPES", "ACCUM"])
+def test_a_frozen_unit_returning_its_input_is_that_finding(invariant):
+    from conformance.areas.schedule.invariants import case_tags
+    from conformance.areas.schedule.oracle import predict_schedule
+
+    assert PASSTHROUGH.schedule.steps[0].microbatches[0].skip == ("model1.proj0",)
+    assert "unit:frozen-passthrough" in case_tags(PASSTHROUGH, predict_schedule(PASSTHROUGH))
+    res = _fsdp1_schedule(PASSTHROUGH, invariant)
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp1-frozen-unit-returning-its-input-fails-backward"}, res.describe()
+    # the unit runs its Linear: it returns a new tensor, not that mechanism
+    runs = _with_microbatch(PASSTHROUGH, skip=())
+    assert "unit:frozen-passthrough" not in case_tags(runs, predict_schedule(runs))
+    assert _fsdp1_schedule(runs, invariant).verdict == "FAIL"
+    # the unit's parameter trainable: no reshard-only hook on the input
+    trainable = dataclasses.replace(PASSTHROUGH, tree=_requires_grad(PASSTHROUGH.tree, "model1.proj0", True),
+                                    schedule=dataclasses.replace(PASSTHROUGH.schedule, steps=(
+                                        dataclasses.replace(PASSTHROUGH.schedule.steps[0], frozen=()),)))
+    assert "unit:frozen-passthrough" not in case_tags(trainable, predict_schedule(trainable))
+    # another error of the same case: not that finding
+    assert _fsdp1_schedule(PASSTHROUGH, invariant, "RuntimeError: something else").verdict == "FAIL"
+
+
+def _requires_grad(tree, path, value):
+    def walk(m, prefix):
+        here = f"{prefix}.{m.name}" if prefix and m.name else (m.name or prefix)
+        params = tuple(dataclasses.replace(p, requires_grad=value) if here == path else p for p in m.params)
+        return dataclasses.replace(m, params=params, children=tuple(walk(c, here) for c in m.children))
+    return walk(tree, "")

@@ -14,7 +14,14 @@ from conformance.areas.common.fsdp2_oracle import (
 )
 from conformance.areas.common.violations import backend_tag, violation
 from conformance.areas.schedule.observation import ScheduleObservation
-from conformance.areas.schedule.oracle import EPS, SchedulePrediction, pipeline_tolerance, step_tolerance, used_params
+from conformance.areas.schedule.oracle import (
+    EPS,
+    SchedulePrediction,
+    frozen_unit_passes_input_through,
+    pipeline_tolerance,
+    step_tolerance,
+    used_params,
+)
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
@@ -77,6 +84,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
     if pred.compute_dtype != "float32":
         tags.add("param-dtype-low")
 
+    if any(frozen_unit_passes_input_through(spec, set(st.frozen), mb.skip) for st in s.steps for mb in st.microbatches):
+        tags.add("unit:frozen-passthrough")  # fsdp1-frozen-unit-returning-its-input-fails-backward's mechanism
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
         tags.add("forward-only")  # a microbatch whose loss needs no gradient: no backward
     return tags
@@ -140,6 +149,8 @@ ERRORS = {
     "has no attribute '_unsharded_param'": "error:no-unsharded-param",
     "its data is not allocated yet": "error:data-not-allocated",
     "out of bounds for storage of size 0": "error:freed-storage",  # a parameter read over its freed unsharded storage
+    # a unit's pre-backward hook found it in backward already (its reshard-only hook ran first)
+    "expected to be in states [<TrainingState.IDLE: 1>] but current state is TrainingState.FORWARD_BACKWARD": "error:pre-backward-state",
 }
 
 

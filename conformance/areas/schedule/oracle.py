@@ -249,6 +249,33 @@ def used_params(spec: CaseSpec, skip: tuple[str, ...]) -> set[str]:
     return out
 
 
+def frozen_unit_passes_input_through(spec: CaseSpec, frozen: set[str], skip: tuple[str, ...]) -> bool:
+    """FSDP1: some non-root unit, every parameter it manages in ``frozen``,
+    whose module, in a forward that passes over ``skip``, returns its input
+    tensor itself (no parameter or buffer of its own, not a torch layer,
+    every child passed over or such a module too). FSDP1 hooks an all-frozen
+    unit's reshard on its input's gradient at pre-forward and its
+    pre-backward on its output at post-forward: one tensor then."""
+    if is_model_case(spec) or spec.plan.api != "fsdp1":
+        return False
+    g = graph_of(spec)
+    skipped = set(skip)
+    frozen = set(frozen) | {g.param_fqn[pid] for pid, info in g.param_info.items() if not info.requires_grad}
+
+    def through(nid: str) -> bool:
+        node = g.nodes[nid]
+        if node.params or node.buffers or g.is_torch(nid, ("Linear", "Embedding", "LayerNorm")):
+            return False
+        return all((child == (f"{nid}.{name}" if nid else name) and child in skipped) or through(child)
+                   for name, child in node.children)
+
+    for u in predict_fsdp1(spec).units:
+        called = not any(u.path == s or u.path.startswith(s + ".") for s in skipped)
+        if u.path and u.managed and set(u.managed) <= frozen and called and through(g.resolve_module(u.path)):
+            return True
+    return False
+
+
 def unused_in_used_unit(spec: CaseSpec) -> tuple[tuple[str, ...], ...]:
     """FSDP1, per step of the schedule: see SchedulePrediction."""
 
