@@ -260,7 +260,7 @@ def frozen_unit_passes_input_through(spec: CaseSpec, frozen: set[str], skip: tup
         return False
     g = graph_of(spec)
     skipped = set(skip)
-    frozen = set(frozen) | {g.param_fqn[pid] for pid, info in g.param_info.items() if not info.requires_grad}
+    frozen = set(frozen) | {f for f, pid in g.named_parameters() if not g.param_info[pid].requires_grad}
 
     def through(nid: str) -> bool:
         node = g.nodes[nid]
