@@ -319,9 +319,11 @@ def test_progress_files_take_a_bounded_share_of_the_run(tmp_path, monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(plugin_report.time, "monotonic", lambda: clock[0])
     writes = []
+    indents = set()
 
-    def write_json(path, obj):  # each write costs `cost` seconds of the fake clock
+    def write_json(path, obj, indent=1):  # each write costs `cost` seconds of the fake clock
         writes.append(path.name)
+        indents.add(indent)
         clock[0] += cost
 
     monkeypatch.setattr(plugin_report.data, "write_json", write_json)
@@ -342,6 +344,7 @@ def test_progress_files_take_a_bounded_share_of_the_run(tmp_path, monkeypatch):
     cost = 0.001  # cheap writes: the fixed intervals
     got = run(20.0)
     assert 19 <= got["main.json"] <= 21 and 9 <= got["report.json"] <= 11, got
+    assert indents == {None}  # compact: json's C encoder (an indent takes its pure-Python one, ~6x slower)
     cost = 0.5  # a long run's writes: at most PROGRESS_SHARE of the time each
     got = run(200.0)
     spent = cost * sum(got.values())
