@@ -18,8 +18,11 @@ from conformance.areas.schedule.oracle import (
     EPS,
     SchedulePrediction,
     frozen_unit_passes_input_through,
+    no_shard_accumulates_synced,
     pipeline_tolerance,
     step_tolerance,
+    unit_strategy,
+    units_unsynced_by_last_microbatch,
     used_params,
 )
 from conformance.case.model_case import is_model_case
@@ -35,10 +38,12 @@ DOC_SYNC = "FullyShardedDataParallel.no_sync docstring (gradients accumulate in 
 
 
 def _smallest_unit_numel(spec: CaseSpec) -> int | None:
-    """FSDP1: the fewest elements one unit's flat parameter holds."""
+    """FSDP1: the fewest elements one sharded unit's flat parameter holds."""
 
     g = graph_of(spec)
-    sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in predict_fsdp1(spec).units if u.managed]
+    # a NO_SHARD unit (a CustomWrap kwarg) keeps its whole flat parameter on every rank
+    sizes = [sum(g.numel(g.resolve_param(f)) for f in u.managed) for u in predict_fsdp1(spec).units
+             if u.managed and unit_strategy(spec, u.path) != "NO_SHARD"]
     return min(sizes) if sizes else None
 
 
@@ -86,6 +91,13 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
 
     if any(frozen_unit_passes_input_through(spec, set(st.frozen), mb.skip) for st in s.steps for mb in st.microbatches):
         tags.add("unit:frozen-passthrough")  # fsdp1-frozen-unit-returning-its-input-fails-backward's mechanism
+    unsynced = units_unsynced_by_last_microbatch(spec)
+    if unsynced:
+        tags.add("unit:unsynced-by-last-microbatch")  # fsdp1-no-sync-unit-unused-in-last-microbatch's mechanism
+        if any(unit_strategy(spec, u) == "NO_SHARD" for u in unsynced):
+            tags.add("unit:unsynced-no-shard")  # ... in its NO_SHARD form: the gradient is never all-reduced
+    if no_shard_accumulates_synced(spec):
+        tags.add("unit:no-shard-synced-accumulation")  # fsdp1-no-shard-synced-accumulation-in-reduce-dtype's mechanism
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
         tags.add("forward-only")  # a microbatch whose loss needs no gradient: no backward
     return tags

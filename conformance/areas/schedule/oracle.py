@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.case.model_case import is_model_case
-from conformance.case.spec import CaseSpec, MethodStep, Precision
+from conformance.case.spec import CaseSpec, CustomWrap, MethodStep, Precision
 from conformance.case.target import graph_of, params_without_grad, runs_in
 
 F32 = "float32"
@@ -274,6 +274,64 @@ def frozen_unit_passes_input_through(spec: CaseSpec, frozen: set[str], skip: tup
         if u.path and u.managed and set(u.managed) <= frozen and called and through(g.resolve_module(u.path)):
             return True
     return False
+
+
+def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
+    """FSDP1: the units (canonical paths) some trainable parameter of which a
+    no_sync() microbatch of a step uses while the step's last (synchronizing)
+    microbatch uses none of them: the no_sync docstring promises their
+    accumulated gradient is synchronized by that microbatch, whose backward
+    never runs their post-backward hook."""
+    if is_model_case(spec) or spec.plan.api != "fsdp1":
+        return ()
+    g = graph_of(spec)
+    fixed = {f for f, pid in g.named_parameters() if not g.param_info[pid].requires_grad}
+    out: set[str] = set()
+    for st in spec.schedule.steps:
+        if st.sync_every or len(st.microbatches) < 2:
+            continue
+        earlier = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches[:-1]))
+        last = used_params(spec, st.microbatches[-1].skip)
+        for u in predict_fsdp1(spec).units:
+            trainable = set(u.managed) - set(st.frozen) - fixed
+            if trainable & earlier and not trainable & last:
+                out.add(u.path)
+    return tuple(sorted(out))
+
+
+def no_shard_accumulates_synced(spec: CaseSpec) -> bool:
+    """FSDP1: some NO_SHARD unit (unit_strategy) with a trainable parameter
+    that two microbatches of a step synchronizing every microbatch both use:
+    NO_SHARD's post-backward all-reduces the accumulated .grad, the earlier
+    microbatches' reduced gradient included, cast to reduce_dtype, where the
+    sharded strategies accumulate the reductions in the parameter's dtype."""
+    if is_model_case(spec) or spec.plan.api != "fsdp1":
+        return False
+    g = graph_of(spec)
+    fixed = {f for f, pid in g.named_parameters() if not g.param_info[pid].requires_grad}
+    units = [u for u in predict_fsdp1(spec).units if unit_strategy(spec, u.path) == "NO_SHARD"]
+    for st in spec.schedule.steps:
+        if not st.sync_every or len(st.microbatches) < 2:
+            continue
+        for u in units:
+            trainable = set(u.managed) - set(st.frozen) - fixed
+            if sum(bool(trainable & used_params(spec, mb.skip)) for mb in st.microbatches) > 1:
+                return True
+    return False
+
+
+def unit_strategy(spec: CaseSpec, path: str) -> str:
+    """FSDP1: the ShardingStrategy name of the unit at ``path`` (canonical):
+    a CustomWrap policy's kwargs may give a unit its own; the rest keep the
+    root's default, FULL_SHARD."""
+    pol = spec.plan.policy
+    if spec.plan.api == "fsdp1" and isinstance(pol, CustomWrap):
+        g = graph_of(spec)
+        for t, kw in pol.kwargs:
+            for k, v in kw:
+                if k == "sharding_strategy" and g.resolve_module(t) == g.resolve_module(path):
+                    return v
+    return "FULL_SHARD"
 
 
 def unused_in_used_unit(spec: CaseSpec) -> tuple[tuple[str, ...], ...]:

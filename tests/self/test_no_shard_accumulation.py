@@ -1,0 +1,122 @@
+"""FSDP1 units given NO_SHARD (CustomPolicy kwargs) in gradient accumulation:
+thorough seed 86's schedule rows (torch 2.13.0, gloo).
+
+- ACCUM and MP-DTYPES: a NO_SHARD unit run in a no_sync() microbatch and
+  skipped by the step's last (synchronizing) one: its accumulated gradient is
+  never all-reduced (0.437 relative on proj1.weight). That is
+  fsdp1-no-sync-unit-unused-in-last-microbatch's mechanism, whose FULL_SHARD
+  form is the `_saved_grad_shard` AssertionError; the schedule oracle now tags
+  the unit (unit:unsynced-by-last-microbatch, unit:unsynced-no-shard) and the
+  AssertionError's rules require the first tag, not just "some microbatch
+  skips something".
+- MP-PIPELINE: a NO_SHARD unit in two synchronized microbatches under
+  bfloat16: each backward rounds the accumulated gradient to reduce_dtype and
+  all-reduces it again (fsdp1-no-shard-synced-accumulation-in-reduce-dtype, a
+  new finding; its repro loses a 1/512 contribution to a gradient of 1). The
+  same row with use_orig_params=False was KNOWN as
+  fsdp1-accumulated-grad-wrong-unit-smaller-than-world: the one-element unit
+  counted as smaller than the world, but a NO_SHARD unit keeps its whole flat
+  parameter on every rank (a KNOWN that swallowed another mechanism).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from conformance.areas.schedule.invariants import case_tags
+from conformance.areas.schedule.observation import MicrobatchSeen, ScheduleObservation, ValueSeen
+from conformance.areas.schedule.oracle import predict_schedule
+from conformance.case.model_case import case_from_json
+from conformance.run.runner import evaluate
+
+pytestmark = pytest.mark.selfcheck
+
+DATA = Path(__file__).parent / "data"
+UNSYNCED = case_from_json((DATA / "schedule-no-shard-unit-unused-in-last-microbatch.json").read_text())
+SYNCED = case_from_json((DATA / "schedule-no-shard-synced-accumulation.json").read_text())
+SAVED = "AssertionError: All sharded parameters that received a gradient in the post-backward should use `_saved_grad_shard`"
+
+
+def _tags(spec) -> set[str]:
+    return case_tags(spec, predict_schedule(spec))
+
+
+def _known(res) -> set[str]:
+    return {fid for _, fid in res.known}
+
+
+def _with_step(spec, **changes):
+    s = spec.schedule
+    return dataclasses.replace(spec, schedule=dataclasses.replace(s, steps=(dataclasses.replace(s.steps[0], **changes),)))
+
+
+def _no_kwargs(spec):
+    return dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, policy=dataclasses.replace(spec.plan.policy, kwargs=())))
+
+
+def _grad_off(spec, invariant, fqn="proj1.weight", err=0.437, emulated=None):
+    """Both ranks: fqn's gradient at step 0 off by err against fp32 training
+    (or by emulated against the emulated pipeline); everything else exact."""
+    mbs = tuple(MicrobatchSeen(0, k, k == len(spec.schedule.steps[0].microbatches) - 1, (), "float32", 0.0, 0.0)
+                for k in range(len(spec.schedule.steps[0].microbatches)))
+    obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0",
+                               rounding_noise=(0.0,), microbatches=mbs,
+                               grads=(ValueSeen(0, fqn, "float32", False, False, err, emulated_err=emulated),))
+           for r in range(2)]
+    return evaluate(invariant, spec, obs)
+
+
+def _raised(spec, invariant, error=SAVED):
+    obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0",
+                               step_error=f"step 0 microbatch 1: {error}") for r in range(2)]
+    return evaluate(invariant, spec, obs)
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_no_shard_unit_skipped_by_the_synchronizing_microbatch_is_that_finding(invariant):
+    assert UNSYNCED.schedule.steps[0].microbatches[-1].skip == ("proj1",)
+    assert {"unit:unsynced-by-last-microbatch", "unit:unsynced-no-shard"} <= _tags(UNSYNCED)
+    res = _grad_off(UNSYNCED, invariant)
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp1-no-sync-unit-unused-in-last-microbatch"}, res.describe()
+    # the last microbatch runs proj1: its gradient is reduced; a wrong one is something else
+    runs = _with_step(UNSYNCED, microbatches=(UNSYNCED.schedule.steps[0].microbatches[0],) * 2)
+    assert not {"unit:unsynced-by-last-microbatch", "unit:unsynced-no-shard"} & _tags(runs)
+    assert _grad_off(runs, invariant).verdict == "FAIL"
+    # FULL_SHARD: that form raises the AssertionError; a wrong value is not it
+    full = _no_kwargs(UNSYNCED)
+    assert "unit:unsynced-by-last-microbatch" in _tags(full) and "unit:unsynced-no-shard" not in _tags(full)
+    assert _grad_off(full, invariant).verdict == "FAIL"
+    assert _known(_raised(full, invariant)) == {"fsdp1-no-sync-unit-unused-in-last-microbatch"}
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_the_saved_grad_shard_assertion_needs_a_unit_the_last_microbatch_skips(invariant):
+    # a microbatch that skips proj1 but is not the last: the synchronizing
+    # microbatch runs every unit, so the AssertionError is not that mechanism
+    mbs = UNSYNCED.schedule.steps[0].microbatches
+    early = _no_kwargs(_with_step(UNSYNCED, microbatches=(mbs[1], mbs[0])))
+    assert "skips" in _tags(early) and "unit:unsynced-by-last-microbatch" not in _tags(early)
+    assert _raised(early, invariant).verdict == "FAIL"
+
+
+def test_no_shard_accumulation_across_synchronized_microbatches_is_that_finding():
+    assert SYNCED.schedule.precision.param_dtype == "bfloat16" and SYNCED.schedule.steps[0].sync_every
+    assert "unit:no-shard-synced-accumulation" in _tags(SYNCED)
+    res = _grad_off(SYNCED, "MP-PIPELINE", "proj0.weight", err=0.0, emulated=0.00138)
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp1-no-shard-synced-accumulation-in-reduce-dtype"}, res.describe()
+    # use_orig_params=False: the same finding, not the unit-smaller-than-world one (a NO_SHARD unit is not sharded)
+    flat = dataclasses.replace(SYNCED, plan=dataclasses.replace(SYNCED.plan, use_orig_params=False))
+    assert "unit-smaller-than-world" not in _tags(flat)
+    res = _grad_off(flat, "MP-PIPELINE", "<flat parameter of proj0>", err=0.0, emulated=0.00138)
+    assert _known(res) == {"fsdp1-no-shard-synced-accumulation-in-reduce-dtype"}, res.describe()
+    # FULL_SHARD accumulates the reductions in float32 (the repro's full_shard mode): not that mechanism
+    full = _no_kwargs(SYNCED)
+    assert "unit:no-shard-synced-accumulation" not in _tags(full)
+    assert _grad_off(full, "MP-PIPELINE", "proj0.weight", err=0.0, emulated=0.00138).verdict == "FAIL"
+    # one microbatch: nothing accumulated
+    one = _with_step(SYNCED, microbatches=SYNCED.schedule.steps[0].microbatches[:1])
+    assert "unit:no-shard-synced-accumulation" not in _tags(one)
+    assert _grad_off(one, "MP-PIPELINE", "proj0.weight", err=0.0, emulated=0.00138).verdict == "FAIL"
