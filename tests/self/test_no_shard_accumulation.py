@@ -120,3 +120,24 @@ def test_no_shard_accumulation_across_synchronized_microbatches_is_that_finding(
     one = _with_step(SYNCED, microbatches=SYNCED.schedule.steps[0].microbatches[:1])
     assert "unit:no-shard-synced-accumulation" not in _tags(one)
     assert _grad_off(one, "MP-PIPELINE", "proj0.weight", err=0.0, emulated=0.00138).verdict == "FAIL"
+
+
+# Thorough seed 86's re-run, once the AssertionError's rules above required
+# their mechanism: a forward-only middle microbatch (it skips the only
+# trainable Linear) under no_sync and param_dtype bfloat16, then the
+# synchronizing one raises the same `_saved_grad_shard` AssertionError with
+# every unit run. It had read KNOWN as the unused-in-last-microbatch finding;
+# it is fsdp1-mixed-precision-forward-without-backward's no_sync form (checked:
+# without param_dtype, or with the middle microbatch running the Linear, it
+# trains).
+FORWARD_ONLY = case_from_json((DATA / "schedule-forward-only-microbatch-under-no-sync.json").read_text())
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_forward_only_microbatch_under_no_sync_is_the_forward_without_backward_finding(invariant):
+    tags = _tags(FORWARD_ONLY)
+    assert {"forward-only", "no-sync", "param-dtype-low"} <= tags and "unit:unsynced-by-last-microbatch" not in tags
+    res = _raised(FORWARD_ONLY, invariant)
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp1-mixed-precision-forward-without-backward"}, res.describe()
+    full = dataclasses.replace(FORWARD_ONLY, schedule=dataclasses.replace(FORWARD_ONLY.schedule, precision=None))
+    assert _raised(full, invariant).verdict == "FAIL"
