@@ -141,3 +141,24 @@ def test_a_forward_only_microbatch_under_no_sync_is_the_forward_without_backward
     assert res.verdict == "KNOWN" and _known(res) == {"fsdp1-mixed-precision-forward-without-backward"}, res.describe()
     full = dataclasses.replace(FORWARD_ONLY, schedule=dataclasses.replace(FORWARD_ONLY.schedule, precision=None))
     assert _raised(full, invariant).verdict == "FAIL"
+
+
+# The re-run after that: 0.weight frozen in the tree (and at step 0) and
+# trainable at step 1, whose last microbatch skips its unit. The schedule
+# sets requires_grad from each step's own mask, so the unit is one the
+# synchronizing microbatch leaves unsynced; the oracle had taken the tree's
+# flag for frozen at every step.
+UNFROZEN = case_from_json((DATA / "schedule-unit-unfrozen-then-skipped-by-last-microbatch.json").read_text())
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_unit_trainable_at_the_step_counts_whatever_the_tree_says(invariant):
+    steps = UNFROZEN.schedule.steps
+    assert steps[0].frozen == ("0.weight",) and steps[1].frozen == () and steps[1].microbatches[-1].skip == ("0",)
+    assert "unit:unsynced-by-last-microbatch" in _tags(UNFROZEN)
+    res = _raised(UNFROZEN, invariant)
+    assert _known(res) == {"fsdp1-no-sync-unit-unused-in-last-microbatch"}, res.describe()
+    # frozen at step 1 too: nothing of unit 0 to synchronize
+    frozen = dataclasses.replace(UNFROZEN, schedule=dataclasses.replace(UNFROZEN.schedule, steps=(steps[0], dataclasses.replace(steps[1], frozen=("0.weight",)))))
+    assert "unit:unsynced-by-last-microbatch" not in _tags(frozen)
+    assert _raised(frozen, invariant).verdict == "FAIL"

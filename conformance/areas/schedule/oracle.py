@@ -260,7 +260,7 @@ def frozen_unit_passes_input_through(spec: CaseSpec, frozen: set[str], skip: tup
         return False
     g = graph_of(spec)
     skipped = set(skip)
-    frozen = set(frozen) | {f for f, pid in g.named_parameters() if not g.param_info[pid].requires_grad}
+    frozen = set(frozen)  # the step's mask decides requires_grad (the tree's is the wrap-time one)
 
     def through(nid: str) -> bool:
         node = g.nodes[nid]
@@ -285,7 +285,6 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
     if is_model_case(spec) or spec.plan.api != "fsdp1":
         return ()
     g = graph_of(spec)
-    fixed = {f for f, pid in g.named_parameters() if not g.param_info[pid].requires_grad}
     out: set[str] = set()
     for st in spec.schedule.steps:
         if st.sync_every or len(st.microbatches) < 2:
@@ -293,7 +292,7 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
         earlier = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches[:-1]))
         last = used_params(spec, st.microbatches[-1].skip)
         for u in predict_fsdp1(spec).units:
-            trainable = set(u.managed) - set(st.frozen) - fixed
+            trainable = set(u.managed) - set(st.frozen)
             if trainable & earlier and not trainable & last:
                 out.add(u.path)
     return tuple(sorted(out))
@@ -308,13 +307,12 @@ def no_shard_accumulates_synced(spec: CaseSpec) -> bool:
     if is_model_case(spec) or spec.plan.api != "fsdp1":
         return False
     g = graph_of(spec)
-    fixed = {f for f, pid in g.named_parameters() if not g.param_info[pid].requires_grad}
     units = [u for u in predict_fsdp1(spec).units if unit_strategy(spec, u.path) == "NO_SHARD"]
     for st in spec.schedule.steps:
         if not st.sync_every or len(st.microbatches) < 2:
             continue
         for u in units:
-            trainable = set(u.managed) - set(st.frozen) - fixed
+            trainable = set(u.managed) - set(st.frozen)
             if sum(bool(trainable & used_params(spec, mb.skip)) for mb in st.microbatches) > 1:
                 return True
     return False
