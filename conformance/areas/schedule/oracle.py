@@ -284,7 +284,6 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
     never runs their post-backward hook."""
     if is_model_case(spec) or spec.plan.api != "fsdp1":
         return ()
-    g = graph_of(spec)
     out: set[str] = set()
     for st in spec.schedule.steps:
         if st.sync_every or len(st.microbatches) < 2:
@@ -306,7 +305,6 @@ def no_shard_accumulates_synced(spec: CaseSpec) -> bool:
     sharded strategies accumulate the reductions in the parameter's dtype."""
     if is_model_case(spec) or spec.plan.api != "fsdp1":
         return False
-    g = graph_of(spec)
     units = [u for u in predict_fsdp1(spec).units if unit_strategy(spec, u.path) == "NO_SHARD"]
     for st in spec.schedule.steps:
         if not st.sync_every or len(st.microbatches) < 2:
