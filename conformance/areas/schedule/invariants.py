@@ -18,10 +18,12 @@ from conformance.areas.schedule.oracle import (
     EPS,
     SchedulePrediction,
     frozen_unit_passes_input_through,
+    group_unrun_under_no_sync,
     no_shard_accumulates_synced,
     pipeline_tolerance,
     step_tolerance,
     unit_strategy,
+    unit_unfrozen_after_frozen_first_forward,
     units_unsynced_by_last_microbatch,
     used_params,
 )
@@ -96,6 +98,10 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("unit:unsynced-by-last-microbatch")  # fsdp1-no-sync-unit-unused-in-last-microbatch's mechanism
         if any(unit_strategy(spec, u) == "NO_SHARD" for u in unsynced):
             tags.add("unit:unsynced-no-shard")  # ... in its NO_SHARD form: the gradient is never all-reduced
+    if unit_unfrozen_after_frozen_first_forward(spec):
+        tags.add("unit:unfrozen-after-frozen-first-forward")  # fsdp1-unfreeze-frozen-unit-orig-params's mechanism
+    if pred.api == "fsdp2" and _group_unrun_under_no_sync(spec):
+        tags.add("group:unrun-under-no-sync")  # fsdp2-no-sync-unrun-group-reduce-dtype's mechanism
     if no_shard_accumulates_synced(spec):
         tags.add("unit:no-shard-synced-accumulation")  # fsdp1-no-shard-synced-accumulation-in-reduce-dtype's mechanism
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
@@ -126,6 +132,12 @@ def _group_rerun_after_frozen_embedding(spec: CaseSpec) -> bool:
     return any(
         group_rerun_after_frozen_embedding(spec, groups, set(st.frozen), mb.skip) for st in spec.schedule.steps for mb in st.microbatches
     )
+
+
+def _group_unrun_under_no_sync(spec: CaseSpec) -> bool:
+    import torch
+
+    return group_unrun_under_no_sync(spec, predict_fsdp2(spec, torch.__version__).groups)
 
 
 def _group_rerun(spec: CaseSpec) -> bool:

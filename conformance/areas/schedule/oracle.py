@@ -316,6 +316,42 @@ def no_shard_accumulates_synced(spec: CaseSpec) -> bool:
     return False
 
 
+def _runs(path: str, skip: tuple[str, ...]) -> bool:
+    """The module at ``path`` runs in a microbatch that passes over ``skip``."""
+    return not any(path == s or path.startswith(s + ".") for s in skip)
+
+
+def unit_unfrozen_after_frozen_first_forward(spec: CaseSpec) -> bool:
+    """FSDP1: a unit all of whose parameters are frozen at the step of its
+    first forward, and some of which train at a later step in which it runs
+    (FSDP1 registers its post-backward hooks once, at the first forward, for
+    the parameters that need a gradient then)."""
+    if is_model_case(spec) or spec.plan.api != "fsdp1":
+        return False
+    steps = spec.schedule.steps
+    for u in predict_fsdp1(spec).units:
+        if not u.managed:
+            continue
+        ran = [i for i, st in enumerate(steps) if any(_runs(u.path, mb.skip) for mb in st.microbatches)]
+        if ran and set(u.managed) <= set(steps[ran[0]].frozen) and any(not set(u.managed) <= set(steps[i].frozen) for i in ran[1:]):
+            return True
+    return False
+
+
+def group_unrun_under_no_sync(spec: CaseSpec, groups) -> bool:
+    """FSDP2: a non-root group none of whose modules runs in some microbatch
+    with gradient sync disabled (every microbatch of a step but its last,
+    unless the step synchronizes each). ``groups``: the FSDP2 prediction's."""
+    if is_model_case(spec):
+        return False
+    for st in spec.schedule.steps:
+        unsynced = () if st.sync_every else st.microbatches[:-1]
+        for mb in unsynced:
+            if any(not grp.root and grp.managed and not any(_runs(m, mb.skip) for m in grp.modules) for grp in groups):
+                return True
+    return False
+
+
 def unit_strategy(spec: CaseSpec, path: str) -> str:
     """FSDP1: the ShardingStrategy name of the unit at ``path`` (canonical):
     a CustomWrap policy's kwargs may give a unit its own; the rest keep the

@@ -1,0 +1,82 @@
+"""Two schedule findings whose rules named the case only broadly (some freeze
+change; some skip under no_sync) now require the schedule oracle's tag for
+their mechanism, so that the same error from another cause stays FAIL:
+
+- fsdp1-unfreeze-frozen-unit-orig-params: a unit all frozen at its first
+  forward and trained later (unit:unfrozen-after-frozen-first-forward); its
+  post-backward hook state was set up for no trainable parameter.
+- fsdp2-no-sync-unrun-group-reduce-dtype: a non-root group none of whose
+  modules runs in a microbatch with gradient sync disabled
+  (group:unrun-under-no-sync).
+
+Each finding's corpus case shows it; with the mechanism taken out of the
+schedule and the same error planted, no finding matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conformance.areas.schedule.invariants import case_tags
+from conformance.areas.schedule.observation import ScheduleObservation
+from conformance.areas.schedule.oracle import predict_schedule
+from conformance.run import corpus
+from conformance.run.runner import evaluate
+
+pytestmark = pytest.mark.selfcheck
+
+UNFREEZE = "fsdp1-unfreeze-frozen-unit-orig-params"
+UNRUN = "fsdp2-no-sync-unrun-group-reduce-dtype"
+HOOK_STATE = "AssertionError: Invalid: ``_post_backward_hook_state``: (<torch.autograd.graph._MultiHandle object>,)"
+NO_UNSHARDED = "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"
+
+
+def _case(finding):
+    (case,) = [c for c in corpus.load() if c.finding == finding]
+    return case.spec
+
+
+def _raised(spec, invariant, where, error):
+    obs = [ScheduleObservation(api=spec.plan.api, rank=r, world_size=2, backend="gloo", torch_version="2.13.0",
+                               step_error=f"{where}: {error}") for r in range(2)]
+    return evaluate(invariant, spec, obs)
+
+
+def _steps(spec, *steps):
+    return dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, steps=steps))
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_unfreezing_a_unit_frozen_at_its_first_forward(invariant):
+    spec = _case(UNFREEZE)
+    first, later = spec.schedule.steps
+    assert first.frozen == ("proj.weight",) and later.frozen == ()
+    assert "unit:unfrozen-after-frozen-first-forward" in case_tags(spec, predict_schedule(spec))
+    res = _raised(spec, invariant, "step 1 microbatch 0", HOOK_STATE)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNFREEZE}, res.describe()
+    # trainable at the first forward, frozen later: a freeze change, not that mechanism
+    other = _steps(spec, later, first)
+    tags = case_tags(other, predict_schedule(other))
+    assert "freeze-changes" in tags and "unit:unfrozen-after-frozen-first-forward" not in tags
+    assert _raised(other, invariant, "step 1 microbatch 0", HOOK_STATE).verdict == "FAIL"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_group_that_does_not_run_under_no_sync(invariant):
+    spec = _case(UNRUN)
+    (step,) = spec.schedule.steps
+    assert not step.sync_every and step.microbatches[0].skip == ("b",)
+    assert "group:unrun-under-no-sync" in case_tags(spec, predict_schedule(spec))
+    res = _raised(spec, invariant, "step 0 microbatch 0", NO_UNSHARDED)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNRUN}, res.describe()
+    # the group skipped by the synchronizing microbatch only: it ran under no_sync
+    last = _steps(spec, dataclasses.replace(step, microbatches=step.microbatches[::-1]))
+    tags = case_tags(last, predict_schedule(last))
+    assert {"no-sync", "skips"} <= tags and "group:unrun-under-no-sync" not in tags
+    assert _raised(last, invariant, "step 0 microbatch 1", NO_UNSHARDED).verdict == "FAIL"
+    # every microbatch synchronizes: nothing runs with sync disabled
+    synced = _steps(spec, dataclasses.replace(step, sync_every=True))
+    assert "group:unrun-under-no-sync" not in case_tags(synced, predict_schedule(synced))
+    assert _raised(synced, invariant, "step 0 microbatch 0", NO_UNSHARDED).verdict == "FAIL"
