@@ -8,6 +8,10 @@ their mechanism, so that the same error from another cause stays FAIL:
 - fsdp2-no-sync-unrun-group-reduce-dtype: a non-root group none of whose
   modules runs in a microbatch with gradient sync disabled
   (group:unrun-under-no-sync).
+- fsdp2-accumulated-grads-mixed-reduce-dtype: a group with a gradient
+  accumulated under no_sync (reduce_dtype) and a parameter only the
+  synchronizing microbatch uses (a fresh one, param_dtype)
+  (group:accumulated-and-fresh).
 
 Each finding's corpus case shows it; with the mechanism taken out of the
 schedule and the same error planted, no finding matches.
@@ -29,8 +33,10 @@ pytestmark = pytest.mark.selfcheck
 
 UNFREEZE = "fsdp1-unfreeze-frozen-unit-orig-params"
 UNRUN = "fsdp2-no-sync-unrun-group-reduce-dtype"
+MIXED = "fsdp2-accumulated-grads-mixed-reduce-dtype"
 HOOK_STATE = "AssertionError: Invalid: ``_post_backward_hook_state``: (<torch.autograd.graph._MultiHandle object>,)"
 NO_UNSHARDED = "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'"
+MIXED_DTYPES = "AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.float32, torch.bfloat16}"
 
 
 def _case(finding):
@@ -80,3 +86,19 @@ def test_a_group_that_does_not_run_under_no_sync(invariant):
     synced = _steps(spec, dataclasses.replace(step, sync_every=True))
     assert "group:unrun-under-no-sync" not in case_tags(synced, predict_schedule(synced))
     assert _raised(synced, invariant, "step 0 microbatch 0", NO_UNSHARDED).verdict == "FAIL"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_group_with_accumulated_and_fresh_gradients(invariant):
+    spec = _case(MIXED)
+    (step,) = spec.schedule.steps
+    assert not step.sync_every and step.microbatches[0].skip == ("b",) and step.microbatches[1].skip == ()
+    assert "group:accumulated-and-fresh" in case_tags(spec, predict_schedule(spec))
+    res = _raised(spec, invariant, "step 0 microbatch 1", MIXED_DTYPES)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {MIXED}, res.describe()
+    # b skipped by the synchronizing microbatch instead: every gradient it
+    # reduces was accumulated (b's too, or none for b)
+    last = _steps(spec, dataclasses.replace(step, microbatches=step.microbatches[::-1]))
+    tags = case_tags(last, predict_schedule(last))
+    assert {"no-sync", "skips"} <= tags and "group:accumulated-and-fresh" not in tags
+    assert _raised(last, invariant, "step 0 microbatch 1", MIXED_DTYPES).verdict == "FAIL"

@@ -18,6 +18,7 @@ from conformance.areas.schedule.oracle import (
     EPS,
     SchedulePrediction,
     frozen_unit_passes_input_through,
+    group_mixes_accumulated_and_fresh,
     group_unrun_under_no_sync,
     no_shard_accumulates_synced,
     pipeline_tolerance,
@@ -100,6 +101,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
             tags.add("unit:unsynced-no-shard")  # ... in its NO_SHARD form: the gradient is never all-reduced
     if unit_unfrozen_after_frozen_first_forward(spec):
         tags.add("unit:unfrozen-after-frozen-first-forward")  # fsdp1-unfreeze-frozen-unit-orig-params's mechanism
+    if pred.api == "fsdp2" and _group_mixes_accumulated_and_fresh(spec):
+        tags.add("group:accumulated-and-fresh")  # fsdp2-accumulated-grads-mixed-reduce-dtype's mechanism
     if pred.api == "fsdp2" and _group_unrun_under_no_sync(spec):
         tags.add("group:unrun-under-no-sync")  # fsdp2-no-sync-unrun-group-reduce-dtype's mechanism
     if no_shard_accumulates_synced(spec):
@@ -138,6 +141,12 @@ def _group_unrun_under_no_sync(spec: CaseSpec) -> bool:
     import torch
 
     return group_unrun_under_no_sync(spec, predict_fsdp2(spec, torch.__version__).groups)
+
+
+def _group_mixes_accumulated_and_fresh(spec: CaseSpec) -> bool:
+    import torch
+
+    return group_mixes_accumulated_and_fresh(spec, predict_fsdp2(spec, torch.__version__).groups)
 
 
 def _group_rerun(spec: CaseSpec) -> bool:

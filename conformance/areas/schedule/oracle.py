@@ -352,6 +352,26 @@ def group_unrun_under_no_sync(spec: CaseSpec, groups) -> bool:
     return False
 
 
+def group_mixes_accumulated_and_fresh(spec: CaseSpec, groups) -> bool:
+    """FSDP2: in a step with gradient sync disabled but in its last
+    microbatch, a group some trainable parameter of which the unsynced
+    microbatches use (its gradient accumulated, in reduce_dtype) while the
+    last microbatch uses another they do not (a fresh gradient, in
+    param_dtype): the synchronizing reduce-scatter gets both."""
+    if is_model_case(spec):
+        return False
+    for st in spec.schedule.steps:
+        if st.sync_every or len(st.microbatches) < 2:
+            continue
+        earlier = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches[:-1]))
+        last = used_params(spec, st.microbatches[-1].skip)
+        for grp in groups:
+            trainable = set(grp.managed) - set(st.frozen)
+            if trainable & earlier and (trainable & last) - earlier:
+                return True
+    return False
+
+
 def unit_strategy(spec: CaseSpec, path: str) -> str:
     """FSDP1: the ShardingStrategy name of the unit at ``path`` (canonical):
     a CustomWrap policy's kwargs may give a unit its own; the rest keep the
