@@ -2,9 +2,13 @@
 change; some skip under no_sync) now require the schedule oracle's tag for
 their mechanism, so that the same error from another cause stays FAIL:
 
-- fsdp1-unfreeze-frozen-unit-orig-params: a unit all frozen at its first
-  forward and trained later (unit:unfrozen-after-frozen-first-forward); its
-  post-backward hook state was set up for no trainable parameter.
+- fsdp1-unfreeze-frozen-unit-orig-params: a unit whose post-backward hook
+  state comes from a forward with another requires_grad than the backward
+  that next runs (unit:stale-hook-state): an all-frozen forward with no
+  backward after it (the loss needs no gradient), then a step that trains it.
+  Thorough seed 90 showed the form the finding's summary did not name: the
+  unit trains at step 0, is frozen in a forward-only step 1, and trains
+  again at step 2.
 - fsdp2-no-sync-unrun-group-reduce-dtype: a non-root group none of whose
   modules runs in a microbatch with gradient sync disabled
   (group:unrun-under-no-sync).
@@ -20,12 +24,14 @@ schedule and the same error planted, no finding matches.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from conformance.areas.schedule.invariants import case_tags
 from conformance.areas.schedule.observation import ScheduleObservation
 from conformance.areas.schedule.oracle import predict_schedule
+from conformance.case.model_case import case_from_json
 from conformance.run import corpus
 from conformance.run.runner import evaluate
 
@@ -59,13 +65,13 @@ def test_unfreezing_a_unit_frozen_at_its_first_forward(invariant):
     spec = _case(UNFREEZE)
     first, later = spec.schedule.steps
     assert first.frozen == ("proj.weight",) and later.frozen == ()
-    assert "unit:unfrozen-after-frozen-first-forward" in case_tags(spec, predict_schedule(spec))
+    assert "unit:stale-hook-state" in case_tags(spec, predict_schedule(spec))
     res = _raised(spec, invariant, "step 1 microbatch 0", HOOK_STATE)
     assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNFREEZE}, res.describe()
     # trainable at the first forward, frozen later: a freeze change, not that mechanism
     other = _steps(spec, later, first)
     tags = case_tags(other, predict_schedule(other))
-    assert "freeze-changes" in tags and "unit:unfrozen-after-frozen-first-forward" not in tags
+    assert "freeze-changes" in tags and "unit:stale-hook-state" not in tags
     assert _raised(other, invariant, "step 1 microbatch 0", HOOK_STATE).verdict == "FAIL"
 
 
@@ -102,3 +108,19 @@ def test_a_group_with_accumulated_and_fresh_gradients(invariant):
     tags = case_tags(last, predict_schedule(last))
     assert {"no-sync", "skips"} <= tags and "group:accumulated-and-fresh" not in tags
     assert _raised(last, invariant, "step 0 microbatch 1", MIXED_DTYPES).verdict == "FAIL"
+
+
+BETWEEN = case_from_json((Path(__file__).parent / "data" / "schedule-frozen-forward-only-step-between-trained-steps.json").read_text())
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_forward_only_frozen_step_between_two_trained_ones(invariant):
+    steps = BETWEEN.schedule.steps
+    assert [st.frozen for st in steps] == [(), ("proj0.weight",), ()]
+    assert "unit:stale-hook-state" in case_tags(BETWEEN, predict_schedule(BETWEEN))
+    res = _raised(BETWEEN, invariant, "step 2 microbatch 0", HOOK_STATE)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNFREEZE}, res.describe()
+    # no step trains after the frozen one: its stale state meets no backward
+    ends = _steps(BETWEEN, *steps[:2])
+    assert "unit:stale-hook-state" not in case_tags(ends, predict_schedule(ends))
+    assert _raised(ends, invariant, "step 1 microbatch 0", HOOK_STATE).verdict == "FAIL"

@@ -321,20 +321,30 @@ def _runs(path: str, skip: tuple[str, ...]) -> bool:
     return not any(path == s or path.startswith(s + ".") for s in skip)
 
 
-def unit_unfrozen_after_frozen_first_forward(spec: CaseSpec) -> bool:
-    """FSDP1: a unit all of whose parameters are frozen at the step of its
-    first forward, and some of which train at a later step in which it runs
-    (FSDP1 registers its post-backward hooks once, at the first forward, for
-    the parameters that need a gradient then)."""
+def stale_hook_state_meets_changed_requires_grad(spec: CaseSpec) -> bool:
+    """FSDP1: a unit's forward registers its post-backward hook state once
+    (a trainable flat parameter: its AccumulateGrad hook; an all-frozen one:
+    the reshard-only hook), and only a backward's final callback clears it,
+    asserting it was registered for the flat parameter's requires_grad then.
+    True where a unit's state comes from a forward in one requires_grad
+    (all frozen, or not), no backward follows until a step that changed it
+    (forward-only microbatches: their loss needs no gradient), and a backward
+    then runs."""
     if is_model_case(spec) or spec.plan.api != "fsdp1":
         return False
-    steps = spec.schedule.steps
     for u in predict_fsdp1(spec).units:
         if not u.managed:
             continue
-        ran = [i for i, st in enumerate(steps) if any(_runs(u.path, mb.skip) for mb in st.microbatches)]
-        if ran and set(u.managed) <= set(steps[ran[0]].frozen) and any(not set(u.managed) <= set(steps[i].frozen) for i in ran[1:]):
-            return True
+        state = None  # requires_grad when the unit's hook state was registered
+        for st in spec.schedule.steps:
+            trainable = bool(set(u.managed) - set(st.frozen))
+            for mb in st.microbatches:
+                if state is None and _runs(u.path, mb.skip):
+                    state = trainable
+                if used_params(spec, mb.skip) - set(st.frozen):  # this microbatch runs backward
+                    if state is not None and state != trainable:
+                        return True
+                    state = None
     return False
 
 
