@@ -45,8 +45,9 @@ NO_UNSHARDED = "AttributeError: 'FSDPParam' object has no attribute '_unsharded_
 MIXED_DTYPES = "AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.float32, torch.bfloat16}"
 
 
-def _case(finding):
-    (case,) = [c for c in corpus.load() if c.finding == finding]
+def _case(name):
+    """The corpus case of that name (each finding's own case is named after it)."""
+    (case,) = [c for c in corpus.load() if c.name == name]
     return case.spec
 
 
@@ -124,3 +125,24 @@ def test_a_forward_only_frozen_step_between_two_trained_ones(invariant):
     ends = _steps(BETWEEN, *steps[:2])
     assert "unit:stale-hook-state" not in case_tags(ends, predict_schedule(ends))
     assert _raised(ends, invariant, "step 1 microbatch 0", HOOK_STATE).verdict == "FAIL"
+
+
+FORWARD_ONLY = "fsdp1-mixed-precision-forward-without-backward"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_trainable_unit_s_hook_registered_by_a_forward_without_backward(invariant):
+    """fsdp1-mixed-precision-forward-without-backward needs a backward after
+    the forward-only microbatch (unit:stale-trainable-hook), not just one."""
+    spec = _case(FORWARD_ONLY)
+    (step,) = spec.schedule.steps
+    assert step.microbatches[0].skip == ("proj0",) and step.microbatches[1].skip == ()
+    assert "unit:stale-trainable-hook" in case_tags(spec, predict_schedule(spec))
+    wrong = "RuntimeError: The size of tensor a (2) must match the size of tensor b (4) at non-singleton dimension 0"
+    res = _raised(spec, invariant, "step 0 optimizer", wrong)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {FORWARD_ONLY}, res.describe()
+    # the forward-only microbatch last: no backward meets its hook
+    last = _steps(spec, dataclasses.replace(step, microbatches=step.microbatches[::-1]))
+    tags = case_tags(last, predict_schedule(last))
+    assert {"forward-only", "param-dtype-low"} <= tags and "unit:stale-trainable-hook" not in tags
+    assert _raised(last, invariant, "step 0 optimizer", wrong).verdict == "FAIL"

@@ -22,7 +22,7 @@ from conformance.areas.schedule.oracle import (
     group_unrun_under_no_sync,
     no_shard_accumulates_synced,
     pipeline_tolerance,
-    stale_hook_state_meets_changed_requires_grad,
+    stale_hook_states,
     step_tolerance,
     unit_strategy,
     units_unsynced_by_last_microbatch,
@@ -99,8 +99,11 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("unit:unsynced-by-last-microbatch")  # fsdp1-no-sync-unit-unused-in-last-microbatch's mechanism
         if any(unit_strategy(spec, u) == "NO_SHARD" for u in unsynced):
             tags.add("unit:unsynced-no-shard")  # ... in its NO_SHARD form: the gradient is never all-reduced
-    if stale_hook_state_meets_changed_requires_grad(spec):
+    stale = stale_hook_states(spec)
+    if "changed" in stale:
         tags.add("unit:stale-hook-state")  # fsdp1-unfreeze-frozen-unit-orig-params's mechanism
+    if "kept" in stale:
+        tags.add("unit:stale-trainable-hook")  # fsdp1-mixed-precision-forward-without-backward's mechanism
     if pred.api == "fsdp2" and _group_mixes_accumulated_and_fresh(spec):
         tags.add("group:accumulated-and-fresh")  # fsdp2-accumulated-grads-mixed-reduce-dtype's mechanism
     if pred.api == "fsdp2" and _group_unrun_under_no_sync(spec):

@@ -321,31 +321,38 @@ def _runs(path: str, skip: tuple[str, ...]) -> bool:
     return not any(path == s or path.startswith(s + ".") for s in skip)
 
 
-def stale_hook_state_meets_changed_requires_grad(spec: CaseSpec) -> bool:
+def stale_hook_states(spec: CaseSpec) -> set[str]:
     """FSDP1: a unit's forward registers its post-backward hook state once
-    (a trainable flat parameter: its AccumulateGrad hook; an all-frozen one:
-    the reshard-only hook), and only a backward's final callback clears it,
-    asserting it was registered for the flat parameter's requires_grad then.
-    True where a unit's state comes from a forward in one requires_grad
-    (all frozen, or not), no backward follows until a step that changed it
-    (forward-only microbatches: their loss needs no gradient), and a backward
-    then runs."""
+    (a trainable flat parameter: a hook on that forward's AccumulateGrad; an
+    all-frozen one: the reshard-only hook), and only a backward's final
+    callback clears it, asserting it was registered for the flat parameter's
+    requires_grad then. A forward-only microbatch (its loss needs no
+    gradient) registers a state no backward of its own clears; the next
+    backward meets it:
+    - "changed": registered in the other requires_grad (a step froze or
+      unfroze the unit in between): the final callback's assertion;
+    - "kept": registered trainable and trainable still: the next backward
+      reuses the earlier forward's hook (under param_dtype, on an
+      AccumulateGrad that backward does not reach)."""
     if is_model_case(spec) or spec.plan.api != "fsdp1":
-        return False
+        return set()
+    out: set[str] = set()
     for u in predict_fsdp1(spec).units:
         if not u.managed:
             continue
-        state = None  # requires_grad when the unit's hook state was registered
+        state = None  # (requires_grad when registered, registered in a forward-only microbatch)
         for st in spec.schedule.steps:
             trainable = bool(set(u.managed) - set(st.frozen))
             for mb in st.microbatches:
+                backward = bool(used_params(spec, mb.skip) - set(st.frozen))
                 if state is None and _runs(u.path, mb.skip):
-                    state = trainable
-                if used_params(spec, mb.skip) - set(st.frozen):  # this microbatch runs backward
-                    if state is not None and state != trainable:
-                        return True
+                    state = (trainable, not backward)
+                if backward:
+                    if state is not None and state[1]:
+                        out.add("changed" if state[0] != trainable else "kept" if trainable else "")
                     state = None
-    return False
+    out.discard("")
+    return out
 
 
 def group_unrun_under_no_sync(spec: CaseSpec, groups) -> bool:
