@@ -146,3 +146,31 @@ def test_a_trainable_unit_s_hook_registered_by_a_forward_without_backward(invari
     tags = case_tags(last, predict_schedule(last))
     assert {"forward-only", "param-dtype-low"} <= tags and "unit:stale-trainable-hook" not in tags
     assert _raised(last, invariant, "step 0 optimizer", wrong).verdict == "FAIL"
+
+
+SMALL = "fsdp1-accumulated-grad-wrong-unit-smaller-than-world"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_unit_smaller_than_the_world_accumulating_synced_gradients(invariant):
+    """The finding needs its small unit used by two synchronized microbatches
+    (unit:small-accumulates-synced), not a small unit and some synchronized
+    accumulation anywhere."""
+    from conformance.areas.schedule.observation import ValueSeen
+
+    spec = _case(SMALL)
+    (step,) = spec.schedule.steps
+    assert step.sync_every and len(step.microbatches) == 2 and not spec.plan.use_orig_params
+
+    def param_off(s):
+        obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,),
+                                   params=(ValueSeen(0, "proj.weight", "float32", False, False, 0.0196),)) for r in range(2)]
+        return evaluate(invariant, s, obs)
+
+    assert "unit:small-accumulates-synced" in case_tags(spec, predict_schedule(spec))
+    res = param_off(spec)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {SMALL}, res.describe()
+    # the same microbatches under no_sync: accumulation without a synchronized one between
+    unsynced = _steps(spec, dataclasses.replace(step, sync_every=False))
+    assert "unit:small-accumulates-synced" not in case_tags(unsynced, predict_schedule(unsynced))
+    assert param_off(unsynced).verdict == "FAIL"

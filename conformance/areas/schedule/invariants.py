@@ -50,6 +50,21 @@ def _smallest_unit_numel(spec: CaseSpec) -> int | None:
     return min(sizes) if sizes else None
 
 
+def _small_unit_accumulates_synced(spec: CaseSpec, world_size: int) -> bool:
+    """FSDP1: a sharded unit with fewer elements than ranks whose trainable
+    parameters two microbatches of a step that synchronizes each one use
+    (the second backward meets the first's reduced gradient)."""
+    g = graph_of(spec)
+    small = [u for u in predict_fsdp1(spec).units if u.managed and unit_strategy(spec, u.path) != "NO_SHARD"
+             and sum(g.numel(g.resolve_param(f)) for f in u.managed) < world_size]
+    for st in spec.schedule.steps:
+        if st.sync_every:
+            used = [used_params(spec, mb.skip) - set(st.frozen) for mb in st.microbatches]
+            if any(sum(bool(set(u.managed) & x) for x in used) > 1 for u in small):
+                return True
+    return False
+
+
 def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> set[str]:
     """Facts about a schedule case that known_failures.toml entries match on."""
     s = spec.schedule
@@ -60,6 +75,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         smallest = _smallest_unit_numel(spec)
         if smallest is not None and smallest < world_size:
             tags.add("unit-smaller-than-world")  # a rank's shard of it is empty
+            if not is_model_case(spec) and _small_unit_accumulates_synced(spec, world_size):
+                tags.add("unit:small-accumulates-synced")  # fsdp1-accumulated-grad-wrong-unit-smaller-than-world's mechanism
     if any(len(st.microbatches) > 1 and st.sync_every for st in s.steps):
         tags.add("accumulate-synced")
     pr = s.precision
