@@ -194,3 +194,32 @@ def _requires_grad(tree, path, value):
         params = tuple(dataclasses.replace(p, requires_grad=value) if here == path else p for p in m.params)
         return dataclasses.replace(m, params=params, children=tuple(walk(c, here) for c in m.children))
     return walk(tree, "")
+
+
+# Thorough seed 92: CKPT-RESHARD and OPTIM-STATE on a frozen root weight tied
+# to block0.tied0, a trainable Linear its own unit, saved on two ranks and
+# loaded with use_orig_params=True on one (NO_SHARD): the training after the
+# load raised "as_params=True type(prim_param)=<class 'torch.Tensor'>".
+# fsdp1-no-shard-frozen-unit-params-unregistered's mechanism (the frozen
+# unit's parameters left plain Tensor views), reaching a shared parameter;
+# checked: without the tie, or with the root weight trainable, it passes.
+TIED_ROOT = case_from_json((DATA / "ckpt-frozen-tied-root-resumed-on-one-rank.json").read_text())
+AS_PARAMS = "AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>"
+
+
+def _ckpt1(spec, invariant, error, phase):
+    obs = [CkptObservation(kind="roundtrip", api="fsdp1", rank=0, world_size=2, backend="gloo", torch_version="2.13.0",
+                           error=error, phase=phase)]
+    return evaluate(invariant, spec, obs)
+
+
+@pytest.mark.parametrize("invariant", ["CKPT-RESHARD", "OPTIM-STATE"])
+def test_a_frozen_tied_unit_resumed_on_one_rank_is_the_no_shard_finding(invariant):
+    assert TIED_ROOT.ckpt.load_world == 1 and TIED_ROOT.ckpt.load_plan.use_orig_params and TIED_ROOT.ties
+    res = _ckpt1(TIED_ROOT, invariant, AS_PARAMS, "resume")
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp1-no-shard-frozen-unit-params-unregistered"}, res.describe()
+    # another AssertionError of the same case: not that finding
+    assert _ckpt1(TIED_ROOT, invariant, "AssertionError: something else", "resume").verdict == "FAIL"
+    # loaded on two ranks (FULL_SHARD really shards): not that mechanism
+    two = dataclasses.replace(TIED_ROOT, ckpt=dataclasses.replace(TIED_ROOT.ckpt, load_world=2))
+    assert _ckpt1(two, invariant, AS_PARAMS, "resume").verdict == "FAIL"

@@ -219,6 +219,9 @@ def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
     other names)."""
     if "out of bounds for storage of size 0" in error:
         return ("cause:freed-storage",)  # a parameter read over its freed unsharded storage
+    if "as_params=True type(prim_param)=" in error:
+        # FSDP1 re-registering a tied (shared) parameter whose primary was left a plain Tensor view
+        return ("cause:shared-param-not-parameter",)
     if "got mixed torch.Tensor and DTensor" in error or "placement changes are not supported" in error:
         # load_state_dict copying a DTensor into a registered plain (unsharded)
         # tensor, or into a DTensor of another placement
