@@ -63,3 +63,26 @@ def test_a_divergent_example_after_one_on_the_default_mesh_does_not_hang(fault_p
     records = pool.run("init_order", CASE, deadline=30.0)
     assert time.monotonic() - t0 < 30.0
     assert all(r["ok"] and not r["value"]["timed_out"] for r in records), records
+
+
+# FSDP1's form (thorough seed 94): rank 1 skips 1.seq1.0, a unit given
+# SHARD_GRAD_OP by CustomPolicy's kwargs, every parameter frozen. No backward
+# all-gather runs, so rank 1's next all-gather of the same size pairs with the
+# one it skipped: no timeout, the ranks' final values differ from each other
+# and from single-process training (fsdp1-rank-divergent-unit-hangs' silent
+# form; with FULL_SHARD the same case hangs, its recorded form). Observations
+# from one gloo run of the case.
+DATA1 = json.loads((Path(__file__).parent / "data" / "init-divergent-fsdp1-unit-pairs-silently.json").read_text())
+CASE1 = CaseSpec.from_json(json.dumps(DATA1["case"]))
+
+
+def test_fsdp1_s_silent_pairing_is_its_rank_divergent_finding():
+    obs = [InitObservation.from_dict({**o, "torch_version": "2.13.0+cpu"}) for o in DATA1["observations"]]
+    assert CASE1.init.skip == "1.seq1.0" and not any(o.timed_out for o in obs)
+    res = evaluate("INIT-DIVERGENT", CASE1, obs)
+    assert res.verdict == KNOWN and {fid for _, fid in res.known} == {"fsdp1-rank-divergent-unit-hangs"}, res.describe()
+    assert {v.invariant for v, _ in res.known} == {"INIT-DIVERGENT", "RANKS-AGREE"}, res.describe()
+    # the skipped module not a unit of its own: the same values are a failure
+    policy = dataclasses.replace(CASE1.plan.policy, targets=("0",), kwargs=())
+    not_own = dataclasses.replace(CASE1, plan=dataclasses.replace(CASE1.plan, policy=policy))
+    assert evaluate("INIT-DIVERGENT", not_own, obs).verdict == FAIL
