@@ -270,8 +270,7 @@ def frozen_unit_passes_input_through(spec: CaseSpec, frozen: set[str], skip: tup
                    for name, child in node.children)
 
     for u in predict_fsdp1(spec).units:
-        called = not any(u.path == s or u.path.startswith(s + ".") for s in skipped)
-        if u.path and u.managed and set(u.managed) <= frozen and called and through(g.resolve_module(u.path)):
+        if u.path and u.managed and set(u.managed) <= frozen and _runs(u.path, skip) and through(g.resolve_module(u.path)):
             return True
     return False
 
@@ -284,13 +283,14 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
     never runs their post-backward hook."""
     if is_model_case(spec) or spec.plan.api != "fsdp1":
         return ()
+    units = predict_fsdp1(spec).units
     out: set[str] = set()
     for st in spec.schedule.steps:
         if st.sync_every or len(st.microbatches) < 2:
             continue
         earlier = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches[:-1]))
         last = used_params(spec, st.microbatches[-1].skip)
-        for u in predict_fsdp1(spec).units:
+        for u in units:
             trainable = set(u.managed) - set(st.frozen)
             if trainable & earlier and not trainable & last:
                 out.add(u.path)
@@ -348,10 +348,11 @@ def stale_hook_states(spec: CaseSpec) -> set[str]:
                 if state is None and _runs(u.path, mb.skip):
                     state = (trainable, not backward)
                 if backward:
-                    if state is not None and state[1]:
-                        out.add("changed" if state[0] != trainable else "kept" if trainable else "")
+                    if state is not None and state[1] and state[0] != trainable:
+                        out.add("changed")
+                    elif state is not None and state[1] and trainable:
+                        out.add("kept")
                     state = None
-    out.discard("")
     return out
 
 
