@@ -189,7 +189,9 @@ class Session:
         self.repro_dir = repro_dir
         self.on_change: Callable[[], None] | None = None  # called after every example (reports throttle it)
         self.corpus: dict[tuple[str, str, str], dict] = {}  # (case, invariant, tier) -> outcome of a corpus case
-        self._corpus_index = corpus_mod.by_digest()
+        # a corpus case by its spec: CaseSpec is a frozen dataclass, so equal
+        # specs hash alike (cheaper than digesting every example's JSON)
+        self._corpus_index = corpus_mod.by_spec()
         # rank tiers run with one rank: their corpus cases (recorded at world
         # size 2) cannot show a rank-dependent deviation, so they check nothing
         self._one_rank_tiers: set[str] = set()
@@ -197,7 +199,7 @@ class Session:
         self.selected: set[str] | None = None
         # where each example's time went (the bench reads them); None: not kept
         self.timings: list[Timing] | None = None
-        self._last_digest: tuple[CaseSpec | None, str] = (None, "")
+        self._last_corpus: tuple[CaseSpec | None, corpus_mod.CorpusCase | None] = (None, None)
 
     def tally(self, invariant: str, tier: str, api: str | None = None, model: str = "") -> Tally:
         api = api or api_of(invariant)
@@ -254,10 +256,13 @@ class Session:
         no longer reproduces, FIXED, from one that was not checked)."""
         if not self._corpus_index:
             return
-        # every invariant of an example records the same spec: digest it once
-        if self._last_digest[0] is not spec:
-            self._last_digest = (spec, corpus_mod.spec_digest(spec))
-        case = self._corpus_index.get(self._last_digest[1])
+        # every invariant of an example records the same spec: look it up once
+        if self._last_corpus[0] is not spec:
+            try:
+                self._last_corpus = (spec, self._corpus_index.get(spec))
+            except TypeError:  # a spec type that does not hash: no corpus case is one
+                self._last_corpus = (spec, None)
+        case = self._last_corpus[1]
         if case is None or (case.tier == "ranks" and tier in self._one_rank_tiers):
             return
         if invariant not in case.invariants:

@@ -78,8 +78,10 @@ def load(path: Path | None = None) -> tuple[CorpusCase, ...]:
     return tuple(out)
 
 
-def by_digest() -> dict[str, CorpusCase]:
-    return {c.digest: c for c in load()}
+def by_spec() -> dict[CaseSpec, CorpusCase]:
+    """The corpus by its (hashable, immutable) specs: an example's case is
+    found without encoding it."""
+    return {c.spec: c for c in load()}
 
 
 def cases_for(*invariants: str) -> list[CorpusCase]:
