@@ -146,3 +146,52 @@ def test_sync_of_a_module_holding_a_parameter_twice_is_known(pool):
                     ties=(TiedParam("model0", "tied0", "weight"), TiedParam("model0", "tied1", "weight")), plan=WrapPlan(api="fsdp2"))
     res = run("HSDP-SYNC", spec, pool)
     assert res.verdict == KNOWN and {f for _, f in res.known} == {"fsdp2-set-model-state-dict-shared-module"}, res.describe()
+
+
+def _tied_frozen_root(mesh=(4, 1), steps=2) -> CaseSpec:
+    """Thorough seed 95's case: the root's frozen weight tied to its own
+    tied0, a trainable Linear its own unit, FSDP1 HYBRID_SHARD with
+    use_orig_params=True."""
+    from conformance.case.spec import ModuleWrap, TiedParam
+
+    tree = ModuleSpec("", "Model", (ParamSpec("weight", (1, 1), False),),
+                      children=(ModuleSpec("lora0", "Linear", (ParamSpec("weight", (1, 1)),)),))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), ties=(TiedParam("", "tied0", "weight"),),
+                    plan=WrapPlan(api="fsdp1", policy=ModuleWrap(("Linear",)), use_orig_params=True),
+                    hsdp=HsdpPlan(mesh, way="fsdp1-mesh", strategy="HYBRID_SHARD", steps=steps))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("steps", [2, 1])
+def test_a_tied_frozen_unit_over_a_one_rank_shard_group_is_the_no_shard_finding(steps, pool):
+    """HYBRID_SHARD over a (4, 1) mesh runs NO_SHARD in the one-rank shard
+    group, so fsdp1-no-shard-frozen-unit-params-unregistered's tied form
+    shows: with two steps the second forward asserts on the shared parameter,
+    with one step summon_full_params after it does. Both are HSDP-PARITY's
+    raise, read KNOWN (the one-step form was the scenario's own error, ERROR
+    on every HSDP invariant, before the adapter caught the read)."""
+    spec = _tied_frozen_root(steps=steps)
+    obs = observations(pool, spec, "hsdp", HsdpObservation.from_dict)
+    res = evaluate("HSDP-PARITY", spec, obs)
+    assert res.verdict == KNOWN and {f for _, f in res.known} == {"fsdp1-no-shard-frozen-unit-params-unregistered"}, res.describe()
+    assert all("cause:shared-param-not-parameter" in v.tags for v, _ in res.known)
+
+
+def test_the_no_shard_tied_form_needs_its_assertion_and_the_one_rank_shard_group():
+    """The same raise on a (2, 2) mesh (FULL_SHARD within the shard group),
+    or another AssertionError on the (4, 1) mesh, is no form of the finding."""
+    import torch
+
+    msg = "AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>"
+
+    def obs(mesh, error):
+        return [HsdpObservation(api="fsdp1", rank=r, world_size=4, backend="gloo", torch_version=torch.__version__,
+                                mesh=mesh, step_error=error) for r in range(4)]
+
+    spec = _tied_frozen_root()
+    assert evaluate("HSDP-PARITY", spec, obs((4, 1), msg)).verdict == KNOWN
+    other = evaluate("HSDP-PARITY", spec, obs((4, 1), "AssertionError: FSDP assumes x is in the state_dict"))
+    assert other.verdict == FAIL, other.describe()
+    square = _tied_frozen_root(mesh=(2, 2))
+    res = evaluate("HSDP-PARITY", square, obs((2, 2), msg))
+    assert res.verdict == FAIL, res.describe()

@@ -16,7 +16,7 @@ from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotCheck
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
 from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags, predict_fsdp2
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL
-from conformance.areas.common.violations import violation
+from conformance.areas.common.violations import fsdp1_cause_tags, violation
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
@@ -219,9 +219,9 @@ def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
     other names)."""
     if "out of bounds for storage of size 0" in error:
         return ("cause:freed-storage",)  # a parameter read over its freed unsharded storage
-    if "as_params=True type(prim_param)=" in error:
+    if fsdp1_cause_tags(error):
         # FSDP1 re-registering a tied (shared) parameter whose primary was left a plain Tensor view
-        return ("cause:shared-param-not-parameter",)
+        return tuple(sorted(fsdp1_cause_tags(error)))
     if "got mixed torch.Tensor and DTensor" in error or "placement changes are not supported" in error:
         # load_state_dict copying a DTensor into a registered plain (unsharded)
         # tensor, or into a DTensor of another placement

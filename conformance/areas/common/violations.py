@@ -35,6 +35,16 @@ def violation(inv: str, msg: str, tags: set[str], *extra: str) -> Violation:
     return Violation(inv, msg, frozenset(tags | raised_tags(msg, tags)))
 
 
+def fsdp1_cause_tags(error: str) -> set[str]:
+    """Which FSDP1 internal failure an error message is, where the message
+    alone tells: ``cause:shared-param-not-parameter`` for FSDP1 re-registering
+    a shared (tied) parameter whose primary was left a plain Tensor view
+    (``_use_unsharded_views``: "as_params=True type(prim_param)=...")."""
+    if "as_params=True type(prim_param)=" in error:
+        return {"cause:shared-param-not-parameter"}
+    return set()
+
+
 def tie_within_one_module(spec) -> bool:
     """Whether one module holds a Parameter under two of its names: a tie
     beside its source in the source's own module, or two aliases on one

@@ -383,7 +383,16 @@ def observe(spec: CaseSpec) -> HsdpObservation:
     if fake:  # the fake group's collectives carry no data: structure and collectives only
         return HsdpObservation(**obs, seconds=time.perf_counter() - t0)
 
-    final = final_values(spec, model, built.model, aliases)
+    # reading the trained model's full values is FSDP's work too (FSDP1:
+    # summon_full_params unshards each unit): a raise there is the training's
+    error = None
+    try:
+        final = final_values(spec, model, built.model, aliases)
+    except Exception as e:  # noqa: BLE001
+        error = error_line(e)
+    if any_rank_failed(error is not None):
+        return HsdpObservation(**obs, step_error=error or "another rank's read of the trained values raised",
+                               seconds=time.perf_counter() - t0)
     ref = placed(build(spec))
     ref_losses, ref_totals = train_reference(spec, ref.model, ref.example_input())
     refs = dict(ref.model.named_parameters(remove_duplicate=False))

@@ -10,7 +10,7 @@ from collections import Counter
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags
-from conformance.areas.common.violations import backend_tag, load_cause_tag, tie_within_one_module, violation
+from conformance.areas.common.violations import backend_tag, fsdp1_cause_tags, load_cause_tag, tie_within_one_module, violation
 from conformance.areas.hsdp.observation import HsdpObservation
 from conformance.areas.hsdp.oracle import PLACEMENTS_2D, HsdpPrediction, local_shape
 from conformance.case.spec import CaseSpec
@@ -76,7 +76,7 @@ def check_parity(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation
         where, err = own_error(obs, "wrap_error") or own_error(obs, "step_error")
         freed = {"error:freed-storage"} if "out of bounds for storage of size 0" in err else set()  # a parameter over freed storage
         raised = {f"raised:{err.split(':', 1)[0]}"} if not err.startswith("another rank") else set()  # the exception type
-        return [violation("HSDP-PARITY", f"HSDP raised{where} {err}", tags, "kind:raised", *freed, *raised)]
+        return [violation("HSDP-PARITY", f"HSDP raised{where} {err}", tags, "kind:raised", *freed, *raised, *fsdp1_cause_tags(err))]
     if not first.values_meaningful:
         return VALUES_UNCHECKED
     if not first.ref_stable:
