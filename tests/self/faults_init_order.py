@@ -99,6 +99,23 @@ def fsdp1_reduce_scatter_not_reduced():
     return mock.patch.object(_runtime_utils, "dist", Dist())
 
 
+@fault("fsdp1-summon-raises")
+def fsdp1_summon_raises():
+    """FSDP1's summon_full_params raises (a regression in the unshard it
+    enters): the init area reads the initialised model's full values
+    through it."""
+    import contextlib
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    @contextlib.contextmanager
+    def broken(*args, **kwargs):
+        raise RuntimeError("summon_full_params: injected failure")
+        yield
+
+    return mock.patch.object(FSDP, "summon_full_params", staticmethod(broken))
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.init_order import adapter

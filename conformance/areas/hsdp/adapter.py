@@ -331,7 +331,12 @@ def sync_from_rank0(spec: CaseSpec) -> tuple[str | None, tuple[str, ...], tuple[
         error = error_line(e) + load_cause(e)
     if any_rank_failed(error is not None):
         return error or "another rank's sync raised", (), ()
-    got = final_values(spec, model, own.model, aliases)
+    try:  # the synced model's full values: FSDP's work too (FSDP1: summon_full_params)
+        got = final_values(spec, model, own.model, aliases)
+    except Exception as e:  # noqa: BLE001
+        error = f"full values: {error_line(e)}"
+    if any_rank_failed(error is not None):
+        return error or "another rank's read of the synced values raised", (), ()
     ref = dict(want.model.named_parameters(remove_duplicate=False))
     differs = [f for f, v in got.items() if not same(v, ref[f].detach())]
     checked = list(got)

@@ -296,7 +296,16 @@ def observe(spec: CaseSpec) -> InitObservation:
 
     obs = dict(common, bad_shards=bad_shards, empty_shard=empty, skipped_params=skipped, untied_at_init=untied_at_init)
     if plan.meta or plan.sync:
-        values = _full_values(spec, model, built.model, names)
+        # the initialised / synced model's full values: FSDP's work too (summon_full_params, full_tensor)
+        read_error = None
+        try:
+            values = _full_values(spec, model, built.model, names)
+        except Exception as e:
+            read_error = f"full values: {error_line(e)}"
+        if any_rank_failed(read_error is not None):
+            read_error = read_error or "another rank's read of the full values raised"
+            return InitObservation(**obs, init_error=read_error if plan.meta else None, sync_error=None if plan.meta else read_error,
+                                   failed=True, seconds=time.perf_counter() - t_start)
         canon = [(f, values[f]) for f in names if aliases.param_canon[f] == f]
         checks = _checks(canon, src_values, "param", exact=True)
         if plan.meta:
