@@ -105,6 +105,18 @@ def clip_norm_of_local_shards():
     return mock.patch.object(clip_grad, "_get_total_norm", local)
 
 
+@fault("full-tensor-raises")
+def full_tensor_raises():
+    """DTensor.full_tensor raises (a regression in the all-gather it runs):
+    the area reads the wrapped model's full values through it."""
+    from torch.distributed.tensor import DTensor
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("full_tensor: injected failure")
+
+    return mock.patch.object(DTensor, "full_tensor", broken)
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.tp import adapter

@@ -74,6 +74,8 @@ FAULTS = [
     ("TP-STATE-DICT", "2x2", "full-state-dict-load-dropped", "kind:to-flat"),
     ("TP-MP-DTYPE", "2x2-bf16", "param-dtype-ignored", "kind:forward-dtype"),
     ("TP-CLIP", "2x2", "clip-norm-of-local-shards", "kind:norm"),
+    # reading the wrapped model's full values raises: the observation says so, not the scenario
+    ("TP-LAYOUT", "2x2", "full-tensor-raises", "kind:raised"),
 ]
 
 

@@ -451,7 +451,14 @@ def observe(spec: CaseSpec) -> TpObservation:
     if fake:  # structure only: the fake tier's collectives carry no data
         # FSDP's (and DTensor's) work here: parallelize_module, fully_shard and reading the layout
         return TpObservation(**obs, seconds=time.perf_counter() - t0, fsdp_seconds=time.perf_counter() - t_wrap)
-    now = full_values(model, aliases)
+    # the wrapped model's full values (DTensor.full_tensor's collectives): FSDP's and DTensor's work, not the suite's
+    error = None
+    try:
+        now = full_values(model, aliases)
+    except Exception as e:  # noqa: BLE001
+        error = f"full values: {error_line(e)}"
+    if any_rank_failed(error is not None):
+        return TpObservation(**obs, wrap_error=error or "another rank's read of the full values raised", seconds=time.perf_counter() - t0)
     obs["full_equal"] = tuple((f, same(v, unsharded.get(f))) for f, v in sorted(now.items()))
 
     dtypes: dict[str, str] = {}
@@ -467,7 +474,12 @@ def observe(spec: CaseSpec) -> TpObservation:
     obs["losses"] = tuple(losses)
     if t.precision != "none":
         obs["sharded_dtypes"] = tuple(sorted((aliases.param_canon.get(n, n), str(p.dtype)) for n, p in model.named_parameters()))
-    final = full_values(model, aliases)
+    try:
+        final = full_values(model, aliases)
+    except Exception as e:  # noqa: BLE001
+        error = f"full values: {error_line(e)}"
+    if any_rank_failed(error is not None):
+        return TpObservation(**obs, step_error=error or "another rank's read of the trained values raised", seconds=time.perf_counter() - t0)
     ref_losses, ref_totals = train_reference(spec, ref.model, ref.example_input())
     refs = {ref_aliases.param_canon.get(n, n): p for n, p in ref.model.named_parameters()}
     obs.update(ref_losses=tuple(ref_losses), ref_stable=stable(ref_totals, ref.model),
