@@ -193,6 +193,9 @@ def _borrowed():
     from tests.self.faults_training import FAULTS as TRAINING_FAULTS
 
     FAULTS["fsdp2-frozen-get-zero-grads"] = TRAINING_FAULTS["fsdp2-frozen-get-zero-grads"]
+    from tests.self.faults_init_order import FAULTS as INIT_FAULTS
+
+    FAULTS["fsdp1-summon-raises"] = INIT_FAULTS["fsdp1-summon-raises"]
 
 
 _borrowed()

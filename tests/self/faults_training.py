@@ -292,3 +292,14 @@ def _train_with_default_adam_eps(spec: CaseSpec) -> dict:
 
     with mock.patch.object(common_training, "ADAM_EPS", 1e-8):
         return training.observe(spec).to_dict()
+
+
+@scenario("fault:train:fsdp1-summon-raises", test_only=True)
+def _train_with_summon_raising(spec: CaseSpec) -> dict:
+    """PARITY's training with FSDP1's summon_full_params raising (the read
+    of the trained values goes through it)."""
+    from conformance.areas.parity import adapter as training
+    from tests.self.faults_init_order import FAULTS as INIT_FAULTS
+
+    with INIT_FAULTS["fsdp1-summon-raises"]():
+        return training.observe(spec).to_dict()

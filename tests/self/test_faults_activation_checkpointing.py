@@ -229,3 +229,13 @@ def test_a_read_of_freed_storage_is_an_error_not_a_crash(tier, pool):
     res = evaluate("AC-PARITY", spec, obs, known.load())
     assert res.verdict == KNOWN and res.known[0][1] == "fsdp1-reentrant-checkpoint-frees-unit-early", res.describe()
     assert any("error:freed-storage" in v.tags for v, _ in res.known)
+
+
+@pytest.mark.gloo
+def test_a_read_of_the_trained_values_that_raises_is_fsdps_not_the_scenarios(pool):
+    """FSDP1's summon_full_params raising when the area reads the trained
+    values: the observation says so (the model trained without AC fails
+    the same read, so the failure is FSDP's, not checkpointing's: AC-PARITY
+    compares nothing and says why), not the scenario's own error."""
+    res = run("AC-PARITY", CASES["fsdp1-around-nonreentrant"](), pool, "fault:ac:fsdp1-summon-raises")
+    assert res.verdict == "UNCHECKED" and "full values" in res.unchecked and "without AC" in res.unchecked, res.describe()

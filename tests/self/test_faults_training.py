@@ -379,3 +379,17 @@ def test_a_step_whose_promised_reduction_overflows_is_not_held_to_fp32(pool):
     doubled = observations(pool, spec, "fault:schedule:gradients-doubled", ScheduleObservation.from_dict)
     res = evaluate("MP-DTYPES", spec, doubled)
     assert res.verdict == FAIL and any("step 0" in v.message for v in res.violations), res.describe()
+
+
+@pytest.mark.gloo
+def test_a_read_of_the_trained_values_that_raises_is_a_parity_failure_not_a_scenario_error(pool):
+    """FSDP1's summon_full_params raising when PARITY reads the trained
+    values is the observation's step error (PARITY FAIL kind:raised), not
+    the scenario's own error."""
+    from conformance.areas.parity.observation import TrainObservation
+
+    tree = ModuleSpec("", "Model", children=(ModuleSpec("a", "Linear", (ParamSpec("weight", (2, 2)),)),
+                                             ModuleSpec("b", "Linear", (ParamSpec("weight", (2, 2)),))))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp1", use_orig_params=True), seed=3)
+    res = evaluate("PARITY", spec, observations(pool, spec, "fault:train:fsdp1-summon-raises", TrainObservation.from_dict))
+    assert res.verdict == FAIL and any("kind:raised" in v.tags and "full values" in v.message for v in res.violations), res.describe()

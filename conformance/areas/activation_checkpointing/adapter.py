@@ -341,7 +341,20 @@ def observe(spec: CaseSpec) -> ACObservation:
     if any_rank_failed(plain_error is not None):
         plain_gathers, plain_error = None, plain_error or "another rank's training without AC raised"
     ref_losses, _ = _train(spec, ref.model, x0, plan.steps, rank, world, None, reference=True)
-    final, grads_none = _final(spec, model, built.model, names, frozen)
+    # the trained model's full values: FSDP's work too (summon_full_params, full_tensor)
+    try:
+        final, grads_none = _final(spec, model, built.model, names, frozen)
+    except Exception as e:
+        error = f"full values: {error_line(e)}"
+    if any_rank_failed(error is not None):
+        if plain_error is None:  # the same read of the model trained without AC
+            try:
+                _final(spec, plain_model, plain.model, names, frozen)
+            except Exception as e:
+                plain_error = f"full values: {error_line(e)}"
+            if any_rank_failed(plain_error is not None):
+                plain_error = plain_error or "another rank's read of the values trained without AC raised"
+        return ACObservation(**base, step_error=error or "another rank's read of the trained values raised", plain_error=plain_error)
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
     params = []
     for fqn, value in final.items():

@@ -97,7 +97,10 @@ def compare_training(case, steps, rtol: float, atol: float) -> TrainObservation:
         return TrainObservation(**base, step_error=error_line(e), seconds=time.perf_counter() - t0)
     fsdp_seconds = time.perf_counter() - t0
     ref_losses = steps(ref.model, ref, True)
-    final, grads_none = _final(case, model, built.model, aliases, frozen)
+    try:  # the trained model's full values: FSDP's work too (summon_full_params, full_tensor)
+        final, grads_none = _final(case, model, built.model, aliases, frozen)
+    except Exception as e:
+        return TrainObservation(**base, step_error=f"full values: {error_line(e)}", seconds=time.perf_counter() - t0)
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
     params = []
     for fqn, value in final.items():
