@@ -179,6 +179,25 @@ def _both(*patches):
         yield
 
 
+@fault("fsdp1-summon-params-raises")
+def fsdp1_summon_params_raises():
+    """FSDP1's summon_full_params raises unless asked for gradients: the
+    clip itself (FSDP.clip_grad_norm_) runs, the read of the stepped
+    model's full values after it fails."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    orig = FSDP.summon_full_params
+
+    @contextlib.contextmanager
+    def broken(*args, **kwargs):
+        if not kwargs.get("with_grads"):
+            raise RuntimeError("summon_full_params: injected failure")
+        with orig(*args, **kwargs):
+            yield
+
+    return mock.patch.object(FSDP, "summon_full_params", staticmethod(broken))
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.clip import adapter

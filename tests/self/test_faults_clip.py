@@ -64,6 +64,8 @@ CASES = {
 }
 
 FAULTS = [
+    # the read of the stepped model's full values raises: CLIP-GRADS says so, not the scenario
+    ("CLIP-GRADS", "fsdp1-inf", "fsdp1-summon-params-raises", "at:after-clip"),
     ("CLIP-NORM", "fsdp2-l2", "dtensor-norm-rank-local", "kind:norm"),
     ("CLIP-NORM", "fsdp2-subset", "dtensor-norm-rank-local", "kind:norm"),
     ("CLIP-NORM", "fsdp1-inf", "fsdp1-norm-not-all-reduced", "kind:norm"),

@@ -200,9 +200,17 @@ def observe(spec: CaseSpec) -> ClipObservation:
     # the norm the clipped gradients are scaled by: max_norm / an overflowed
     # norm is inf / inf, nothing to compare them with
     obs["scale_finite"] = math.isfinite(ref_norm if own is None else own_norm)
-    if trainable:
-        _sgd_step(model)
-    final, grads_none = _final(spec, model, built.model, aliases, frozen)
+    # the step with the clipped gradients and the read of its full values: FSDP's work too
+    read_error = None
+    try:
+        if trainable:
+            _sgd_step(model)
+        final, grads_none = _final(spec, model, built.model, aliases, frozen)
+    except Exception as e:
+        read_error = f"full values: {error_line(e)}"
+    if failed_ranks(read_error is not None) > 0:
+        return ClipObservation(**obs, read_error=read_error or "another rank's step or read after the clip raised",
+                               seconds=time.perf_counter() - t0)
     clipped_aliases = {f for f in final if aliases.param_canon.get(f, f) in set(clipped)}
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
     out = []

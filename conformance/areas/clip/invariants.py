@@ -115,6 +115,9 @@ def check_grads(spec: CaseSpec, pred: ClipPrediction, obs: ClipObservation) -> l
                           "kind:grads-unreadable", error_tag(obs.gather_error))]
     if obs.failed:
         return NotChecked("clipping raised on some rank (CLIP-NORM): no clipped gradients to compare")
+    if obs.read_error:
+        return [violation("CLIP-GRADS", f"the SGD step after the clip or the read of its full values raised: {obs.read_error}", tags,
+                          "kind:raised", "at:after-clip", error_tag(obs.read_error))]
     frozen = set(pred.training.frozen)
     out = []
     for fqn, none in obs.frozen_grads_none:

@@ -22,6 +22,9 @@ class ClipObservation(Record):
     # under mixed precision: reading FSDP's gradients whole before the clip
     # raised (FSDP1 use_orig_params=True: summon_full_params(with_grads=True))
     gather_error: str | None = None
+    # the SGD step after the clip or the read of its full values raised
+    # (summon_full_params / full_tensor; the ranks agree on it: CLIP-GRADS)
+    read_error: str | None = None
     # this rank did not call the clipping: another rank's local part of it
     # raises before its reduction, which this rank would wait in forever
     peer_failed: bool = False
@@ -61,7 +64,7 @@ class ClipObservation(Record):
         local gradients' dtypes are CLIP-NORM's, which reads every rank)."""
         d = self.to_dict()
         for k in ("rank", "seconds", "fsdp_seconds", "clip_error", "peer_failed", "empty_local", "norm", "ref_norm", "own_norm", "max_norm",
-                  "grad_dtypes", "gather_error"):
+                  "grad_dtypes", "gather_error", "read_error"):
             d.pop(k)
         for p in d["params"]:
             p.pop("max_diff")
