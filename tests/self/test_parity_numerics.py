@@ -169,3 +169,23 @@ def test_a_nan_that_stays_nan_is_an_unchanged_parameter():
     assert not unchanged(torch.tensor([1.0, 2.0]), torch.tensor([1.0, nan]))
     assert not unchanged(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0], dtype=torch.float64))
     assert unchanged(torch.tensor([1, 2]), torch.tensor([1, 2])) and not unchanged(torch.tensor([1, 2]), torch.tensor([1, 3]))
+
+
+@pytest.mark.gloo
+def test_whether_the_reference_diverged_is_one_answer_for_every_rank(fault_pools):
+    """Thorough seed 98's case (FSDP2, SGD, shared modules and a tie): the
+    reference's loss over every rank's batch grows past DIVERGED, rank 0's
+    own batch's share does not, rank 1's does. Judged on each rank's share,
+    the ranks disagreed on ref_stable (a RANKS-AGREE FAIL of the suite's
+    own making); judged on the reference's loss, every rank says diverged
+    and PARITY compares nothing, saying why."""
+    from pathlib import Path
+
+    from conformance.case.model_case import case_from_json
+
+    spec = case_from_json((Path(__file__).parent / "data" / "parity_reference_diverges_on_one_ranks_batch.json").read_text())
+    obs = observations(fault_pools(2), spec, "train", TrainObservation.from_dict)
+    assert [o.ref_stable for o in obs] == [False, False]
+    assert evaluate("RANKS-AGREE", spec, obs).verdict == PASS
+    res = evaluate("PARITY", spec, obs)
+    assert res.verdict == UNCHECKED and "diverged" in res.unchecked, res.describe()

@@ -217,10 +217,13 @@ def _gathers(rec: Recorder, step: int, api: str) -> list[tuple[int, str, str, in
 
 
 def _train(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, steps: int, rank: int, world: int, labels: dict[int, str] | None,
-           *, reference: bool = False, calls: Calls | None = None) -> tuple[list[float], list[tuple[int, str, str, int]]]:
+           *, reference: bool = False, calls: Calls | None = None,
+           totals: list[float] | None = None) -> tuple[list[float], list[tuple[int, str, str, int]]]:
     """SGD steps (every parameter that trains); each step's parameter
     all-gathers by group or unit (``labels``: FSDP2's module ids, FSDP1's
-    handle ids -> canonical paths; None: not attributed)."""
+    handle ids -> canonical paths; None: not attributed). The losses are
+    this rank's batch's; ``totals`` gets the reference's loss over every
+    batch (the same on every rank: its divergence is judged on it)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer("SGD", trainable, LR) if trainable else None
     rec = Recorder()
@@ -236,6 +239,8 @@ def _train(spec: CaseSpec, model: nn.Module, x0: torch.Tensor, steps: int, rank:
             if reference:
                 loss, per_rank = reference_loss(model, xs)
                 mine = per_rank[rank]
+                if totals is not None:
+                    totals.append(float(loss.detach()))
             else:
                 rec.phase = "forward"
                 if calls is not None:
@@ -340,7 +345,8 @@ def observe(spec: CaseSpec) -> ACObservation:
         plain_error = error_line(e)
     if any_rank_failed(plain_error is not None):
         plain_gathers, plain_error = None, plain_error or "another rank's training without AC raised"
-    ref_losses, _ = _train(spec, ref.model, x0, plan.steps, rank, world, None, reference=True)
+    ref_totals: list[float] = []
+    ref_losses, _ = _train(spec, ref.model, x0, plan.steps, rank, world, None, reference=True, totals=ref_totals)
     # the trained model's full values: FSDP's work too (summon_full_params, full_tensor)
     try:
         final, grads_none = _final(spec, model, built.model, names, frozen)
@@ -372,7 +378,7 @@ def observe(spec: CaseSpec) -> ACObservation:
     return ACObservation(
         **base, state_dict_error=error, losses=tuple(losses), ref_losses=tuple(ref_losses),
         losses_close=bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=TRAIN_RTOL, atol=TRAIN_ATOL)),
-        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), ref_stable=stable(ref_losses, ref.model),
+        params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())), ref_stable=stable(ref_totals, ref.model),
         state_dict_keys=keys, gathers=tuple(gathers), plain_gathers=plain_gathers, plain_error=plain_error,
         calls=calls.rows(plan.targets, plan.steps), plain_calls=plain_calls.rows(plan.targets, plan.steps),
         seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds,

@@ -33,11 +33,14 @@ def _optimizer(plan: TrainPlan, model: nn.Module) -> torch.optim.Optimizer:
     return make_optimizer(plan.optimizer, [p for p in model.parameters() if p.requires_grad], plan.lr)
 
 
-def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan, rank: int, world_size: int, *, reference: bool = False) -> list[float]:
+def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan, rank: int, world_size: int, *, reference: bool = False,
+           totals: list[float] | None = None) -> list[float]:
     """Train on this rank's batches; the single-process ``reference`` trains
     on the mean loss over every rank's batch (the gradient FSDP's averaging
     reduction must produce), or with the plan's divide factor on their sum
-    divided by it. The losses returned are this rank's batch's."""
+    divided by it. The losses returned are this rank's batch's; ``totals``
+    gets the reference's loss over every batch (the same on every rank:
+    whether the reference diverged is judged on it)."""
     trainable = any(p.requires_grad for p in model.parameters())
     opt = _optimizer(plan, model) if trainable else None
     losses = []
@@ -48,6 +51,8 @@ def _train(model: nn.Module, x0: torch.Tensor, plan: TrainPlan, rank: int, world
         if reference:
             loss, per_rank = reference_loss(model, xs, plan.divide_factor)
             mine = per_rank[rank]
+            if totals is not None:
+                totals.append(float(loss.detach()))
         else:
             loss = mine = (model(xs[rank]) ** 2).sum()
         if opt is not None:  # everything frozen: forward only
@@ -63,16 +68,21 @@ def observe(spec: CaseSpec) -> TrainObservation:
     plan = spec.train or TrainPlan()
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    ref_totals: list[float] = []
+
     def steps(model: nn.Module, built, reference: bool) -> list[float]:
-        return _train(model, built.example_input(), plan, rank, world, reference=reference)
+        return _train(model, built.example_input(), plan, rank, world, reference=reference, totals=ref_totals if reference else None)
 
-    return compare_training(spec, steps, TRAIN_RTOL, TRAIN_ATOL)
+    return compare_training(spec, steps, TRAIN_RTOL, TRAIN_ATOL, ref_totals)
 
 
-def compare_training(case, steps, rtol: float, atol: float) -> TrainObservation:
+def compare_training(case, steps, rtol: float, atol: float, ref_totals: list[float] | None = None) -> TrainObservation:
     """Wrap one copy of ``case``'s model as its plan says, leave another
     unsharded, run ``steps(model, built, reference)`` on both, and compare
-    their losses and final parameters (every alias) within rtol/atol."""
+    their losses and final parameters (every alias) within rtol/atol.
+    ``ref_totals``: filled by the reference's ``steps`` with its losses over
+    every rank's batch, on which its divergence is judged (default: the
+    losses it returns, where those are the same on every rank)."""
     base = dict(api=case.plan.api, rank=dist.get_rank(), world_size=dist.get_world_size(),
                 backend=str(dist.get_backend()), torch_version=torch.__version__)
     built, ref = placed(build(case)), placed(build(case))
@@ -111,7 +121,7 @@ def compare_training(case, steps, rtol: float, atol: float) -> TrainObservation:
     return TrainObservation(
         **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
         params=tuple(params), frozen_grads_none=tuple(sorted(grads_none.items())),
-        ref_stable=stable(ref_losses, ref.model), seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds,
+        ref_stable=stable(ref_totals or ref_losses, ref.model), seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds,
     )
 
 
