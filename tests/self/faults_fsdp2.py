@@ -271,6 +271,18 @@ def sum_reduction_not_divided():
     return mock.patch.object(coll, "_get_gradient_divide_factors", no_post_divide)
 
 
+@fault("full-tensor-raises")
+def full_tensor_raises():
+    """DTensor.full_tensor raises (a sharded parameter or gradient FSDP2
+    leaves unreadable): the adapters' read of the full values after backward."""
+    from torch.distributed.tensor import DTensor
+
+    def broken(self, *a, **k):
+        raise RuntimeError("full_tensor: injected failure")
+
+    return mock.patch.object(DTensor, "full_tensor", broken)
+
+
 # ---- test-only scenarios: the fault applied inside each rank ----------------
 
 
@@ -289,7 +301,7 @@ def _faulty(name: str, kind: str):
 
 
 for _name in ("register-drops-kwargs", "gradients-doubled", "summon-does-nothing", "frozen-made-trainable", "register-on-fsdp-class",
-              "sum-reduction-not-divided", "registered-output-noise"):
+              "sum-reduction-not-divided", "registered-output-noise", "full-tensor-raises"):
     for _kind in ("fsdp2", "fsdp1-methods", "train"):
         _fn = _faulty(_name, _kind)
         globals()[_fn.__name__] = _fn

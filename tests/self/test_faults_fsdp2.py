@@ -176,3 +176,17 @@ def test_value_fault_is_caught_inside_the_ranks(invariant, fault, kind, make, po
     assert_caught(res, kind)
     if invariant != "FWD-SUMMON":  # the value-comparing invariants name the backend (tests/self/test_known_backend.py)
         assert all("backend:gloo" in v.tags for v in res.violations), res.describe()
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("invariant", ["FSDP2-FROZEN", "FWD-PARITY"])
+def test_a_raise_reading_the_full_values_after_backward_is_the_invariants_verdict(invariant, pool):
+    """The read of every parameter's and gradient's full value after the
+    backward (DTensor.full_tensor) raising is FSDP2-FROZEN's and FWD-PARITY's
+    FAIL (kind:raised, at:read), not the scenario's own error, which named no
+    invariant."""
+    spec = lm(methods=(ForwardMethod("block", "forward_features", (MethodStep("child", "proj0"),)),), calls=(MethodCall(-1), MethodCall(0)))
+    assert_holds(invariant, spec, pool)
+    res = run(invariant, spec, pool, "fault:fsdp2:full-tensor-raises")
+    assert_caught(res, "at:read")
+    assert all({"kind:raised", "raised:RuntimeError"} <= v.tags for v in res.violations), res.describe()

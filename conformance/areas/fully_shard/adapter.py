@@ -232,7 +232,7 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
                probes=tuple(probe.records), warnings=shown, seconds=seconds)
     if any(c.error for c in calls):
         return FSDP2Observation(**obs, ties_intact=_ties(built.model, aliases))
-    grads, ran, berr = (), False, None
+    grads, ran, berr, rerr = (), False, None, None
     if outs and any(o.requires_grad for o in outs):
         try:
             sum((o**2).sum() for o in outs).backward()
@@ -241,8 +241,9 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
         except Exception as e:
             berr = error_line(e)
     if berr is None:
-        grads = tuple(_grads(built.model, ref.model, initial))
-    return FSDP2Observation(**obs, backward_ran=ran, backward_error=berr, grads=grads, ties_intact=_ties(built.model, aliases))
+        grads, rerr = _read_grads(built.model, ref.model, initial)
+    return FSDP2Observation(**obs, backward_ran=ran, backward_error=berr, grads=grads, read_error=rerr,
+                            ties_intact=_ties(built.model, aliases))
 
 
 class _Stop(Exception):
@@ -256,6 +257,18 @@ def _no_probe():
         yield
     finally:
         set_probe(old)
+
+
+def _read_grads(model: nn.Module, ref: nn.Module, initial: dict[str, torch.Tensor]) -> tuple[tuple[GradObservation, ...], str | None]:
+    """(the gradients compared, None), or ((), the error) where reading the
+    sharded values or gradients raised: FSDP left a DTensor whose
+    full_tensor() fails, an observation (read_error) rather than the
+    scenario's own error. The ranks do not agree first: a rank that raised
+    leaves the others in the read's all-gather, a HANG, as before."""
+    try:
+        return tuple(_grads(model, ref, initial)), None
+    except Exception as e:
+        return (), f"full values: {error_line(e)}"
 
 
 def _grads(model: nn.Module, ref: nn.Module, initial: dict[str, torch.Tensor]) -> list[GradObservation]:
@@ -386,6 +399,6 @@ def observe_fsdp2(case: ModelCase) -> FSDP2Observation:
             ran = True
         except Exception as e:
             berr = error_line(e)
-    grads = tuple(_grads(built.model, ref.model, initial)) if berr is None else ()
-    return FSDP2Observation(**obs, backward_ran=ran, backward_error=berr, grads=grads,
+    grads, rerr = _read_grads(built.model, ref.model, initial) if berr is None else ((), None)
+    return FSDP2Observation(**obs, backward_ran=ran, backward_error=berr, grads=grads, read_error=rerr,
                             ties_intact=_ties(built.model, aliases), seconds=time.perf_counter() - t0)

@@ -101,6 +101,9 @@ def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     promised = pred.backward_promised
     if obs.backward_error and promised:
         out.append(violation("FSDP2-FROZEN", f"backward raised {obs.backward_error}", tags | _nested_anywhere(obs), "kind:backward-raised"))
+    if obs.read_error:
+        out.append(violation("FSDP2-FROZEN", f"reading the parameters' and gradients' full values after backward raised {obs.read_error}",
+                             tags, "kind:raised", "at:read"))
     frozen = set(pred.frozen)
     for gr in obs.grads:
         if gr.fqn in frozen:
@@ -339,6 +342,9 @@ def check_parity(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     after = base | _nested_anywhere(obs)
     if obs.backward_error:
         out.append(violation("FWD-PARITY", f"backward raised {obs.backward_error}", after, "kind:backward-raised"))
+    if obs.read_error:
+        out.append(violation("FWD-PARITY", f"reading the parameters' and gradients' full values after backward raised {obs.read_error}",
+                             after, "kind:raised", "at:read"))
     if obs.values_meaningful and obs.backward_ran:
         for g in obs.grads:
             if g.grad_none != g.ref_grad_none:

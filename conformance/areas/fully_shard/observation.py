@@ -41,6 +41,7 @@ class FSDP2Observation(RankRecord):
     probes: tuple[ProbeObservation, ...] = ()
     backward_error: str | None = None
     backward_ran: bool = False
+    read_error: str | None = None  # reading the full values and gradients after backward raised
     grads: tuple[GradObservation, ...] = ()
     ties_intact: tuple[tuple[str, bool], ...] = ()  # canonical FQN -> aliases one tensor (after the calls)
     warnings: tuple[str, ...] = ()  # UserWarnings while sharding and registering
@@ -50,7 +51,7 @@ class FSDP2Observation(RankRecord):
     def comparable(self) -> dict:
         """What every rank must agree on (rank, timings and float noise removed)."""
         d = self.to_dict()
-        for k in ("rank", "seconds", "warnings"):
+        for k in ("rank", "seconds", "warnings", "read_error"):  # a rank's own error text; the read is a collective
             d.pop(k)
         for c in d["calls"]:
             c.pop("max_diff")
