@@ -118,6 +118,17 @@ def _grad_element_nan():
 FAULTS["grad-element-nan"] = _grad_element_nan
 
 
+def _full_tensor_raises():
+    """DTensor.full_tensor raises: the read of the accumulated gradients'
+    full values after the last microbatch."""
+    from tests.self.faults_fsdp2 import FAULTS as FSDP2_FAULTS
+
+    return FSDP2_FAULTS["full-tensor-raises"]()
+
+
+FAULTS["full-tensor-raises"] = _full_tensor_raises
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.microbatch import adapter

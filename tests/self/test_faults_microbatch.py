@@ -55,6 +55,8 @@ GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
     ("MB-GRADS", "no-sync", "grad-element-nan", "kind:grad"),
     ("MB-COMMS", "no-sync", "gradient-sync-ignored", "kind:extra"),
+    # the read of the gradients' full values raising: MB-GRADS' verdict, not the scenario's own error
+    ("MB-GRADS", "no-sync", "full-tensor-raises", "at:read"),
 ]
 
 
@@ -97,3 +99,15 @@ def test_fault_is_caught_inside_the_pool_ranks(invariant, case, fault, kind, poo
     res = run(invariant, CASES[case](), pool, f"fault:microbatch:{fault}")
     assert res.verdict == FAIL, res.describe()
     assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+def test_a_raise_reading_the_parameters_is_mb_shardeds_verdict():
+    """Reading the registered parameters after the last microbatch raised
+    (the adapter's read_error, no shard seen): MB-SHARDED fails at:read
+    rather than saying nothing was compared; MB-GRADS too."""
+    spec = CASES["no-sync"]()
+    obs = [MicrobatchObservation("fsdp2", r, 2, "gloo", "x", read_error="parameters: AttributeError: no w") for r in range(2)]
+    for invariant in ("MB-SHARDED", "MB-GRADS"):
+        res = evaluate(invariant, spec, obs, known=[])
+        assert res.verdict == FAIL, res.describe()
+        assert all({"at:read", "kind:raised", "raised:AttributeError"} <= v.tags for v in res.violations), res.describe()

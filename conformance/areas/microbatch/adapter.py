@@ -109,18 +109,28 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
                 iterations.append(rec.take(True))
                 break
     seconds = time.perf_counter() - t0
-    shards, grads = [], []
+    shards, grads, read_error = [], [], None
     if error is None:
+        # reading what FSDP left (attributes, then the gradients' full values,
+        # a collective) is the observation's read_error where it raises, not
+        # the scenario's own error; the ranks do not agree first: a rank that
+        # raised leaves the others in full_tensor's all-gather (a HANG)
         names = list(pred.trainable) + list(pred.frozen)
-        for f in names:
-            p = read_attr(model, f)
-            sharded = is_sharded(p) and all(type(pl).__name__ == "Shard" for pl in p.placements)
-            g = p.grad
-            shards.append(ShardSeen(f, sharded, None if g is None else is_sharded(g)))
-        if base["backend"] != "fake":
-            grads = _compare_grads(spec, model, ref, names, world)
+        try:
+            for f in names:
+                p = read_attr(model, f)
+                sharded = is_sharded(p) and all(type(pl).__name__ == "Shard" for pl in p.placements)
+                g = p.grad
+                shards.append(ShardSeen(f, sharded, None if g is None else is_sharded(g)))
+        except Exception as e:
+            shards, read_error = [], f"parameters: {error_line(e)}"
+        if read_error is None and base["backend"] != "fake":
+            try:
+                grads = _compare_grads(spec, model, ref, names, world)
+            except Exception as e:
+                grads, read_error = [], f"full gradients: {error_line(e)}"
     return MicrobatchObservation(**base, error=error, iterations=tuple(iterations), grads=tuple(grads), shards=tuple(shards),
-                                 seconds=seconds)
+                                 read_error=read_error, seconds=seconds)
 
 
 def _compare_grads(spec: CaseSpec, model, ref, names: list[str], world: int) -> list[GradSeen]:

@@ -93,6 +93,9 @@ def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     out = _raised("MB-GRADS", obs, tags)
     if obs.error:
         return out
+    if obs.read_error:
+        return [violation("MB-GRADS", f"reading what FSDP left after the last microbatch raised ({obs.read_error})", tags,
+                          "kind:raised", "at:read")]
     if not obs.values_meaningful:
         return VALUES_UNCHECKED
     frozen = set(pred.frozen)
@@ -126,6 +129,9 @@ def check_sharded(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObs
     exp = pred.expect(obs.world_size)
     if exp.why:
         return NotChecked(exp.why)
+    if obs.read_error and not obs.shards:
+        return [violation("MB-SHARDED", f"reading the parameters after the last microbatch raised ({obs.read_error})", tags,
+                          "kind:raised", "at:read")]
     if not exp.iterations[-1].backward:
         # the root keeps its parameters unsharded after forward (fully_shard:
         # reshard_after_forward=None is False for the root) until a backward

@@ -37,6 +37,7 @@ class MicrobatchObservation(Record):
     iterations: tuple[IterationSeen, ...] = ()
     grads: tuple[GradSeen, ...] = ()
     shards: tuple[ShardSeen, ...] = ()
+    read_error: str | None = None  # reading the parameters or the gradients' full values after the last microbatch raised
     seconds: float = 0.0
 
     @property
@@ -45,6 +46,6 @@ class MicrobatchObservation(Record):
 
     def comparable(self) -> dict:
         d = self.to_dict()
-        for k in ("rank", "seconds", "grads"):
+        for k in ("rank", "seconds", "grads", "read_error"):
             d.pop(k)
         return d
