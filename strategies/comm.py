@@ -2,7 +2,7 @@
 parameters under FSDP2 groups (reshard_after_forward None / True / False /
 an int, for the root too; explicit forward and backward prefetching) or
 FSDP1 units (sharding strategy, backward_prefetch, forward_prefetch,
-limit_all_gathers), mixed precision, one to three iterations, and sometimes
+limit_all_gathers, iterations inside no_sync()), mixed precision, one to three iterations, and sometimes
 a one-rank mesh (FSDP2)."""
 
 from __future__ import annotations
@@ -85,12 +85,18 @@ def _fsdp1_comm_specs(draw: Any, base: SearchStrategy, max_iterations: int) -> C
     if isinstance(pol, CustomWrap) and pol.kwargs:  # the sharding strategy is the plan's, for every unit
         spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, policy=CustomWrap(pol.targets)))
     param, reduce = pick(draw, PRECISIONS)
+    iterations = 1 + draw(ints(max_iterations - 1))
+    # some iterations inside no_sync() (gradient accumulation), most often
+    # before a synced one, as a training loop does
+    no_sync = tuple(maybe(draw, 2) for _ in range(iterations)) if maybe(draw, 2) else ()
     plan = CommPlan(
-        iterations=1 + draw(ints(max_iterations - 1)), param_dtype=param, reduce_dtype=reduce,
+        iterations=iterations, param_dtype=param, reduce_dtype=reduce,
         sharding_strategy=pick(draw, FSDP1_STRATEGIES), fsdp1_backward_prefetch=pick(draw, ("BACKWARD_PRE",) + tuple(x for x in FSDP1_BACKWARD_PREFETCH if x != "BACKWARD_PRE")),
-        fsdp1_forward_prefetch=maybe(draw, 2), limit_all_gathers=not maybe(draw, 2),
+        fsdp1_forward_prefetch=maybe(draw, 2), limit_all_gathers=not maybe(draw, 2), fsdp1_no_sync=no_sync if any(no_sync) else (),
     )
     event(f"comm: fsdp1 {plan.sharding_strategy}, backward_prefetch {plan.fsdp1_backward_prefetch}")
+    if plan.fsdp1_no_sync:
+        event(f"comm: fsdp1 no_sync, {plan.sharding_strategy}")
     return dataclasses.replace(spec, comm=plan)
 
 

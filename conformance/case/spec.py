@@ -760,7 +760,9 @@ class CommPlan:
     (module, modules) for set_modules_to_forward_prefetch /
     set_modules_to_backward_prefetch, each module a group's. FSDP1:
     ``sharding_strategy``, ``backward_prefetch`` (a BackwardPrefetch
-    member's name or None), ``forward_prefetch``, ``limit_all_gathers``."""
+    member's name or None), ``forward_prefetch``, ``limit_all_gathers``;
+    ``fsdp1_no_sync``, per iteration, whether it runs inside the root's
+    no_sync() (empty: none does), its gradients then kept for the next."""
 
     iterations: int = 1
     world: int = 0
@@ -772,6 +774,7 @@ class CommPlan:
     fsdp1_backward_prefetch: str | None = "BACKWARD_PRE"
     fsdp1_forward_prefetch: bool = False
     limit_all_gathers: bool = True
+    fsdp1_no_sync: tuple[bool, ...] = ()
 
 
 def validate_comm(spec: "CaseSpec") -> None:
@@ -793,6 +796,9 @@ def validate_comm(spec: "CaseSpec") -> None:
         raise SpecError("comm: one prefetch list per module")
     if c.sharding_strategy not in FSDP1_STRATEGIES or c.fsdp1_backward_prefetch not in FSDP1_BACKWARD_PREFETCH:
         raise SpecError(f"comm: sharding_strategy one of {FSDP1_STRATEGIES}, backward prefetch one of {FSDP1_BACKWARD_PREFETCH}")
+    if c.fsdp1_no_sync and (api != "fsdp1" or len(c.fsdp1_no_sync) != c.iterations
+                            or not all(isinstance(b, bool) for b in c.fsdp1_no_sync)):
+        raise SpecError("comm: fsdp1_no_sync is FSDP1's, one bool per iteration")
 
 
 # ---- FSDP2's schedule APIs, per microbatch (MB-*) ------------------------------

@@ -152,6 +152,25 @@ def fsdp1_root_reshards_after_forward():
                  mock.patch.object(fsdp_module, "_post_forward_reshard", post_forward_reshard))
 
 
+@fault("fsdp1-no-sync-frees-unsharded")
+def fsdp1_no_sync_frees_unsharded():
+    """Inside no_sync, SHARD_GRAD_OP frees the unsharded parameters after
+    backward as when syncing (the mutant of the same name): the next
+    forward all-gathers them again."""
+    from torch.distributed.fsdp import _runtime_utils as ru
+
+    return mock.patch.object(ru, "_should_free_in_backward", lambda state, handle: handle.uses_sharded_strategy)
+
+
+@fault("fsdp1-no-sync-ignored")
+def fsdp1_no_sync_ignored():
+    """no_sync() no longer disables gradient synchronization: every
+    backward inside it reduce-scatters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return mock.patch.object(FSDP, "no_sync", lambda self: contextlib.nullcontext())
+
+
 @contextlib.contextmanager
 def _both(a, b):
     with a, b:

@@ -56,6 +56,9 @@ CASES = {
     "fsdp1-mp": lambda: model(FSDP1, CommPlan(**BF16_FP32)),
     "fsdp1-post": lambda: model(FSDP1, CommPlan(fsdp1_backward_prefetch="BACKWARD_POST")),
     "fsdp1-prefetch": lambda: model(FSDP1, CommPlan(iterations=2, fsdp1_forward_prefetch=True, limit_all_gathers=False)),
+    # two iterations inside no_sync, then a synced one (upstream test_fsdp_comm.py's pattern)
+    "fsdp1-no-sync-zero2": lambda: model(FSDP1, CommPlan(iterations=3, sharding_strategy="SHARD_GRAD_OP", fsdp1_no_sync=(True, True, False))),
+    "fsdp1-no-sync-full": lambda: model(FSDP1, CommPlan(iterations=3, fsdp1_no_sync=(True, False, True), **BF16_FP32)),
 }
 
 FAULTS = [
@@ -76,6 +79,9 @@ FAULTS = [
     ("COMM-FSDP1-PREFETCH", "fsdp1-post", "fsdp1-backward-prefetch-off-by-one", "kind:order"),
     ("COMM-FSDP1-PREFETCH", "fsdp1-full", "fsdp1-backward-pre-prefetches-post", "kind:context"),
     ("COMM-FSDP1-PREFETCH", "fsdp1-prefetch", "fsdp1-forward-prefetch-ignored", "kind:context"),
+    ("COMM-FSDP1-COUNTS", "fsdp1-no-sync-zero2", "fsdp1-no-sync-frees-unsharded", "kind:extra"),
+    ("COMM-FSDP1-COUNTS", "fsdp1-no-sync-zero2", "fsdp1-no-sync-ignored", "kind:extra"),
+    ("COMM-FSDP1-COUNTS", "fsdp1-no-sync-full", "fsdp1-no-sync-ignored", "kind:extra"),
 ]
 
 

@@ -132,18 +132,21 @@ def observe(spec: CaseSpec) -> CommObservation:
         for p in patches:
             stack.enter_context(p)
         for i in range(c.iterations):
+            no_sync = bool(c.fsdp1_no_sync) and c.fsdp1_no_sync[i]
             try:
-                rec.phase = "forward"
-                with rec.mode:
-                    out = model(x)
-                loss = (out.float() ** 2).sum()
-                rec.phase = "backward"
-                if loss.requires_grad:
+                with model.no_sync() if no_sync else contextlib.nullcontext():
+                    rec.phase = "forward"
                     with rec.mode:
-                        loss.backward()
+                        out = model(x)
+                    loss = (out.float() ** 2).sum()
+                    rec.phase = "backward"
+                    if loss.requires_grad:
+                        with rec.mode:
+                            loss.backward()
                 iterations.append(rec.take(loss.requires_grad))
-                for p in model.parameters():
-                    p.grad = None
+                if not no_sync:  # gradients accumulate across no_sync iterations, as in a training loop
+                    for p in model.parameters():
+                        p.grad = None
             except Exception as e:
                 error = f"iteration {i}: {error_line(e)}"
                 iterations.append(rec.take(True))

@@ -412,11 +412,21 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
     # instead of <trainable> numel before sharding via reduce-scatter)")
     grad = frozenset(f for u in pred.units if u.trainable for f in u.managed)
     steps, loss = timeline(spec, grad, input_grad)
+    # "kept": resharded to its shard, the unsharded flat parameter still
+    # allocated (the next unshard gathers nothing)
     state = {p: "sharded" if sharded else "unsharded" for p in units}
     pre_order: list[str] = []  # recorded on the first iteration
     late: dict[str, str] = {}  # units resharded by the final callback, and how they got there
     out = []
     for it in range(c.iterations):
+        # inside no_sync(): no reduction (FSDP1's no_sync docstring), and a
+        # strategy that does not reshard after forward (SHARD_GRAD_OP) keeps
+        # the unsharded parameters after backward, so the next forward
+        # gathers nothing (upstream test_fsdp_comm.py, test_communication
+        # with use_no_sync: 0 all-gathers in the forward after a no_sync
+        # iteration under SHARD_GRAD_OP)
+        sync = not (c.fsdp1_no_sync and c.fsdp1_no_sync[it])
+        free = sync or strategy == "FULL_SHARD"
         colls: list[Collective] = []
         post_order: list[str] = []
         needs_bw = {p: False for p in units}
@@ -428,11 +438,13 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
         def unshard(p: str, phase: str, ctx: str) -> None:
             if state[p] == "sharded":
                 colls.append(Collective(phase, "all_gather", p, full[p], world, ag_dtype, ctx, late.pop(p, "")))
-                state[p] = "unsharded"
+            elif state[p] == "kept":
+                late.pop(p, None)
+            state[p] = "unsharded"
 
-        def reshard(p: str) -> None:
+        def reshard(p: str, keep: bool = False) -> None:
             if sharded:
-                state[p] = "sharded"
+                state[p] = "kept" if keep else "sharded"
                 prefetched[p] = False
 
         for s in steps:
@@ -503,7 +515,7 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
                     # reshard-only post-backward hook)
                     ctx = f"post_backward {p}"
                     ran_post_bw[p] = True
-                    reshard(p)
+                    reshard(p, keep=not free)
                     if c.fsdp1_backward_prefetch == "BACKWARD_POST":
                         # a frozen unit has no gradient computation to prefetch
                         # after ("after the current set of parameters' gradient
@@ -511,12 +523,12 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
                         # inputs' gradients, which may be the next unit's own
                         # pre-backward moment; where it gathers is not promised
                         prefetch(p, "backward", ctx, either=not units[p][1])
-                    if units[p][1]:
+                    if units[p][1] and sync:
                         op = "reduce_scatter" if sharded else "all_reduce"
                         colls.append(Collective("backward", op, p, full[p], world, rs_dtype, ctx))
             for p in units:  # the final callback reshards what is left unsharded
                 if sharded and state[p] == "unsharded":
                     late[p] = "after-no-backward-hook" if not (ran_pre_bw[p] or ran_post_bw[p]) else "after-final-callback-reshard"
-                reshard(p)
+                    reshard(p, keep=not free)
         out.append(Iteration(tuple(colls), (), loss))
     return Expected(tuple(out), exact_numel=not spec.plan.use_orig_params)
