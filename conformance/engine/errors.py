@@ -75,6 +75,7 @@ class ExampleFailed(EngineError):
         self.elapsed = elapsed
         self.ranks = tuple(ranks)
         self.idle = idle  # a HANG declared before the deadline: every running rank used no CPU for this long
+        self.replay: str | None = None  # a CRASH replayed on fresh ranks: what happened (RankPool._replay)
         super().__init__(self._line())
         if hasattr(self, "add_note"):
             self.add_note(self.report(headline=False))
@@ -83,10 +84,16 @@ class ExampleFailed(EngineError):
         what = "no result within" if self.verdict == HANG else "rank died after"
         states = "; ".join(r.describe() for r in self.ranks)
         why = f"deadline {self.deadline:g}s" + (f"; no running rank used CPU for {self.idle:g}s" if self.idle else "")
+        replay = f"; replayed on fresh ranks: {self.replay}" if self.replay else ""
         return (
             f"{self.verdict}: scenario {self.scenario!r} on {self.world_size} {self.backend} ranks, "
-            f"{what} {self.elapsed:.1f}s ({why}): {states}"
+            f"{what} {self.elapsed:.1f}s ({why}): {states}{replay}"
         )
+
+    def note_replay(self, outcome: str) -> None:
+        """What the same example did when run again on fresh ranks."""
+        self.replay = outcome
+        self.args = (self._line(),)
 
     def report(self, headline: bool = True) -> str:
         """The full account: the spec as Python, then each rank's stack and log."""
@@ -112,6 +119,7 @@ class ExampleFailed(EngineError):
             "deadline": self.deadline,
             "elapsed": self.elapsed,
             "idle": self.idle,
+            "replay": self.replay,
             "ranks": [asdict(r) for r in self.ranks],
         }
 

@@ -112,3 +112,23 @@ def segfault(spec: CaseSpec) -> dict:
     t = torch.ones(1, device=_device())
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "sum": float(t.item())}
+
+
+@scenario("segfault_once", test_only=True, fault=True)
+def segfault_once(spec: CaseSpec, marker: str) -> dict:
+    """As segfault, but only where the file ``marker`` does not exist yet
+    (rank 1 creates it first): a crash that depends on what happened before
+    the example, not on the case."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(10)
+    t = torch.ones(1, device=_device())
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": float(t.item())}

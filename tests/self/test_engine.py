@@ -227,12 +227,29 @@ def test_segfault_is_a_crash_with_the_fatal_stack(pool):
 
 
 @pytest.mark.gloo
+def test_a_crash_is_replayed_on_fresh_ranks_and_says_whether_it_followed(pool, tmp_path):
+    """A CRASH runs once more on the rebuilt ranks: a crash the case causes
+    crashes again; one that what the old ranks ran before set up (a marker
+    file here, a corrupted heap in the wild) does not, and the verdict says
+    so, in its line and in its record."""
+    with pytest.raises(RankCrash) as info:
+        pool.run("segfault", small_spec(15))
+    assert info.value.replay == "crashed again" and str(info.value).endswith("replayed on fresh ranks: crashed again")
+    with pytest.raises(RankCrash) as info:
+        pool.run("segfault_once", small_spec(15), args={"marker": str(tmp_path / "crashed")})
+    e = info.value
+    assert e.replay.startswith("did not crash") and "\n" not in str(e) and "replayed on fresh ranks: did not crash" in str(e)
+    assert e.to_dict()["replay"] == e.replay
+    check_echo(pool.run("echo", small_spec(16)), 16)
+
+
+@pytest.mark.gloo
 def test_rank_killed_mid_example_or_between_examples(pool):
     pool.run("echo", small_spec())
     victim = pool.pids[1]
     threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
     with pytest.raises(RankCrash) as info:
-        pool.run("sleep_forever", small_spec(17), deadline=30)
+        pool.run("sleep_forever", small_spec(17), deadline=30, replay=False)  # replayed, it would sleep out its deadline
     assert (info.value.ranks[1].state, info.value.ranks[1].exitcode) == ("exited", -signal.SIGKILL)
     assert info.value.elapsed < 10
     # killed while idle: the next run notices, rebuilds first, and succeeds
