@@ -39,12 +39,17 @@ def _render_saved(ns, mutants: list[Mutant]) -> int:
 
     by_id = {m.id: m for m in mutants}
     got: dict[str, Outcome] = {}
-    metas = []
+    runs = []
     for path in ns.render:
         try:
-            saved = json.loads(Path(path).read_text())
+            runs.append((path, json.loads(Path(path).read_text())))
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot read saved outcomes {path}: {e}") from None
+    # latest by each run's own date, not by the order of the arguments (a
+    # shell glob puts run28 before run3)
+    runs.sort(key=lambda r: str(r[1].get("date") or ""))
+    metas = []
+    for path, saved in runs:
         metas.append({k: v for k, v in saved.items() if k != "outcomes"})
         for o in saved.get("outcomes", []):
             m = by_id.get(o["id"])
@@ -61,7 +66,7 @@ def _render_saved(ns, mutants: list[Mutant]) -> int:
         + (f", without {', '.join(x['skipped_invariants'])}" if x.get("skipped_invariants") else "")
         + ("" if x.get("complete") else " (partial: stopped, or only some mutants)")
         + ("" if x.get("baseline_checked") else "; its kills not checked against the unmodified torch (before that check)")
-        for p, x in zip(ns.render, metas)
+        for (p, _), x in zip(runs, metas)
     ]
     sys.stdout.write(render_text(outcomes))
     if ns.output:
@@ -83,7 +88,7 @@ def add_mutant_arguments(p) -> None:
     p.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
     p.add_argument("--list", action="store_true", help="list the catalog (checking that every mutant applies) and exit")
     p.add_argument("--render", nargs="+", metavar="JSON", default=None,
-                   help="run nothing: the kill table of saved outcomes (--json files of earlier runs, merged in catalog order)")
+                   help="run nothing: the kill table of saved outcomes (--json files of earlier runs; a mutant's outcome in the latest run by date counts)")
     p.add_argument("-o", "--output", default=None, help="also write the kill table as Markdown (e.g. reports/mutants.md)")
     p.add_argument("--json", default=None, help="also write the outcomes as JSON")
     p.add_argument("--skip-invariant", action="append", default=[], metavar="ID",

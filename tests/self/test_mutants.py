@@ -172,3 +172,21 @@ def test_baseline_runs_the_test_on_an_unmodified_copy(tmp_path):
     report = json.loads((tmp_path / "_unmodified" / "run0" / "report" / "report.json").read_text())
     assert report["fsdp_source"]["path"].startswith(str(tmp_path)) and report["summary"]["examples"] > 0
     assert base.failure("fsdp1", "test_autowrap.py::test_no_such_test") is not None
+
+
+def test_render_keeps_each_mutants_outcome_from_the_latest_run_by_date(tmp_path, cli_in_process):
+    """--render merges saved runs by their own dates, not by the order of the
+    arguments: a shell glob lists run28 before run3, and the older run's
+    outcome must not undo the newer one's (it did: three kills read SURVIVED)."""
+    meta = dict(command="fsdp-conformance selfcheck --mutants", torch="x", profile="ci", examples=60, tiers="fake,gloo",
+                suite="x", complete=True, baseline_checked=True)
+    mid = mutants.load()[0].id
+    old = dict(meta, date="2026-11-30 14:04 UTC", outcomes=[dict(id=mid, status="survived", seconds=1)])
+    new = dict(meta, date="2026-12-04 18:15 UTC", outcomes=[dict(id=mid, status="killed", killed_by=["WRAP-UNITS (fsdp1, fake)"], seconds=1)])
+    (tmp_path / "run28-new.json").write_text(json.dumps(new))
+    (tmp_path / "run3-old.json").write_text(json.dumps(old))
+    out = tmp_path / "table.md"
+    res = cli_in_process("selfcheck", "--mutants", "--render", tmp_path / "run28-new.json", tmp_path / "run3-old.json", "-o", out)
+    assert res.returncode == 0, res.stderr
+    row = next(line for line in out.read_text().splitlines() if line.startswith(f"| `{mid}`"))
+    assert "| killed |" in row and "run28-new" in row, row
