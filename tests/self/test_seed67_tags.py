@@ -29,6 +29,8 @@ pytestmark = pytest.mark.selfcheck
 DATA = Path(__file__).parent / "data"
 CKPT = CaseSpec.from_json((DATA / "ckpt-frozen-list-group-train.json").read_text())
 TP = CaseSpec.from_json((DATA / "tp-one-element-tie-same-module.json").read_text())
+# ci seed 104: the rerun form (the group registered twice, reshard_after_forward=False)
+RERUN = CaseSpec.from_json((DATA / "ckpt-frozen-list-group-rerun-train.json").read_text())
 FREED = ("RuntimeError: setStorage: sizes [2, 1], strides [1, 1], storage offset 0, and itemsize 4 requiring a storage "
          "size of 8 are out of bounds for storage of size 0")
 PLACEMENT = ('RuntimeError: Error(s) in loading state_dict for FSDPModel: While copying the parameter named "tied1", '
@@ -53,6 +55,15 @@ def test_the_saves_training_over_a_freed_list_group_is_that_finding(invariant):
     assert res.verdict == "KNOWN" and {fid for _, fid in res.known} == {"fsdp2-frozen-list-group-freed-in-backward"}, res.describe()
     other = _ckpt(_no_list_group(CKPT), invariant)  # no list group: not that mechanism
     assert other.verdict == "FAIL", other.describe()
+
+
+@pytest.mark.parametrize("invariant", ["CKPT-RESHARD", "OPTIM-STATE"])
+def test_the_saves_training_over_a_list_group_run_twice_is_that_findings_rerun_form(invariant):
+    res = _ckpt(RERUN, invariant)
+    assert res.verdict == "KNOWN" and {fid for _, fid in res.known} == {"fsdp2-frozen-list-group-freed-in-backward"}, res.describe()
+    once = dataclasses.replace(RERUN, shared=())  # the group runs once: not that mechanism (it trains)
+    assert _ckpt(once, invariant).verdict == "FAIL"
+    assert _ckpt(_no_list_group(RERUN), invariant).verdict == "FAIL"
 
 
 def _tp(spec: CaseSpec):
