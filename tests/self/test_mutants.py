@@ -63,7 +63,7 @@ def test_first_areas_run_ahead_of_the_rest(tmp_path, monkeypatch):
     assert [i.nodeid for i in got[:2]] == ["test_tp.py::test_x[gloo]", "test_tp.py::test_x[fake]"]
     assert sorted(i.nodeid for i in got) == sorted(i.nodeid for i in items)
     tp = [m for m in mutants.load() if m.file.startswith("tensor/parallel/") or "-tp-" in m.id]
-    assert len(tp) == 4 and all(m.first == ("tp",) for m in tp)
+    assert len(tp) == 6 and all(m.first == ("tp",) for m in tp)
     bad = tmp_path / "bad.toml"
     bad.write_text('[[mutant]]\nid = "x"\napi = "fsdp2"\nfile = "fsdp/wrap.py"\nfind = "a"\nreplace = "b"\n'
                    'description = "a mutant with a first area of nothing"\nfirst = ["no_such_area"]\n')

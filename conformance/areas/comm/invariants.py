@@ -103,7 +103,7 @@ def check_order(spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> l
     api="fsdp1",
     scenario="comm",
     statement="Each iteration, every FSDP1 unit issues exactly the oracle's collectives whatever backward_prefetch, forward_prefetch and limit_all_gathers say: an all-gather in forward (sharded strategies), one in backward where FULL_SHARD freed the parameters after forward (never the root's), a reduce-scatter of its flat parameter (an all-reduce under NO_SHARD) when it has a trainable parameter, none inside no_sync(), where SHARD_GRAD_OP also keeps the unsharded parameters after backward (the next forward gathers nothing); numel the padded flat parameter, dtypes param_dtype and reduce_dtype.",
-    source=f"{DOC_FSDP1} (no_sync: gradients accumulate and are synchronized in the first forward-backward after it); MixedPrecision docstring; test/distributed/fsdp/test_fsdp_comm.py (upstream: communication counts per sharding strategy, with and without no_sync)",
+    source=f"{DOC_FSDP1}; FullyShardedDataParallel.no_sync docstring (gradients accumulate and are synchronized in the first forward-backward after it); MixedPrecision docstring; test/distributed/fsdp/test_fsdp_comm.py (upstream: communication counts per sharding strategy, with and without no_sync)",
 )
 def check_fsdp1_counts(spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> list[Violation] | NotChecked:
     return _check_counts("COMM-FSDP1-COUNTS", spec, pred, obs)
