@@ -274,13 +274,11 @@ def sum_reduction_not_divided():
 @fault("full-tensor-raises")
 def full_tensor_raises():
     """DTensor.full_tensor raises (a sharded parameter or gradient FSDP2
-    leaves unreadable): the adapters' read of the full values after backward."""
-    from torch.distributed.tensor import DTensor
+    leaves unreadable): the adapters' read of the full values after backward
+    (the tp faults' own, reused)."""
+    from tests.self.faults_tp import FAULTS as TP_FAULTS
 
-    def broken(self, *a, **k):
-        raise RuntimeError("full_tensor: injected failure")
-
-    return mock.patch.object(DTensor, "full_tensor", broken)
+    return TP_FAULTS["full-tensor-raises"]()
 
 
 # ---- test-only scenarios: the fault applied inside each rank ----------------
