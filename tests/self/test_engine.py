@@ -267,6 +267,44 @@ def test_rank_killed_mid_example_or_between_examples(pool):
     assert pool.forkserver_pid != server
 
 
+def test_a_ranks_held_proc_file_tells_alive_zombie_and_reaped():
+    """The pool reads each rank's state and CPU time from its /proc stat file
+    held open (a pread per example, not an open): a zombie is dead, a reaped
+    process is dead, and without the held file the path is read instead."""
+    from conformance.engine.pool import _Rank
+
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc on this platform")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; sum(range(10**6)); time.sleep(60)"])
+    r = _Rank(0, proc.pid, -1, -1, os.devnull)
+    r.open_stat()
+    try:
+        assert r.stat_fd is not None and r.alive()
+        end = time.monotonic() + 5
+        while (r.cpu_seconds() or 0.0) <= 0.0 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert r.cpu_seconds() > 0.0
+        proc.kill()
+        end = time.monotonic() + 5
+        while r.alive() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not r.alive() and r.stat()[0] == b"Z"  # not yet waited for: a zombie, and dead
+        proc.wait()
+        assert not r.alive() and r.stat() is None and r.cpu_seconds() is None  # reaped
+    finally:
+        proc.kill()
+        proc.wait()
+        r.close_stat()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        by_path = _Rank(0, live.pid, -1, -1, os.devnull)  # no held file: pid_alive's reading
+        assert by_path.stat_fd is None and by_path.alive() and by_path.cpu_seconds() is not None
+    finally:
+        live.kill()
+        live.wait()
+    assert not by_path.alive()
+
+
 @pytest.mark.gloo
 def test_fsdp1_scenario_runs_in_the_pool(pool):
     records = pool.run("fsdp1", lora_model(num_layers=1, use_orig_params=True), deadline=60)
