@@ -71,3 +71,34 @@ def test_the_embedding_run_first_trains_and_a_regression_there_is_a_failure(fake
     broken = check_example(["FSDP2-FROZEN"], swapped, fake_engine)[0]
     assert broken.verdict == "FAIL" and not broken.known, broken.describe()
     assert any("storage of size 0" in str(v) for v in broken.violations), broken.describe()
+
+
+FWD_CASE = CaseSpec.from_json((PACKAGE.parent / "tests" / "self" / "data" / "fwd-parity-frozen-list-group.json").read_text())
+
+
+def _reshard_after_forward_false(spec: CaseSpec) -> CaseSpec:
+    (group,) = spec.plan.groups
+    return dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, groups=(dataclasses.replace(group, reshard_after_forward=False),)))
+
+
+def test_fwd_parity_sees_the_same_backward_as_known_and_only_that_error(fake_engine):
+    """Thorough seed 111 (torch 2.13.0, fake and gloo): fully_shard([2, 1]) on
+    Sequential(Linear, Linear, Embedding), the frozen Linear 1 tied to the
+    Embedding 2, which completes the group; the model's forward, then a
+    registered method. FSDP2-FROZEN read the backward's raise KNOWN, FWD-PARITY
+    FAIL: it had no rule. With reshard_after_forward=False it passes; the same
+    tags with another error than the freed storage match nothing."""
+    assert TAG in _tags(FWD_CASE)
+    got = {r.invariant: r for r in check_example(["FWD-PARITY", "FSDP2-FROZEN"], FWD_CASE, fake_engine)}
+    for inv in ("FWD-PARITY", "FSDP2-FROZEN"):
+        r = got[inv]
+        assert r.verdict == "KNOWN" and {fid for _, fid in r.known} == {FINDING}, r.describe()
+        assert all("error:freed-storage" in v.tags for v, _ in r.known), r.describe()
+    clean = check_example(["FWD-PARITY"], _reshard_after_forward_false(FWD_CASE), fake_engine)[0]
+    assert clean.verdict in ("PASS", "UNCHECKED"), clean.describe()  # the fake tier compares no values
+    from conformance.case.violation import Violation
+    from conformance.run import known
+
+    (v, _), = got["FWD-PARITY"].known
+    other = Violation(v.invariant, "backward raised RuntimeError: something else", frozenset(v.tags - {"error:freed-storage"}))
+    assert known.match(other, known.load(), torch.__version__) is None

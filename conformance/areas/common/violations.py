@@ -45,6 +45,14 @@ def fsdp1_cause_tags(error: str) -> set[str]:
     return set()
 
 
+def freed_storage_tags(error: str) -> set[str]:
+    """``error:freed-storage`` for a parameter read over its unsharded storage
+    after FSDP freed it ("setStorage: ... out of bounds for storage of size
+    0"): the error of fsdp2-frozen-list-group-freed-in-backward, which its
+    rules name so that a different raise with the same tags is a FAIL."""
+    return {"error:freed-storage"} if "out of bounds for storage of size 0" in error else set()
+
+
 def tie_within_one_module(spec) -> bool:
     """Whether one module holds a Parameter under two of its names: a tie
     beside its source in the source's own module, or two aliases on one

@@ -8,7 +8,7 @@ from collections import Counter
 from conformance.areas.common.catalog import DOC_FULLY_SHARD, DOC_REGISTER, S004, VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import TIE_CHECK_SINCE, CallPrediction, FSDP2Prediction, fsdp2_case_tags
 from conformance.areas.common.observation import CallObservation
-from conformance.areas.common.violations import backend_tag, violation
+from conformance.areas.common.violations import backend_tag, freed_storage_tags, violation
 from conformance.areas.fully_shard.observation import FSDP2Observation
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
@@ -100,7 +100,8 @@ def check_frozen(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
     # frozen parameter must still get no gradient where a backward ran
     promised = pred.backward_promised
     if obs.backward_error and promised:
-        out.append(violation("FSDP2-FROZEN", f"backward raised {obs.backward_error}", tags | _nested_anywhere(obs), "kind:backward-raised"))
+        out.append(violation("FSDP2-FROZEN", f"backward raised {obs.backward_error}", tags | _nested_anywhere(obs) | freed_storage_tags(obs.backward_error),
+                             "kind:backward-raised"))
     if obs.read_error:
         out.append(violation("FSDP2-FROZEN", f"reading the parameters' and gradients' full values after backward raised {obs.read_error}",
                              tags, "kind:raised", "at:read"))
@@ -341,7 +342,7 @@ def check_parity(spec: CaseSpec, pred: FSDP2Prediction, obs: FSDP2Observation) -
         return out or (VALUES_UNCHECKED if not obs.values_meaningful else out)  # on the fake tier the outputs compared nothing
     after = base | _nested_anywhere(obs)
     if obs.backward_error:
-        out.append(violation("FWD-PARITY", f"backward raised {obs.backward_error}", after, "kind:backward-raised"))
+        out.append(violation("FWD-PARITY", f"backward raised {obs.backward_error}", after | freed_storage_tags(obs.backward_error), "kind:backward-raised"))
     if obs.read_error:
         out.append(violation("FWD-PARITY", f"reading the parameters' and gradients' full values after backward raised {obs.read_error}",
                              after, "kind:raised", "at:read"))
