@@ -102,3 +102,22 @@ def test_fwd_parity_sees_the_same_backward_as_known_and_only_that_error(fake_eng
     (v, _), = got["FWD-PARITY"].known
     other = Violation(v.invariant, "backward raised RuntimeError: something else", frozenset(v.tags - {"error:freed-storage"}))
     assert known.match(other, known.load(), torch.__version__) is None
+
+
+RERUN_CASE = CaseSpec.from_json((PACKAGE.parent / "tests" / "self" / "data" / "fwd-parity-frozen-list-group-rerun.json").read_text())
+
+
+def test_the_rerun_form_in_the_fully_shard_area_is_known_and_registered_once_it_passes(fake_engine):
+    """Thorough seed 111 of the fully_shard area (torch 2.13.0, fake and gloo):
+    fully_shard([proj1, embed2], reshard_after_forward=False) on a ModuleDict
+    whose shared0 is proj1 again, so the group runs twice in one forward, the
+    frozen Embedding tied to proj1.weight: the finding's rerun form, FAIL on
+    FSDP2-FROZEN and FWD-PARITY before their rules. proj1 registered once, the
+    same model trains."""
+    assert "group:multi-frozen-embedding-rerun" in _tags(RERUN_CASE)
+    for r in check_example(["FWD-PARITY", "FSDP2-FROZEN"], RERUN_CASE, fake_engine):
+        assert r.verdict == "KNOWN" and {fid for _, fid in r.known} == {FINDING}, r.describe()
+    once = dataclasses.replace(RERUN_CASE, shared=())
+    assert "group:multi-frozen-embedding-rerun" not in _tags(once)
+    for r in check_example(["FWD-PARITY", "FSDP2-FROZEN"], once, fake_engine):
+        assert r.verdict in ("PASS", "UNCHECKED") and not r.violations, r.describe()
