@@ -76,6 +76,9 @@ class ExampleFailed(EngineError):
         self.ranks = tuple(ranks)
         self.idle = idle  # a HANG declared before the deadline: every running rank used no CPU for this long
         self.replay: str | None = None  # a CRASH replayed on fresh ranks: what happened (RankPool._replay)
+        # a CRASH that did not follow its case: the (scenario, spec, args) the
+        # crashed ranks ran before it, oldest first (RankPool._replay_history)
+        self.history: list[tuple[str, Any, dict | None]] = []
         super().__init__(self._line())
         if hasattr(self, "add_note"):
             self.add_note(self.report(headline=False))
@@ -121,6 +124,7 @@ class ExampleFailed(EngineError):
             "idle": self.idle,
             "replay": self.replay,
             "ranks": [asdict(r) for r in self.ranks],
+            **({"history": [_history_entry(sc, sp, a) for sc, sp, a in self.history]} if self.history else {}),
         }
 
 
@@ -138,3 +142,8 @@ class RankCrash(ExampleFailed):
 
 class BenchError(RuntimeError):
     """A measurement that could not complete (a rank failed or timed out, a run wrote no timings)."""
+
+
+def _history_entry(scenario: str, spec: Any, args: dict | None) -> dict:
+    to_json = getattr(spec, "to_json", None)
+    return {"scenario": scenario, "spec": to_json() if to_json is not None else repr(spec), **({"args": args} if args else {})}

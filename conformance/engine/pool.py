@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 from conformance.case.model_case import ModelCase
@@ -329,6 +330,9 @@ STARTS: list[tuple[int, float]] = []
 # past the groups of an example's own (init_order's rank-divergent cases time
 # out after 8 s) and any scheduling delay on a loaded 2-core machine
 IDLE_DEADLINE = 20.0
+# A CRASH that does not follow its case on fresh ranks is replayed after the
+# examples the crashed ranks ran before it, at most this many (the latest).
+HISTORY = 32
 
 
 class RankPool:
@@ -397,6 +401,8 @@ class RankPool:
         self._ready = False
         self._closed = False
         self._next_id = 0
+        # (scenario, spec, args) of the examples this generation of ranks ran
+        self._history: deque[tuple[str, CaseSpec | ModelCase, dict | None]] = deque(maxlen=HISTORY)
         _live_pools.add(self)
         _install_exit_handlers()
         try:
@@ -436,7 +442,9 @@ class RankPool:
         """Run ``scenario`` on every rank with ``spec`` (and the JSON-able
         keyword ``args``, e.g. a checkpoint directory); one record per rank.
         A CRASH is replayed once on the rebuilt ranks (``replay``), and the
-        RankCrash says whether it followed (see _replay)."""
+        RankCrash says whether it followed (see _replay); where it did not,
+        it is replayed once more after the examples the crashed ranks ran
+        before it (RankCrash.history, _replay_history)."""
         if self._closed:
             raise EngineError("this RankPool is closed")
         sc = get_scenario(scenario)
@@ -446,6 +454,7 @@ class RankPool:
             raise TypeError(f"spec must be a CaseSpec or a ModelCase, got {type(spec).__name__}")
         deadline = self.deadline if deadline is None else float(deadline)
         self._ensure_ready()
+        history = list(self._history)
         self._next_id += 1
         msg_id = self._next_id
         line = (json.dumps({"op": "run", "id": msg_id, "scenario": scenario, "module": sc.module,
@@ -464,7 +473,11 @@ class RankPool:
                     idle=idle[0] if idle and not dead else None,
                 )
                 if replay and isinstance(failure, RankCrash):
-                    failure.note_replay(self._replay(scenario, spec, deadline, args))
+                    outcome = self._replay(scenario, spec, deadline, args)
+                    if outcome.startswith("did not crash") and history:
+                        failure.history = history
+                        outcome += "; " + self._replay_history(history, scenario, spec, deadline, args)
+                    failure.note_replay(outcome)
                 raise failure
         except ExampleFailed:
             raise
@@ -473,6 +486,7 @@ class RankPool:
             self._teardown()
             raise
         records = [_strip(got[r]) for r in range(self.world_size)]
+        self._history.append((scenario, spec, args))
         if any(isinstance(rec.get("value"), dict) and rec["value"].get(SPENT) for rec in records):
             # a collective timed out or failed in a group of the example's own:
             # what it leaves behind (pairs closed, ops pending) can meet a later
@@ -497,6 +511,31 @@ class RankPool:
         except EngineError as e:
             return f"could not run ({str(e).splitlines()[0][:200]})"
         return "did not crash: the crash depends on what the ranks ran before this example"
+
+    def _replay_history(self, history: list, scenario: str, spec: CaseSpec, deadline: float, args: dict | None) -> str:
+        """On fresh ranks, the examples the crashed ranks ran before the
+        crash (the latest HISTORY of them), in order, then the crashed one:
+        whether that sequence reproduces the crash."""
+        n = len(history)
+        self._rebuild(f"replaying the {n} examples run before a crash that did not follow its case")
+        for i, (sc, sp, a) in enumerate(history):
+            try:
+                self.run(sc, sp, args=a, replay=False)
+            except RankCrash:
+                return f"the {n} examples before it, replayed on fresh ranks, crashed at the {_ordinal(i + 1)} ({sc})"
+            except RankHang:
+                return f"the {n} examples before it, replayed on fresh ranks, hung at the {_ordinal(i + 1)} ({sc})"
+            except EngineError as e:
+                return f"the {n} examples before it could not be replayed ({str(e).splitlines()[0][:200]})"
+        try:
+            self.run(scenario, spec, deadline=deadline, args=args, replay=False)
+        except RankCrash:
+            return f"after the {n} examples before it, replayed in order on fresh ranks, it crashed again: that sequence reproduces it"
+        except RankHang:
+            return f"after the {n} examples before it, replayed in order on fresh ranks, it hung"
+        except EngineError as e:
+            return f"could not run after the {n} examples before it ({str(e).splitlines()[0][:200]})"
+        return f"nor after the {n} examples before it, replayed in order on fresh ranks"
 
     def close(self) -> None:
         """Stop the ranks (barrier, destroy the group, exit), then the fork
@@ -534,6 +573,7 @@ class RankPool:
         """Fork a fresh generation of ranks (starting the fork server first if
         there is none); does not wait for them to join the group."""
         self.generation += 1
+        self._history.clear()
         self._ready = False
         self._spawned_at = time.monotonic()
         if self._server is None or not self._server.alive():
@@ -757,6 +797,10 @@ class RankPool:
         )
         self._rebuild(str(failure))
         return failure
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _last_line(path: str) -> str:

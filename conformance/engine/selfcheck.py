@@ -114,6 +114,34 @@ def segfault(spec: CaseSpec) -> dict:
     return {"rank": dist.get_rank(), "sum": float(t.item())}
 
 
+_ARMED: list[bool] = []  # this rank process ran "arm" (a state an earlier example left)
+
+
+@scenario("arm", test_only=True)
+def arm(spec: CaseSpec) -> dict:
+    """Leaves this rank process armed for "crash_if_armed"."""
+    _ARMED.append(True)
+    return {"armed": len(_ARMED)}
+
+
+@scenario("crash_if_armed", test_only=True, fault=True)
+def crash_if_armed(spec: CaseSpec) -> dict:
+    """As segfault, but only on a rank process that ran "arm" before: a
+    crash that an earlier example set up, as a corrupted heap would."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1 and _ARMED:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(10)
+    t = torch.ones(1, device=_device())
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": float(t.item())}
+
+
 @scenario("segfault_once", test_only=True, fault=True)
 def segfault_once(spec: CaseSpec, marker: str) -> dict:
     """As segfault, but only where the file ``marker`` does not exist yet

@@ -244,6 +244,36 @@ def test_a_crash_is_replayed_on_fresh_ranks_and_says_whether_it_followed(pool, t
 
 
 @pytest.mark.gloo
+def test_a_crash_set_up_by_earlier_examples_is_replayed_after_them(pool, tmp_path):
+    """A CRASH that does not follow its case on fresh ranks runs once more
+    after the examples the crashed ranks ran before it, in order: where that
+    sequence crashes again it is the reproduction, kept in the record; where
+    it does not, the verdict says so too."""
+    check_echo(pool.run("echo", small_spec(20)), 20)
+    pool.run("arm", small_spec(21))
+    with pytest.raises(RankCrash) as info:
+        pool.run("crash_if_armed", small_spec(22))
+    e = info.value
+    assert e.replay.startswith("did not crash") and "it crashed again: that sequence reproduces it" in e.replay, e.replay
+    history = e.to_dict()["history"]  # this generation's: the module's pool may have run others before
+    assert f"after the {len(history)} examples before it" in e.replay and "\n" not in str(e)
+    assert [h["scenario"] for h in history[-2:]] == ["echo", "arm"]
+    assert [CaseSpec.from_json(h["spec"]).seed for h in history[-2:]] == [20, 21]
+    # a crash that no history sets up (the marker file): neither replay crashes
+    pool.run("echo", small_spec(23))
+    with pytest.raises(RankCrash) as info:
+        pool.run("segfault_once", small_spec(24), args={"marker": str(tmp_path / "crashed")})
+    e = info.value
+    assert e.replay.endswith("nor after the 1 examples before it, replayed in order on fresh ranks"), e.replay
+    assert [h["scenario"] for h in e.to_dict()["history"]] == ["echo"]
+    # the history is the crashed generation's own: fresh ranks start with none
+    with pytest.raises(RankCrash) as info:
+        pool.run("segfault", small_spec(25))
+    assert info.value.replay == "crashed again" and "history" not in info.value.to_dict()
+    check_echo(pool.run("echo", small_spec(26)), 26)
+
+
+@pytest.mark.gloo
 def test_rank_killed_mid_example_or_between_examples(pool):
     pool.run("echo", small_spec())
     victim = pool.pids[1]
