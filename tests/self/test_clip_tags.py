@@ -63,3 +63,25 @@ def test_a_backward_over_freed_storage_is_tagged():
              "storage size of 12 are out of bounds for storage of size 0")
     assert error_tag(freed) == "error:freed-storage"
     assert error_tag("RuntimeError: setStorage: out of bounds for storage of size 12") == "error:other"
+
+
+@pytest.mark.needs_ranks  # the clipping area compares the ranks' values
+def test_the_freed_parameter_met_as_unallocated_data_is_the_finding_where_its_mechanism_is(worlds):
+    """Thorough seed 115 (torch 2.13.0, gloo): the clipping area's training on
+    fully_shard([2, 1]), the frozen Embedding 2 completing the group while
+    Block 1 holds its weight (tied0) beside frozen Linears, raised "... its
+    data is not allocated yet": the finding's backward meeting the freed
+    parameter in another op, FAIL before (error:other). KNOWN now; the
+    same case with reshard_after_forward=False trains and passes."""
+    from conformance.areas.clip.invariants import error_tag
+    from conformance.run.runner import check_example
+
+    assert error_tag("RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet.") == "error:data-not-allocated"
+    case = CaseSpec.from_json((Path(__file__).parent / "data" / "clip-frozen-list-group-data-not-allocated.json").read_text())
+    engine = worlds.engine(2)
+    for r in check_example(["CLIP-NORM", "CLIP-GRADS"], case, engine):
+        assert r.verdict == "KNOWN" and {fid for _, fid in r.known} == {"fsdp2-frozen-list-group-freed-in-backward"}, r.describe()
+    (group,) = case.plan.groups
+    kept = dataclasses.replace(case, plan=dataclasses.replace(case.plan, groups=(dataclasses.replace(group, reshard_after_forward=False),)))
+    for r in check_example(["CLIP-NORM", "CLIP-GRADS"], kept, engine):
+        assert r.verdict == "PASS", r.describe()

@@ -26,6 +26,8 @@ def error_tag(text: str) -> str:
         return "error:mixed-tensor-dtensor"
     if "out of bounds for storage of size 0" in text:
         return "error:freed-storage"  # a parameter read over its freed unsharded storage in backward
+    if "its data is not allocated yet" in text:
+        return "error:data-not-allocated"  # a freed (resized to 0) unsharded parameter used as it is
     if "attempting to assign a gradient with dtype" in text or "assigned grad has data of a different type" in text:
         return "error:grad-dtype-mismatch"
     return "error:other"
