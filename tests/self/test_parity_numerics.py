@@ -9,6 +9,7 @@ over one element)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from conformance.areas.common.training_oracle import predict_training
 from conformance.areas.parity.invariants import check_training
 from conformance.areas.parity.observation import TrainObservation
 from conformance.case.spec import BufferSpec, CaseSpec, ClassSpec, ModuleSpec, ParamSpec, SharedModule, TiedParam, TrainPlan, WrapPlan
-from conformance.run.runner import FAIL, PASS, UNCHECKED, evaluate, observations
+from conformance.run.runner import PASS, UNCHECKED, evaluate, observations
 from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenario in the driver)
 
 pytestmark = pytest.mark.selfcheck
@@ -109,19 +110,27 @@ def _noise_gradient() -> CaseSpec:
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("scenario,verdict", [("train", PASS), ("fault:train:adam-default-eps", FAIL)],
-                         ids=["suite-eps", "default-eps"])
-def test_adam_does_not_turn_rounding_noise_into_lr_steps(scenario, verdict):
-    """With Adam's default eps the case fails (rounding noise moves 2.weight
-    by ~lr, differently in the two runs); with the suite's it passes."""
+def test_adam_rounding_noise_steps_are_inside_the_reference_noise_floor():
+    """With Adam's default eps, rounding noise moves 2.weight by ~lr, in a
+    direction the noise picks, differently in FSDP's run and the reference's:
+    beyond the training tolerance, PARITY said FAIL (seed 66). The suite's
+    eps keeps such steps small; where they are not (thorough seed 115: a
+    noise gradient above that eps), the fp32 reference's own distance from
+    the same training in float64 widens that parameter's tolerance, and only
+    that parameter's."""
     from conformance.engine.pool import RankPool
 
     spec = _noise_gradient()
     with RankPool(2, "gloo", deadline=60.0, preload=("tests.self.faults_training",)) as pool:
-        res = evaluate("PARITY", spec, observations(pool, spec, scenario, TrainObservation.from_dict))
-    assert res.verdict == verdict, res.describe()
-    if verdict == FAIL:
-        assert {v.message.split()[0] for v in res.violations} == {"2.weight"}, res.describe()
+        suite = observations(pool, spec, "train", TrainObservation.from_dict)
+        default = observations(pool, spec, "fault:train:adam-default-eps", TrainObservation.from_dict)
+    assert evaluate("PARITY", spec, suite).verdict == PASS
+    res = evaluate("PARITY", spec, default)
+    assert res.verdict == PASS, res.describe()
+    for o in default:
+        by = {p.fqn: p for p in o.params}
+        assert by["2.weight"].max_diff > 1e-3 and by["2.weight"].close  # beyond rtol/atol, inside the floor
+        assert all(p.max_diff < 1e-4 for f, p in by.items() if f != "2.weight")  # the others need none
 
 
 def _sgd_run(dtype: torch.dtype, lr: float, steps: int = 3) -> dict[str, torch.Tensor]:
@@ -189,3 +198,21 @@ def test_whether_the_reference_diverged_is_one_answer_for_every_rank(fault_pools
     assert evaluate("RANKS-AGREE", spec, obs).verdict == PASS
     res = evaluate("PARITY", spec, obs)
     assert res.verdict == UNCHECKED and "diverged" in res.unchecked, res.describe()
+
+
+@pytest.mark.gloo
+def test_a_noise_gradient_above_the_suites_eps_is_judged_against_the_reference_noise():
+    """Thorough seed 115 (FSDP2, gloo, Adam lr 0.05): the weights of four
+    LayerNorms over one element, whose gradients are rounding noise, ended
+    0.003-0.0096 from the fp32 reference, which is itself 0.011-0.022 from the
+    same training in float64: PARITY said FAIL. It passes now, and FSDP's run
+    is no further from the reference than the reference's own noise allows."""
+    from conformance.engine.pool import RankPool
+
+    spec = CaseSpec.from_json((Path(__file__).parent / "data" / "parity-adam-noise-above-eps.json").read_text())
+    with RankPool(2, "gloo", deadline=60.0) as pool:
+        obs = observations(pool, spec, "train", TrainObservation.from_dict)
+    res = evaluate("PARITY", spec, obs)
+    assert res.verdict == PASS, res.describe()
+    wide = {p.fqn for o in obs for p in o.params if p.max_diff > 1e-3}
+    assert wide and all(f.startswith("layers1.") and f.endswith(".weight") for f in wide), wide

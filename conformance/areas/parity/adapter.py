@@ -4,6 +4,7 @@ training of the same model on the same data."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
 from conformance.areas.common.observation import GradObservation
 from conformance.areas.common.support import on_rank_device, placed, unchanged
-from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
+from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, make_optimizer, noise, reference_loss, stable
 from conformance.areas.parity.observation import TrainObservation
 from conformance.case.build import build, read_attr
 from conformance.case.model_case import ModelCase
@@ -73,16 +74,31 @@ def observe(spec: CaseSpec) -> TrainObservation:
     def steps(model: nn.Module, built, reference: bool) -> list[float]:
         return _train(model, built.example_input(), plan, rank, world, reference=reference, totals=ref_totals if reference else None)
 
-    return compare_training(spec, steps, TRAIN_RTOL, TRAIN_ATOL, ref_totals)
+    def reference64() -> dict[str, torch.Tensor]:
+        ref64 = placed(build(spec))
+        ref64.model.double()
+        _train(ref64.model, ref64.example_input().double(), plan, rank, world, reference=True)
+        return {f: p.detach() for f, p in ref64.model.named_parameters(remove_duplicate=False)}
+
+    return compare_training(spec, steps, TRAIN_RTOL, TRAIN_ATOL, ref_totals, reference64)
 
 
-def compare_training(case, steps, rtol: float, atol: float, ref_totals: list[float] | None = None) -> TrainObservation:
+def compare_training(case, steps, rtol: float, atol: float, ref_totals: list[float] | None = None,
+                     reference64: Callable[[], dict[str, torch.Tensor]] | None = None) -> TrainObservation:
     """Wrap one copy of ``case``'s model as its plan says, leave another
     unsharded, run ``steps(model, built, reference)`` on both, and compare
     their losses and final parameters (every alias) within rtol/atol.
     ``ref_totals``: filled by the reference's ``steps`` with its losses over
     every rank's batch, on which its divergence is judged (default: the
-    losses it returns, where those are the same on every rank)."""
+    losses it returns, where those are the same on every rank).
+    ``reference64``: the same reference training in float64, its final
+    parameters; where a parameter is not within rtol/atol, the tolerance
+    grows by NOISE_FACTOR times the fp32 reference's own distance from it
+    (a gradient that is zero in exact arithmetic but rounding noise, as a
+    LayerNorm over one element's weight has, moves a parameter by up to a
+    whole lr under Adam, in a direction the noise picks: thorough seed 115
+    had the fp32 reference 0.011-0.022 from fp64 there, FSDP 0.003-0.0096
+    from fp32)."""
     base = dict(api=case.plan.api, rank=dist.get_rank(), world_size=dist.get_world_size(),
                 backend=str(dist.get_backend()), torch_version=torch.__version__)
     built, ref = placed(build(case)), placed(build(case))
@@ -112,11 +128,16 @@ def compare_training(case, steps, rtol: float, atol: float, ref_totals: list[flo
     except Exception as e:
         return TrainObservation(**base, step_error=f"full values: {error_line(e)}", seconds=time.perf_counter() - t0)
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
+    close = {fqn: bool(torch.allclose(value, refs[fqn].detach(), rtol=rtol, atol=atol)) for fqn, value in final.items()}
+    if reference64 is not None and not all(close.values()):
+        floors = noise({f: refs[f] for f in close if not close[f]}, reference64())
+        for fqn, floor in floors.items():
+            value, want = final[fqn].detach().float(), refs[fqn].detach().float()
+            close[fqn] = bool(((value - want).abs() <= atol + rtol * want.abs() + NOISE_FACTOR * floor).all())
     params = []
     for fqn, value in final.items():
         want = refs[fqn].detach()
-        close = bool(torch.allclose(value, want, rtol=rtol, atol=atol))
-        params.append(GradObservation(fqn, False, False, close, float((value - want).abs().max()), unchanged(value, initial[fqn])))
+        params.append(GradObservation(fqn, False, False, close[fqn], float((value - want).abs().max()), unchanged(value, initial[fqn])))
     losses_close = bool(torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol))
     return TrainObservation(
         **base, losses=tuple(losses), ref_losses=tuple(ref_losses), losses_close=losses_close,
