@@ -97,21 +97,27 @@ def exit_mid_collective(spec: CaseSpec) -> dict:
     return {"rank": dist.get_rank(), "sum": float(t.item())}
 
 
-@scenario("segfault", test_only=True, fault=True)
-def segfault(spec: CaseSpec) -> dict:
-    """Rank 1 dies of SIGSEGV while rank 0 waits in an all_reduce."""
+def _segfault_rank1(crash) -> dict:
+    """Rank 1 dies of SIGSEGV while rank 0 waits in an all_reduce, where
+    ``crash()`` holds on rank 1; else both reduce and return."""
     import signal
 
     import torch
     import torch.distributed as dist
 
-    if dist.get_rank() == 1:
+    if dist.get_rank() == 1 and crash():
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGSEGV)
         time.sleep(10)  # not reached: faulthandler dumps, then the default action
     t = torch.ones(1, device=_device())
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "sum": float(t.item())}
+
+
+@scenario("segfault", test_only=True, fault=True)
+def segfault(spec: CaseSpec) -> dict:
+    """Rank 1 dies of SIGSEGV while rank 0 waits in an all_reduce."""
+    return _segfault_rank1(lambda: True)
 
 
 _ARMED: list[bool] = []  # this rank process ran "arm" (a state an earlier example left)
@@ -128,18 +134,7 @@ def arm(spec: CaseSpec) -> dict:
 def crash_if_armed(spec: CaseSpec) -> dict:
     """As segfault, but only on a rank process that ran "arm" before: a
     crash that an earlier example set up, as a corrupted heap would."""
-    import signal
-
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_rank() == 1 and _ARMED:
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGSEGV)
-        time.sleep(10)
-    t = torch.ones(1, device=_device())
-    dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "sum": float(t.item())}
+    return _segfault_rank1(lambda: bool(_ARMED))
 
 
 @scenario("segfault_once", test_only=True, fault=True)
@@ -147,16 +142,11 @@ def segfault_once(spec: CaseSpec, marker: str) -> dict:
     """As segfault, but only where the file ``marker`` does not exist yet
     (rank 1 creates it first): a crash that depends on what happened before
     the example, not on the case."""
-    import signal
 
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_rank() == 1 and not os.path.exists(marker):
+    def first() -> bool:
+        if os.path.exists(marker):
+            return False
         open(marker, "w").close()
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGSEGV)
-        time.sleep(10)
-    t = torch.ones(1, device=_device())
-    dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "sum": float(t.item())}
+        return True
+
+    return _segfault_rank1(first)
