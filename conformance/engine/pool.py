@@ -144,21 +144,13 @@ class _Rank:
             self.stat_fd = None
 
     def stat(self) -> list[bytes] | None:
-        """The fields of /proc/<pid>/stat after the command name (state
-        first); None once the process was reaped or where unreadable."""
-        try:
-            data = os.pread(self.stat_fd, 1024, 0) if self.stat_fd is not None else None
-        except OSError:
+        """The fields of the held /proc/<pid>/stat after the command name
+        (state first); None once the process was reaped, or without the file."""
+        if self.stat_fd is None:
             return None
-        if data is None:
-            try:
-                with open(f"/proc/{self.pid}/stat", "rb") as f:
-                    data = f.read()
-            except OSError:
-                return None
         try:
-            return data.rsplit(b")", 1)[1].split()
-        except IndexError:
+            return os.pread(self.stat_fd, 1024, 0).rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
             return None
 
     def alive(self) -> bool:
