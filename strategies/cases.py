@@ -80,10 +80,13 @@ def case_specs(
     allow_ignored: bool = True,
     freeze: bool = True,
     require_ties: bool = False,
+    trees: SearchStrategy | None = None,
 ) -> SearchStrategy[CaseSpec]:
     """CaseSpecs that pass spec.validate and build.
 
-    - tree: :func:`module_trees` with ``max_modules`` and ``max_depth``;
+    - tree: from ``trees`` ((tree, classes) pairs, e.g. :func:`module_trees`
+      filtered for a shape a test needs), by default :func:`module_trees`
+      with ``max_modules`` and ``max_depth``;
     - with ``allow_shared``, sometimes 1..2 shared modules (:func:`shared_modules`);
     - with ``allow_ties``, sometimes 1..2 tied parameters (:func:`ties`);
       with ``require_ties`` always (a tree where no tie fits is rejected);
@@ -102,6 +105,8 @@ def case_specs(
     check_int(max_depth, "max_depth", min_value=0)
     check_strategy(apis, "apis")
     check_strategy(use_orig_params, "use_orig_params")
+    if trees is not None:
+        check_strategy(trees, "trees")
     kinds = check_policy_kinds(policies)
     for name, flag in (("allow_ties", allow_ties), ("allow_shared", allow_shared), ("allow_ignored", allow_ignored), ("freeze", freeze),
                        ("require_ties", require_ties)):
@@ -109,6 +114,6 @@ def case_specs(
     if require_ties and not allow_ties:
         raise InvalidArgument("require_ties=True needs allow_ties=True")
     return _case_specs(
-        module_trees(max_modules=max_modules, max_depth=max_depth),
+        module_trees(max_modules=max_modules, max_depth=max_depth) if trees is None else trees,
         apis, use_orig_params, kinds, allow_ties, allow_shared, allow_ignored, freeze, require_ties,
     )

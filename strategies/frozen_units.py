@@ -22,6 +22,33 @@ from conformance.case.spec import CaseSpec, CustomWrap, ModuleWrap
 from conformance.strategies._common import check_strategy, pick
 from conformance.strategies.cases import case_specs
 from conformance.strategies.freeze import apply_freeze_mask
+from conformance.strategies.trees import module_trees
+
+
+def _disjoint_holders(m) -> tuple[int, int]:
+    """(parameters in m's subtree, most disjoint modules of that subtree,
+    m included, that hold two parameters or more each)."""
+    count, below = len(m.params), 0
+    for c in m.children:
+        n, d = _disjoint_holders(c)
+        count += n
+        below += d
+    return count, max(below, 1 if count >= 2 else 0)
+
+
+def _room_for_two_units(drawn) -> bool:
+    """Two non-root modules, neither inside the other, with two parameters
+    or more each: without them no policy makes two mixed non-root units."""
+    tree, _ = drawn
+    return sum(_disjoint_holders(c)[1] for c in tree.children) >= 2
+
+
+# Trees without that room were two in three of this strategy's draws, each
+# a whole example rejected (assume below): filtered at the tree, a retry
+# redraws the tree alone.
+_ROOMY_TREES = module_trees().filter(_room_for_two_units)
+# No unit mixes requires_grad in a tree of one parameter (one draw in ten)
+_TWO_PARAM_TREES = module_trees().filter(lambda drawn: _disjoint_holders(drawn[0])[0] >= 2)
 
 
 @st.composite
@@ -29,7 +56,7 @@ def _several_mixed_units(draw: Any, use_orig_params: SearchStrategy[bool]) -> Ca
     # Object policies (the ones torch validates); no ties or shared modules:
     # the plain first-violator order, which other tests cover with them.
     spec = draw(case_specs(use_orig_params=use_orig_params, policies=[ModuleWrap, CustomWrap],
-                           allow_ties=False, allow_shared=False, freeze=False))
+                           allow_ties=False, allow_shared=False, freeze=False, trees=_ROOMY_TREES))
     units = [u for u in predict_fsdp1(spec).units if u.path and len(u.managed) >= 2]
     if len(units) < 2:
         # The drawn policy made fewer than two such units (five draws in six):
@@ -48,11 +75,19 @@ def _several_mixed_units(draw: Any, use_orig_params: SearchStrategy[bool]) -> Ca
 
 def _disjoint_targets(draw: Any, spec: CaseSpec) -> CustomWrap:
     g = ModelGraph(spec)
-    candidates = [path for path, nid in g.named_modules() if path and len(g.subtree_params(nid)) >= 2]
+    # parameters the plan ignores belong to no unit
+    ignored = {g.resolve_param(f) for f in spec.plan.ignored_params}
+    for path in spec.plan.ignored_modules:
+        ignored.update(g.subtree_params(g.resolve_module(path)))
+    holders = [path for path, nid in g.named_modules()
+               if path and len([p for p in g.subtree_params(nid) if p not in ignored]) >= 2]
+    # only modules with a disjoint partner: a first pick that contains or
+    # lies inside every other holder would leave the draw one target short
+    candidates = [p for p in holders if any(not _nested(p, q) for q in holders if q != p)]
     want = draw(st.integers(2, 4))
     chosen: list[str] = []
     for path in draw(st.permutations(candidates)):
-        if not any(path.startswith(c + ".") or c.startswith(path + ".") for c in chosen):
+        if not any(_nested(path, c) for c in chosen):
             chosen.append(path)
             if len(chosen) == want:
                 break
@@ -60,10 +95,14 @@ def _disjoint_targets(draw: Any, spec: CaseSpec) -> CustomWrap:
     return CustomWrap(tuple(sorted(chosen)))
 
 
+def _nested(a: str, b: str) -> bool:
+    return a.startswith(b + ".") or b.startswith(a + ".")
+
+
 @st.composite
 def _mixed_unit_cases(draw: Any, use_orig_params: SearchStrategy[bool]) -> CaseSpec:
     # any case (ties, shared modules, every policy and freeze mask) ...
-    spec = draw(case_specs(use_orig_params=use_orig_params))
+    spec = draw(case_specs(use_orig_params=use_orig_params, trees=_TWO_PARAM_TREES))
     pred = predict_fsdp1(spec)
     if pred.error is not None or pred.warnings:
         return spec

@@ -17,12 +17,15 @@ from conformance.case.spec import (
     CUSTOM_KWARGS,
     LEAF_TYPES,
     CaseSpec,
+    ClassSpec,
     CustomWrap,
     LambdaWrap,
     ModuleSpec,
     ModuleWrap,
+    ParamSpec,
     SizeBasedWrap,
     TransformerWrap,
+    WrapPlan,
     module_at,
     validate,
 )
@@ -361,7 +364,6 @@ def test_shared_modules_of_each_kind(data):
 
 def _hand_written_tree() -> tuple[ModuleSpec, tuple]:
     # Attribute names the strategies would otherwise pick for what they add.
-    from conformance.case.spec import ClassSpec, ParamSpec
 
     lin = ModuleSpec("shared0", "Linear", (ParamSpec("weight", (2, 2)),))
     block = ModuleSpec("b", "M", (ParamSpec("tied0", (2, 2)),), children=(ModuleSpec("tied1", "Linear", (ParamSpec("weight", (2, 2)),)),))
@@ -458,6 +460,7 @@ def _spec() -> CaseSpec:
     "call",
     [
         lambda: case_specs(max_modules=0),
+        lambda: case_specs(trees=(_TREE, ())),
         lambda: case_specs(max_modules=2.5),
         lambda: case_specs(max_modules=True),
         lambda: case_specs(max_depth=-1),
@@ -532,3 +535,48 @@ def test_several_mixed_units_mixes_two_to_four_non_root_units():
 
     check()
     assert seen[2] and sum(seen.values()) >= 60
+
+
+def _lin(name: str, bias: bool = True) -> ModuleSpec:
+    return ModuleSpec(name, "Linear", (ParamSpec("weight", (2, 2)),) + ((ParamSpec("bias", (2,)),) if bias else ()))
+
+
+@pytest.mark.parametrize(
+    "children, room",
+    [
+        ((_lin("a"), _lin("b")), True),  # two siblings of two parameters each
+        ((_lin("a"), _lin("b", bias=False)), False),  # the second holds one
+        ((ModuleSpec("blk", "M", children=(_lin("a"), _lin("b"))),), True),  # disjoint below one child
+        ((ModuleSpec("blk", "M", children=(_lin("a", bias=False), _lin("b", bias=False))),), False),  # only blk holds two
+        ((ModuleSpec("blk", "M", children=(_lin("a", bias=False), _lin("b", bias=False))), _lin("c")), True),
+    ],
+)
+def test_several_mixed_units_draws_only_trees_with_room_for_two_units(children, room):
+    """The tree filter that replaced most of several_mixed_units' rejected
+    draws: two non-root modules, neither inside the other, holding two
+    parameters or more each (the root's own parameters do not count)."""
+    from conformance.strategies.frozen_units import _room_for_two_units
+
+    tree = ModuleSpec("", "M", (ParamSpec("scale", (2,)),), children=children)
+    assert _room_for_two_units((tree, (ClassSpec("M"),))) is room
+
+
+def test_several_mixed_units_aims_only_at_modules_with_a_disjoint_partner():
+    """The fallback CustomWrap: a first pick that contains every other
+    holder (blk here) would leave it one target short, a rejected draw; and
+    parameters the plan ignores make no unit."""
+    from conformance.strategies.frozen_units import _disjoint_targets
+
+    tree = ModuleSpec("", "M", children=(ModuleSpec("blk", "M", children=(_lin("a"), _lin("b"), _lin("c"))),))
+    spec = CaseSpec(tree=tree, classes=(ClassSpec("M"),), plan=WrapPlan(api="fsdp1", ignored_params=("blk.c.bias",)))
+    validate(spec)
+    seen = set()
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=_QUIET)
+    @given(st.data())
+    def check(data):
+        policy = data.draw(st.composite(lambda draw: _disjoint_targets(draw, spec))())
+        seen.add(policy.targets)
+
+    check()
+    assert seen == {("blk.a", "blk.b")}
