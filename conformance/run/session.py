@@ -99,6 +99,9 @@ class Finding:
     count: int = 0
     engine: dict | None = None  # ExampleFailed.to_dict() for HANG / CRASH
     repro: str | None = None  # path of the repro script, once written
+    # size(spec), kept: every later example of the finding is compared with it
+    # (a JSON dump of the case), and the common KNOWN rows see thousands
+    spec_size: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return {
@@ -142,9 +145,12 @@ class Tally:
             self.findings[finding.key] = finding
             return
         old.count += 1
-        if size(finding.spec) < size(old.spec):
+        if old.spec_size is None:
+            old.spec_size = size(old.spec)
+        new_size = size(finding.spec)
+        if new_size < old.spec_size:
             old.spec, old.message, old.violations, old.engine = finding.spec, finding.message, finding.violations, finding.engine
-            old.repro = None
+            old.repro, old.spec_size = None, new_size
 
     def to_dict(self) -> dict:
         return {
