@@ -4,13 +4,14 @@ report or a finding, and checking it against invariants on an engine."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from conformance.case.model_case import ModelCase, case_from_json
 from conformance.case.spec import SpecError
 from conformance.cli.common import make_engine
 from conformance.cli.errors import UsageError
-from conformance.engine.errors import ExampleFailed
+from conformance.engine.errors import EngineError, ExampleFailed
 from conformance.report import data
 
 
@@ -79,6 +80,42 @@ def load_case(path: str, finding_id: str | None):
     return load_spec(path), None, None
 
 
+def load_history(finding: dict | None, path: str) -> list[tuple[str, object, dict | None]]:
+    """A CRASH finding's ``engine.history``: the examples its crashed ranks
+    ran before it, oldest first, as (scenario, case, args). The pool keeps
+    them for a crash that did not follow its case on fresh ranks, and only
+    that sequence may reproduce it (RankPool._replay_history)."""
+    entries = ((finding or {}).get("engine") or {}).get("history") or []
+    if not isinstance(entries, list):
+        raise UsageError(f"{path}: the finding's engine.history is not a list")
+    out = []
+    for k, e in enumerate(entries, 1):
+        try:
+            out.append((str(e["scenario"]), valid_case(case_from_json(e["spec"])), e.get("args")))
+        except (SpecError, KeyError, TypeError, ValueError) as err:
+            raise UsageError(f"{path}: example {k} of the finding's engine.history is not a case to run ({err})") from None
+    return out
+
+
+def replay_history(engine, history, out) -> int:
+    """Run ``history`` on ``engine``'s ranks, in order, before the case:
+    0 when every example ran (its own verdict does not matter: only what it
+    leaves in the rank processes), 1 when one crashed or hung (printed)."""
+    from conformance.engine.errors import RankCrash, RankHang
+
+    n = len(history)
+    print(f"replaying the {n} example(s) the crashed ranks ran before the case (engine.history), in order", file=out)
+    for k, (scenario, case, args) in enumerate(history, 1):
+        try:
+            engine.run(scenario, case, args=args, replay=False)
+        except (RankCrash, RankHang) as e:
+            print(f"{e.verdict} at example {k} of {n} of the history ({scenario}), before the case ran\n  {e}", file=out)
+            return 1
+        except EngineError as e:  # a scenario this installation does not have
+            raise UsageError(f"example {k} of the history cannot run here: {str(e).splitlines()[0]}") from None
+    return 0
+
+
 def applicable(inv, spec) -> bool:
     """Whether ``spec`` is a case of ``inv``'s area (Area.applies, the one
     place that says so): a case without a checkpoint plan has nothing for the
@@ -89,7 +126,10 @@ def applicable(inv, spec) -> bool:
     return area_of(inv.id).applies(spec)
 
 
-def check_case_file(spec, selected, backend: str, world_size: int) -> int:
+def check_case_file(spec, selected, backend: str, world_size: int, history=()) -> int:
+    """Check ``spec`` against ``selected`` on a fresh engine (a pool, or the
+    fake tier); with ``history`` (load_history), those examples run first
+    on the same ranks. Prints each invariant's verdict; 1 if any failed."""
 
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance.run import known as known_mod
@@ -105,6 +145,8 @@ def check_case_file(spec, selected, backend: str, world_size: int) -> int:
 
         engine = Worlds(base)
     try:
+        if history and replay_history(base, history, sys.stdout):
+            return 1
         # as `run` checks an example: the known failures read once, each
         # scenario the invariants need run once and every invariant of it
         # checked on that observation (a HANG or CRASH is each one's verdict)

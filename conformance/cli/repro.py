@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from conformance.cli.cases import applicable, check_case_file, load_case
+from conformance.cli.cases import applicable, check_case_file, load_case, load_history
 from conformance.cli.common import BACKENDS, need_distributed
 from conformance.cli.errors import UsageError
 
@@ -14,6 +14,11 @@ def cmd_repro(ns) -> int:
     """Re-run one finding (or every invariant of a case) on the pool and
     write its standalone torch-only repro script."""
     spec, inv_id, finding = load_case(ns.spec, ns.finding)  # a malformed case is one line before torch is imported
+    history = [] if ns.no_history else load_history(finding, ns.spec)
+    engine = (finding or {}).get("engine") or {}
+    world_size = ns.world_size if ns.world_size is not None else (engine.get("world_size") if history else None) or 2
+    if history and ns.backend == "fake":
+        raise UsageError("the finding's engine.history runs on real ranks: use --backend gloo (or nccl), or --no-history")
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance import areas as invariants
     from conformance.run.repro import repro_script
@@ -45,11 +50,11 @@ def cmd_repro(ns) -> int:
         return 0
     need_distributed()
     if finding is not None:
-        print(f"re-running {finding.get('id', inv_id)} (was {finding.get('kind')}) on {ns.backend}, world size {ns.world_size}", file=out)
+        print(f"re-running {finding.get('id', inv_id)} (was {finding.get('kind')}) on {ns.backend}, world size {world_size}", file=out)
     stdout = sys.stdout
     sys.stdout = out
     try:
-        return check_case_file(spec, selected, ns.backend, ns.world_size)
+        return check_case_file(spec, selected, ns.backend, world_size, history)
     finally:
         sys.stdout = stdout
 
@@ -60,7 +65,10 @@ def add_parser(sub) -> None:
     p.add_argument("--finding", default=None, help="finding ID, when PATH is a report with several")
     p.add_argument("--invariant", action="append", help="check these invariants instead of the finding's")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="default auto: nccl with a GPU per rank, else gloo")
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="default: the finding's world size where it has an engine.history, else 2")
     p.add_argument("-o", "--output", default="-", help="where the script goes (default: stdout)")
     p.add_argument("--no-run", action="store_true", help="only write the script")
+    p.add_argument("--no-history", action="store_true",
+                   help="a CRASH finding with an engine.history: run its case alone, not after the examples its ranks ran before it")
     p.set_defaults(fn=cmd_repro)

@@ -137,6 +137,30 @@ def crash_if_armed(spec: CaseSpec) -> dict:
     return _segfault_rank1(lambda: bool(_ARMED))
 
 
+@scenario("arm_fsdp1_segfault", test_only=True)
+def arm_fsdp1_segfault(spec: CaseSpec) -> dict:
+    """Leaves this rank process's FullyShardedDataParallel armed: from the
+    next example on, rank 1 dies of SIGSEGV as FSDP1 wraps a model (a crash
+    that a real scenario meets only after this example, as a corrupted heap
+    would have it): what ``fsdp-conformance repro`` replays a history for."""
+    import signal
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    init = FSDP.__init__
+    if not getattr(init, "_armed", False):
+        def armed(self, *args, **kwargs):
+            if dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGSEGV)
+                time.sleep(10)  # not reached
+            init(self, *args, **kwargs)
+
+        armed._armed = True
+        FSDP.__init__ = armed
+    return {"rank": dist.get_rank(), "armed": True}
+
+
 @scenario("segfault_once", test_only=True, fault=True)
 def segfault_once(spec: CaseSpec, marker: str) -> dict:
     """As segfault, but only where the file ``marker`` does not exist yet

@@ -236,3 +236,46 @@ with open({str(tmp_path / "pytest.log")!r}, "w") as log:
     assert proc.stdout.strip() == "exit 1 1", proc.stdout + proc.stderr
     log = (tmp_path / "pytest.log").read_text()
     assert "1 failed" in log and "assert 1 == 2" in log, log
+
+
+def _crash_finding(tmp_path, history):
+    """A CRASH finding as a report keeps it: its case (a plain FSDP1 wrap
+    that passes on fresh ranks) and the examples its ranks ran before it."""
+    from tests.self.cases import two_blocks
+
+    case = two_blocks()
+    finding = {"id": "WRAP-UNITS/fsdp1/gloo/CRASH", "invariant": "WRAP-UNITS", "kind": "CRASH", "spec": json.loads(case.to_json()),
+               "violations": [], "engine": {"verdict": "CRASH", "backend": "gloo", "world_size": 2, "replay": "did not crash",
+                                            "history": [{"scenario": s, "spec": case.to_json()} for s in history]}}
+    path = tmp_path / "finding.json"
+    path.write_text(json.dumps(finding))
+    return path
+
+
+@pytest.mark.gloo
+def test_repro_of_a_crash_replays_the_examples_its_ranks_ran_before_it(tmp_path):
+    """A CRASH that only the examples before it set up (RankPool keeps them
+    as the finding's engine.history): `repro` runs them first, in order, on
+    the ranks that then run the case, so the crash reproduces; --no-history
+    runs the case alone, which passes. The history's example arms FSDP1 in
+    the rank processes (rank 1 dies as the next wrap starts)."""
+    path = _crash_finding(tmp_path, ["echo", "arm_fsdp1_segfault"])
+    alone = cli("repro", str(path), "--no-history", "--backend", "gloo", "--invariant", "WRAP-UNITS", "-o", str(tmp_path / "r.py"))
+    assert alone.returncode == 0 and "WRAP-UNITS: PASS" in alone.stdout, alone.stdout + alone.stderr
+    after = cli("repro", str(path), "--backend", "gloo", "--invariant", "WRAP-UNITS", "-o", str(tmp_path / "r.py"))
+    assert after.returncode == 1, after.stdout + after.stderr
+    assert "replaying the 2 example(s) the crashed ranks ran before the case" in after.stdout, after.stdout
+    assert "WRAP-UNITS: CRASH" in after.stdout and "Traceback" not in after.stderr, after.stdout + after.stderr
+    # a history naming a scenario this installation lacks: one line, exit 2
+    unknown = cli("repro", str(_crash_finding(tmp_path, ["no-such-scenario"])), "--backend", "gloo", "-o", str(tmp_path / "r.py"))
+    assert_one_line_error(unknown, "example 1 of the history cannot run here")
+
+
+def test_repro_history_that_cannot_run_is_one_line(tmp_path, cli_in_process):
+    path = _crash_finding(tmp_path, ["echo"])
+    bad = json.loads(path.read_text())
+    bad["engine"]["history"][0]["spec"] = "{not json"
+    path.write_text(json.dumps(bad))
+    assert_one_line_error(cli_in_process("repro", path, "--backend", "gloo"), "example 1 of the finding's engine.history")
+    path = _crash_finding(tmp_path, ["echo"])
+    assert_one_line_error(cli_in_process("repro", path, "--backend", "fake"), "engine.history runs on real ranks")
