@@ -191,6 +191,7 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
     shown = tuple(dict.fromkeys(str(w.message).splitlines()[0] for w in caught if issubclass(w.category, UserWarning)))
     probe = _Probe(aliases, initial)
     calls, outs, ref_outs = [], [], []
+    ref_seconds = 0.0  # the unsharded reference's calls: not FSDP's time
     old = set_probe(probe)
     index = 0
     try:
@@ -209,8 +210,10 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
                     calls.append(CallObservation(index, call.method, 0, None, None, error_line(e), _group_states(built.model, groups),
                                                  watch.nested, watch.sharded_reads))
                     raise _Stop from None
+                t_ref = time.perf_counter()
                 with _no_probe():
                     want = method_callable(ref.model, spec, call.method)(*args, **kwargs)
+                ref_seconds += time.perf_counter() - t_ref
                 diff = float((out.detach() - want.detach()).abs().max()) if out.shape == want.shape else float("inf")
                 close = out.shape == want.shape and bool(torch.allclose(out.detach(), want.detach(), rtol=FORWARD_RTOL, atol=FORWARD_ATOL))
                 calls.append(
@@ -227,15 +230,18 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
         pass
     finally:
         set_probe(old)
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - ref_seconds
     obs = dict(base, groups=tuple(groups), registrations=tuple(regs), missing=tuple(missing), calls=tuple(calls),
                probes=tuple(probe.records), warnings=shown, seconds=seconds)
     if any(c.error for c in calls):
         return FSDP2Observation(**obs, ties_intact=_ties(built.model, aliases))
     grads, ran, berr, rerr = (), False, None, None
+    backward_seconds = 0.0
     if outs and any(o.requires_grad for o in outs):
         try:
+            t_back = time.perf_counter()
             sum((o**2).sum() for o in outs).backward()
+            backward_seconds = time.perf_counter() - t_back
             sum((o**2).sum() for o in ref_outs).backward()
             ran = True
         except Exception as e:
@@ -243,7 +249,7 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
     if berr is None:
         grads, rerr = _read_grads(built.model, ref.model, initial)
     return FSDP2Observation(**obs, backward_ran=ran, backward_error=berr, grads=grads, read_error=rerr,
-                            ties_intact=_ties(built.model, aliases))
+                            ties_intact=_ties(built.model, aliases), backward_seconds=backward_seconds)
 
 
 class _Stop(Exception):

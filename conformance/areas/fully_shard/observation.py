@@ -45,13 +45,14 @@ class FSDP2Observation(RankRecord):
     grads: tuple[GradObservation, ...] = ()
     ties_intact: tuple[tuple[str, bool], ...] = ()  # canonical FQN -> aliases one tensor (after the calls)
     warnings: tuple[str, ...] = ()  # UserWarnings while sharding and registering
-    seconds: float = 0.0  # inside fully_shard, registration and the calls
+    seconds: float = 0.0  # inside fully_shard, registration and the calls (the reference's calls excluded)
+    backward_seconds: float = 0.0  # the sharded model's backward (FSDP's hooks and reduce-scatters)
 
 
     def comparable(self) -> dict:
         """What every rank must agree on (rank, timings and float noise removed)."""
         d = self.to_dict()
-        for k in ("rank", "seconds", "warnings", "read_error"):  # a rank's own error text; the read is a collective
+        for k in ("rank", "seconds", "backward_seconds", "warnings", "read_error"):  # a rank's own error text; the read is a collective
             d.pop(k)
         for c in d["calls"]:
             c.pop("max_diff")

@@ -33,6 +33,7 @@ def observe(spec: CaseSpec) -> SummonObservation:
         return SummonObservation(**base, wrap_error=error_line(e))
     calls = []
     index = 0
+    ref_seconds = 0.0  # the unwrapped reference's calls: not FSDP's time
     with torch.no_grad():
         for call in effective_calls(spec):
             for _ in range(call.times):
@@ -45,11 +46,13 @@ def observe(spec: CaseSpec) -> SummonObservation:
                             out = method_callable(model, spec, call.method)(*args, **kwargs)
                 except Exception as e:
                     calls.append(CallObservation(index, call.method, 0, None, None, error_line(e), ()))
-                    return SummonObservation(**base, calls=tuple(calls), seconds=time.perf_counter() - t0)
+                    return SummonObservation(**base, calls=tuple(calls), seconds=time.perf_counter() - t0 - ref_seconds)
+                t_ref = time.perf_counter()
                 want = method_callable(ref.model, spec, call.method)(*args, **kwargs)
+                ref_seconds += time.perf_counter() - t_ref
                 ok = out.shape == want.shape
                 diff = float((out - want).abs().max()) if ok else float("inf")
                 close = ok and bool(torch.allclose(out, want, rtol=FORWARD_RTOL, atol=FORWARD_ATOL))
                 calls.append(CallObservation(index, call.method, 0, close, diff, None, ()))
                 index += 1
-    return SummonObservation(**base, calls=tuple(calls), seconds=time.perf_counter() - t0)
+    return SummonObservation(**base, calls=tuple(calls), seconds=time.perf_counter() - t0 - ref_seconds)

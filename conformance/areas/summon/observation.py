@@ -10,7 +10,7 @@ from conformance.areas.common.observation import CallObservation, RankRecord
 @dataclass(frozen=True)
 class SummonObservation(RankRecord):
     calls: tuple[CallObservation, ...] = ()  # each root forward or method call against the unwrapped reference
-    seconds: float = 0.0
+    seconds: float = 0.0  # wrapping and the calls under FSDP (the reference's calls excluded)
 
     def comparable(self) -> dict:
         """What every rank must agree on (rank, timing and float noise removed)."""
