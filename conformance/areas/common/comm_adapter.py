@@ -46,6 +46,16 @@ def group_size(args) -> int:
     return dist.get_world_size()
 
 
+# op -> its name where it is a collective, else "": every op of a recorded
+# forward and backward passes through the mode, most of them many times
+_COLLECTIVE_NAMES: dict = {}
+
+
+def _collective_name(func) -> str:
+    name = str(func.overloadpacket)
+    return name if name.startswith(("c10d.", "_c10d_functional.")) else ""
+
+
 class Recorder:
     """What one observation saw: collectives from the dispatcher (under
     ``mode``), attributed to the group or unit on top of ``owner``; events;
@@ -60,8 +70,10 @@ class Recorder:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func.overloadpacket)
-                if name.startswith(("c10d.", "_c10d_functional.")):
+                name = _COLLECTIVE_NAMES.get(func)
+                if name is None:
+                    name = _COLLECTIVE_NAMES[func] = _collective_name(func)
+                if name:
                     rec.collective(name, args)
                 return func(*args, **(kwargs or {}))
 
