@@ -466,7 +466,7 @@ class RankPool:
                 )
                 if replay and isinstance(failure, RankCrash):
                     outcome = self._replay(scenario, spec, deadline, args)
-                    if outcome.startswith("did not crash") and history:
+                    if outcome == _NO_CRASH_ALONE and history:
                         failure.history = history
                         outcome += "; " + self._replay_history(history, scenario, spec, deadline, args)
                     failure.note_replay(outcome)
@@ -502,7 +502,7 @@ class RankPool:
             return "hung"
         except EngineError as e:
             return f"could not run ({str(e).splitlines()[0][:200]})"
-        return "did not crash: the crash depends on what the ranks ran before this example"
+        return _NO_CRASH_ALONE
 
     def _replay_history(self, history: list, scenario: str, spec: CaseSpec, deadline: float, args: dict | None) -> str:
         """On fresh ranks, the examples the crashed ranks ran before the
@@ -789,6 +789,10 @@ class RankPool:
         )
         self._rebuild(str(failure))
         return failure
+
+
+# _replay's outcome where the example ran on fresh ranks without crashing
+_NO_CRASH_ALONE = "did not crash: the crash depends on what the ranks ran before this example"
 
 
 def _ordinal(n: int) -> str:
