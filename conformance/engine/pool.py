@@ -164,11 +164,7 @@ class _Rank:
         """User + system CPU time of every thread (_cpu_seconds)."""
         if self.stat_fd is None:
             return _cpu_seconds(self.pid)
-        fields = self.stat()
-        try:
-            return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-        except (TypeError, ValueError, IndexError):
-            return None
+        return _cpu_of(self.stat())
 
     def log_size(self) -> int:
         try:
@@ -814,8 +810,16 @@ def _cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return _cpu_of(fields)
+
+
+def _cpu_of(fields: list[bytes] | None) -> float | None:
+    """utime + stime from a /proc/<pid>/stat's fields after the command name."""
+    try:
         return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-    except (OSError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError):
         return None
 
 
