@@ -97,18 +97,23 @@ def exit_mid_collective(spec: CaseSpec) -> dict:
     return {"rank": dist.get_rank(), "sum": float(t.item())}
 
 
+def _sigsegv() -> None:
+    """This process dies of SIGSEGV (faulthandler dumps its stack first)."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(10)  # not reached: faulthandler dumps, then the default action
+
+
 def _segfault_rank1(crash) -> dict:
     """Rank 1 dies of SIGSEGV while rank 0 waits in an all_reduce, where
     ``crash()`` holds on rank 1; else both reduce and return."""
-    import signal
-
     import torch
     import torch.distributed as dist
 
     if dist.get_rank() == 1 and crash():
         time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGSEGV)
-        time.sleep(10)  # not reached: faulthandler dumps, then the default action
+        _sigsegv()
     t = torch.ones(1, device=_device())
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "sum": float(t.item())}
@@ -143,8 +148,6 @@ def arm_fsdp1_segfault(spec: CaseSpec) -> dict:
     next example on, rank 1 dies of SIGSEGV as FSDP1 wraps a model (a crash
     that a real scenario meets only after this example, as a corrupted heap
     would have it): what ``fsdp-conformance repro`` replays a history for."""
-    import signal
-
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -152,8 +155,7 @@ def arm_fsdp1_segfault(spec: CaseSpec) -> dict:
     if not getattr(init, "_armed", False):
         def armed(self, *args, **kwargs):
             if dist.get_rank() == 1:
-                os.kill(os.getpid(), signal.SIGSEGV)
-                time.sleep(10)  # not reached
+                _sigsegv()
             init(self, *args, **kwargs)
 
         armed._armed = True
