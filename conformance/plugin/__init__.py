@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conformance import paths
+from conformance.plugin import order
 from conformance.run import profiles
 
 TIERS = ("fake", "gloo", "nccl")
@@ -35,6 +36,9 @@ def pytest_addoption(parser):
     g.addoption("--baseline", action="append", default=None, help="baseline report JSON for FIXED verdicts (repeatable); 'auto' (default): the shipped baselines for this torch and tier; 'none'")
     g.addoption("--max-examples", type=int, default=None, help="override the profile's Hypothesis example budget")
     g.addoption("--invariant", action="append", default=None, help="run only these invariant IDs or areas (repeatable)")
+    g.addoption("--store-durations", action="store_true", default=False,
+                help="record each test's duration in --durations-path: the order a conformance run takes (slowest first)")
+    g.addoption("--durations-path", default=str(order.DURATIONS), help="where --store-durations writes (default conformance/suite/durations.json)")
     # hunting (fsdp-conformance hunt): a time limit and one report over several rounds
     g.addoption("--stop-at", type=float, default=None, help="epoch seconds after which conformance tests are skipped (hunt)")
     g.addoption("--save-partials", default=None, help="write this run's per-process results to this JSON file (hunt)")
@@ -93,6 +97,16 @@ def pytest_configure(config):
 
     if not config.pluginmanager.has_plugin(PLUGIN_NAME):
         config.pluginmanager.register(ReportPlugin(config), PLUGIN_NAME)
+    if config.getoption("--store-durations"):
+        config.pluginmanager.register(order.Recorder(config.rootpath, Path(config.getoption("--durations-path"))),
+                                      "fsdp-conformance-durations")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """A conformance run takes its tests slowest first (conformance.plugin.order)."""
+    if config._fsdp_conformance_requested:
+        order.order(items, order.load())
 
 
 @pytest.hookimpl(trylast=True)
