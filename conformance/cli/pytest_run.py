@@ -187,8 +187,9 @@ def conformance_args(ns, profile: str, default_report_dir: Path) -> tuple[list[s
         args.append(f"--max-examples={ns.examples}")
     if ns.workers:
         # worksteal: an idle worker takes tests from a busy one (the areas'
-        # tests differ in length by 10x; plain load leaves a worker idle)
-        args += ["-n", str(ns.workers), "--dist", "worksteal"]
+        # tests differ in length by 10x; plain load leaves a worker idle);
+        # slowest first: no long test left to the end (conformance.plugin.order)
+        args += ["-n", str(ns.workers), "--dist", "worksteal", "--slowest-first"]
     else:
         args += ["-p", "no:xdist"]
     args += ns.pytest_args or []

@@ -36,9 +36,12 @@ def pytest_addoption(parser):
     g.addoption("--baseline", action="append", default=None, help="baseline report JSON for FIXED verdicts (repeatable); 'auto' (default): the shipped baselines for this torch and tier; 'none'")
     g.addoption("--max-examples", type=int, default=None, help="override the profile's Hypothesis example budget")
     g.addoption("--invariant", action="append", default=None, help="run only these invariant IDs or areas (repeatable)")
+    g.addoption("--slowest-first", action="store_true", default=False,
+                help="on xdist workers, take the tests slowest first by --durations-path (fsdp-conformance run -n N does)")
     g.addoption("--store-durations", action="store_true", default=False,
                 help="record each test's duration in --durations-path: the order a conformance run takes (slowest first)")
-    g.addoption("--durations-path", default=str(order.DURATIONS), help="where --store-durations writes (default conformance/suite/durations.json)")
+    g.addoption("--durations-path", default=str(order.DURATIONS),
+                help="the durations a run on xdist workers takes its tests by, and --store-durations writes (default conformance/suite/durations.json)")
     # hunting (fsdp-conformance hunt): a time limit and one report over several rounds
     g.addoption("--stop-at", type=float, default=None, help="epoch seconds after which conformance tests are skipped (hunt)")
     g.addoption("--save-partials", default=None, help="write this run's per-process results to this JSON file (hunt)")
@@ -104,9 +107,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """A conformance run takes its tests slowest first (conformance.plugin.order)."""
-    if config._fsdp_conformance_requested:
-        order.order(items, order.load())
+    """--slowest-first on xdist workers: the tests slowest first
+    (conformance.plugin.order). In one process the order changes no wall
+    time, only what a run cut short reaches first (a hunt's time limit, a
+    mutant killed by its first failing test): pytest's order stays there."""
+    if config.getoption("--slowest-first") and hasattr(config, "workerinput"):
+        order.order(items, order.load(Path(config.getoption("--durations-path"))))
 
 
 @pytest.hookimpl(trylast=True)
