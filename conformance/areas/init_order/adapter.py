@@ -8,6 +8,7 @@ calls FSDP and torch.distributed."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
+from conformance.areas.common import stall
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor, load_cause
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import placed, rank_device
@@ -35,13 +37,14 @@ LR = 0.05
 # buffers, and none non-persistent): one persistent, one not, each
 # different on every rank before the sync.
 SYNC_BUFFERS = (("init_persistent", True), ("init_non_persistent", False))
-# A rank-divergent case runs FSDP on a group of its own with this timeout
-# (seconds): a collective one rank never enters then fails on every rank
-# as a timeout instead of holding the pool until its deadline.
-# seconds before the example's own group gives up on a collective: a hang
-# shows in seconds, not at the pool's deadline; long enough that a loaded
-# machine (2 cores, the suite's other worker and its ranks) does not time out
-# a collective that would complete (3 s did, on a mutant run's machine)
+# A rank-divergent case runs FSDP on a group of its own, watched by a
+# StallGuard (conformance.areas.common.stall): once every rank has slept in
+# a collective for a second without CPU, the guard closes the group and each
+# rank's collective raises (a hang, seen in about a second). The group's
+# timeout is the fallback (seconds; NCCL, ranks on several hosts): a hang
+# then shows in seconds, not at the pool's deadline; long enough that a
+# loaded machine (2 cores, the suite's other worker and its ranks) does not
+# time out a collective that would complete (3 s did, on a mutant run's machine)
 DIVERGENT_TIMEOUT = 8.0
 
 
@@ -219,9 +222,10 @@ def observe(spec: CaseSpec) -> InitObservation:
     frozen_or_not = [p for p in built.model.parameters()]
     trainable = any(p.requires_grad for p in frozen_or_not)
     skipped = _skipped_params(built, plan.skip)
-    group = None
+    group, guard = None, contextlib.nullcontext()
     if plan.skip is not None and backend != "fake":
-        group = dist.new_group(timeout=datetime.timedelta(seconds=DIVERGENT_TIMEOUT))
+        group, fds = stall.new_group(datetime.timedelta(seconds=DIVERGENT_TIMEOUT))
+        guard = stall.StallGuard(group, fds)
     rank0_sd = {k: v.detach().clone() for k, v in built.model.state_dict().items()} if plan.sync and spec.plan.api == "fsdp2" else None
 
     t0 = time.perf_counter()
@@ -347,26 +351,33 @@ def observe(spec: CaseSpec) -> InitObservation:
     _set_skip(built, plan.skip, rank == 1)
     losses: list[float] = []
     step_error = None
-    try:
-        for _ in range(plan.steps):
-            loss = (model(xs[rank]).float() ** 2).sum()
-            losses.append(float(loss))
-            if trainable:
-                loss.backward()
-                if opt is None:  # after the first forward and backward: FSDP is initialised
-                    opt = make_optimizer(plan.optimizer, [p for p in model.parameters() if p.requires_grad], LR)
-                opt.step()
-                opt.zero_grad()
-    except Exception as e:
-        step_error = error_line(e)
     final = None
-    if step_error is None:
-        try:  # a collective too: a rank that diverged may time out here
-            final = _full_values(spec, model, built.model, names)
+    with guard:
+        try:
+            for _ in range(plan.steps):
+                loss = (model(xs[rank]).float() ** 2).sum()
+                losses.append(float(loss))
+                if trainable:
+                    loss.backward()
+                    if opt is None:  # after the first forward and backward: FSDP is initialised
+                        opt = make_optimizer(plan.optimizer, [p for p in model.parameters() if p.requires_grad], LR)
+                    opt.step()
+                    opt.zero_grad()
         except Exception as e:
-            step_error = f"full values: {error_line(e)}"
+            step_error = error_line(e)
+        if step_error is None:
+            try:  # a collective too: a rank that diverged may hang here
+                final = _full_values(spec, model, built.model, names)
+            except Exception as e:
+                step_error = f"full values: {error_line(e)}"
     fsdp_seconds = time.perf_counter() - t0
-    timed_out = step_error is not None and ("Timed out" in step_error or "Application timeout" in step_error)
+    # whether some rank's guard closed the group (every rank asks: the ranks
+    # whose collective then raised call it a hang, as a timeout)
+    stalled = group is not None and any_rank_failed(guard.fired)
+    if stalled and step_error is not None:
+        step_error = (f"every rank slept in collectives of the example's group for {stall.STALL:g} s without CPU "
+                      f"(the suite then closed the group; the collective raised: {step_error})")
+    timed_out = step_error is not None and (stalled or "Timed out" in step_error or "Application timeout" in step_error)
     if any_rank_failed(step_error is not None):
         return InitObservation(**obs, step_error=step_error, timed_out=timed_out, spent_process_groups=group is not None, failed=True, losses=tuple(losses),
                                seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)

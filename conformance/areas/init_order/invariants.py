@@ -181,7 +181,7 @@ def check_sync(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation])
     api="fsdp1|fsdp2",
     scenario="init_order",
     all_ranks=True,
-    statement="A module rank 1's forward passes over while the other ranks call it gives the single-process gradients of the same per-rank forwards (read as the losses and final parameters of a few optimizer steps), or a clear error on every rank; never a hang (a collective one rank never enters: timed out on a group of the example's own) nor a dead rank.",
+    statement="A module rank 1's forward passes over while the other ranks call it gives the single-process gradients of the same per-rank forwards (read as the losses and final parameters of a few optimizer steps), or a clear error on every rank; never a hang (a collective one rank never enters, on a group of the example's own: every rank blocked there, or its timeout) nor a dead rank.",
     source=DOC_DIVERGENT,
 )
 def check_divergent(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation]) -> list[Violation] | NotChecked:
@@ -192,7 +192,7 @@ def check_divergent(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservat
     tags = _tags(pred, obs)
     hung = [o.rank for o in obs if o.timed_out]
     if hung:
-        return [violation("INIT-DIVERGENT", f"ranks {hung} timed out in a collective another rank never entered (a hang): "
+        return [violation("INIT-DIVERGENT", f"ranks {hung} hung in a collective another rank never entered: "
                           f"{next(o.step_error for o in obs if o.timed_out)}", tags, "kind:hang")]
     errors = [o for o in obs if o.wrap_error or o.step_error]
     if errors and len(errors) < len(obs):

@@ -25,7 +25,7 @@ class InitObservation(RankRecord):
     init_error: str | None = None  # meta-device materialisation (to_empty, reset, param_init_fn) raised
     step_error: str | None = None  # a forward, backward or optimizer step raised on this rank
     failed: bool = False  # some rank raised in the same phase (the ranks agree on it)
-    timed_out: bool = False  # this rank's error is the private group's timeout: a hang
+    timed_out: bool = False  # this rank's error is a hang on the private group: its timeout, or its StallGuard's close
     # a collective of the example's own group failed: the ranks' process-group
     # state is spent and the pool starts fresh ranks after the example (engine.pool)
     spent_process_groups: bool = False
