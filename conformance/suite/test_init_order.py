@@ -41,8 +41,8 @@ def test_init_order_fsdp1(spec, engine, conformance):
     conformance.check_example(ORDER, spec, engine, engine.tier)
 
 
-# a rank-divergent example that hangs costs the group's timeout (seconds),
-# one that kills a rank a pool restart: few examples
+# a rank-divergent example that hangs costs about a second (its StallGuard)
+# and fresh ranks, one that kills a rank a pool restart: few examples
 @pytest.mark.needs_ranks
 @settings(max_examples=examples(3))
 @given(spec=init_specs(api="fsdp2", kind="divergent"))
