@@ -97,7 +97,9 @@ class StallGuard:
         self.fired = False
         self.stalled_for = 0.0
         gloo = group is not None and dist.get_backend(group) == "gloo"
-        self.pids = _rank_pids() if gloo and fds and dist.get_world_size() > 1 else None
+        # every rank decides alike (the pids are a collective); its own fds after
+        pids = _rank_pids() if gloo and dist.get_world_size() > 1 else None
+        self.pids = pids if fds else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
