@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 from conformance import paths
@@ -80,15 +79,42 @@ def _run(tmp_path, *args):
     return log.read_text().split()
 
 
-def test_xdist_workers_take_the_tests_slowest_first_and_one_process_keeps_pytests_order(tmp_path):
-    """--slowest-first on xdist workers (fsdp-conformance run -n N passes
-    it); in one process, or without it (ci/test.sh), pytest's order."""
+def test_xdist_workers_take_the_tests_slowest_first_and_the_controller_records_durations(tmp_path):
+    """--slowest-first on an xdist worker (fsdp-conformance run -n N passes
+    it) with --store-durations, in one run: the worker runs c, a, b; the
+    controller then writes what the worker reported, setup, call and
+    teardown summed: b's 0.7 s, while a and c, measured under MIN_SECONDS,
+    leave the file."""
     durations = tmp_path / "durations.json"
     name = lambda t: order.key(tmp_path / "test_timed.py", f"test_timed.py::{t}")  # noqa: E731
     durations.write_text(json.dumps({name("test_c"): 9.0, name("test_a"): 2.0}))
-    assert _run(tmp_path, "-n", "1", "--slowest-first", f"--durations-path={durations}") == ["c", "a", "b"]
-    assert _run(tmp_path, "-p", "no:xdist", "--slowest-first", f"--durations-path={durations}") == ["a", "b", "c"]
-    assert _run(tmp_path, "-n", "1", f"--durations-path={durations}") == ["a", "b", "c"]  # not asked
+    assert _run(tmp_path, "-n", "1", "--slowest-first", "--store-durations", f"--durations-path={durations}") == ["c", "a", "b"]
+    got = order.load(durations)
+    assert list(got) == [name("test_b")] and 0.7 <= got[name("test_b")] < 30
+    assert not durations.with_suffix(".tmp").exists()
+
+
+def _sorted_by_the_hook(tmp_path, *, worker: bool, asked: bool) -> list[str]:
+    """The plugin's collection hook on three items whose recorded durations
+    put c first: as an xdist worker's config or the only process's, with
+    --slowest-first or without."""
+    import conformance.plugin as plugin
+
+    durations = tmp_path / "durations.json"
+    items = [_item("conformance/suite/test_a.py", f"test_a.py::{t}") for t in "abc"]
+    durations.write_text(json.dumps({order.key(items[2].path, items[2].nodeid): 9.0}))
+    opts = {"--slowest-first": asked, "--durations-path": str(durations)}
+    config = SimpleNamespace(getoption=opts.__getitem__, **({"workerinput": {}} if worker else {}))
+    plugin.pytest_collection_modifyitems(None, config, items)
+    return [it.nodeid.split("::")[1] for it in items]
+
+
+def test_only_an_xdist_worker_that_is_asked_sorts(tmp_path):
+    """In one process pytest's order stays (a hunt's time limit, a mutant's
+    first failing test), and so it does where nobody asked (ci/test.sh)."""
+    assert _sorted_by_the_hook(tmp_path, worker=True, asked=True) == ["c", "a", "b"]
+    assert _sorted_by_the_hook(tmp_path, worker=False, asked=True) == ["a", "b", "c"]
+    assert _sorted_by_the_hook(tmp_path, worker=True, asked=False) == ["a", "b", "c"]
 
 
 def test_the_committed_durations_name_the_suites_tests():
@@ -101,17 +127,6 @@ def test_the_committed_durations_name_the_suites_tests():
     collected = {ln for ln in proc.stdout.splitlines() if "::" in ln}
     suite = [k for k in order.load() if k.startswith("conformance/suite/")]
     assert len(suite) >= 20 and sum(k in collected for k in suite) >= 0.9 * len(suite)
-
-
-def test_a_run_records_its_durations_through_xdist(tmp_path):
-    """--store-durations: the controller writes what its workers reported,
-    setup, call and teardown summed; a test under MIN_SECONDS is left out."""
-    out = tmp_path / "durations.json"
-    _run(tmp_path, "-n", "2", "--store-durations", f"--durations-path={out}")
-    got = order.load(out)
-    slow = order.key(tmp_path / "test_timed.py", "test_timed.py::test_b")
-    assert list(got) == [slow] and 0.7 <= got[slow] < 30
-    assert not Path(str(out) + ".tmp").exists() and not out.with_suffix(".tmp").exists()
 
 
 def _run_args(*argv):
