@@ -221,14 +221,19 @@ def _rank_main(
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
+    file_store = dist.FileStore(store, world_size)
     dist.init_process_group(
         backend,
-        store=dist.FileStore(store, world_size),
+        store=file_store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout),
         **kwargs,
     )
+    if world_size > 1:  # the suite's agreement between these ranks (conformance.engine.agree)
+        from conformance.engine import agree
+
+        agree.setup(file_store, rank, world_size, os.path.dirname(store), timeout)
     send({"op": "ready", "rank": rank, "pid": os.getpid(), "startup_seconds": time.perf_counter() - started})
 
     for line in _lines(cmd):

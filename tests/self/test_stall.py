@@ -6,7 +6,7 @@ example's group is one)."""
 
 import pytest
 
-import tests.self.stall_scenarios as sc
+import tests.self.rank_scenarios as sc
 from conformance.case.examples import lora_model
 
 pytestmark = pytest.mark.gloo

@@ -1,7 +1,8 @@
 """Rank agreement: each rank learns whether any rank failed at the same
-point, on a gloo group of the suite's own, before the suite's next
-collective (a rank that raised has left the example); and RANKS-AGREE,
-every rank's observation the same."""
+point, before the suite's next collective (a rank that raised has left the
+example): on a pool's agreement channel (conformance.engine.agree), else on
+a gloo group of the suite's own; and RANKS-AGREE, every rank's observation
+the same."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from conformance.case.violation import Violation
+from conformance.engine import agree
 
 _SIDE: list = []  # [the default group it was made beside, the side group]
 
@@ -35,6 +37,9 @@ def any_rank_failed(failed: bool) -> bool:
     a collective of the suite's own would then wait for it forever."""
     if dist.get_backend() == "fake" or dist.get_world_size() == 1:
         return failed
+    ch = agree.channel()
+    if ch is not None:  # a pool's ranks: beside the process group (conformance.engine.agree)
+        return any(ch.exchange(int(failed)))
     flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
     dist.all_reduce(flag, group=_side_group())
     return bool(flag.item())
@@ -46,6 +51,9 @@ def failed_ranks(failed: bool) -> int:
     every rank failing."""
     if dist.get_backend() == "fake" or dist.get_world_size() == 1:
         return int(failed)
+    ch = agree.channel()
+    if ch is not None:
+        return sum(ch.exchange(int(failed)))
     flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
     dist.all_reduce(flag, group=_side_group())
     return int(flag.item())
@@ -53,12 +61,16 @@ def failed_ranks(failed: bool) -> int:
 
 def all_ranks_equal(value) -> bool:
     """Whether every rank holds a ``value`` equal to this rank's (a tree of
-    tuples, lists, strings and numbers: compared by its repr), in one
-    all-reduce of a 63-bit digest and its negation on the default group: the
-    maximum of both is this rank's digest only if no rank's differs."""
+    tuples, lists, strings and numbers: compared by its repr): a 63-bit
+    digest exchanged on a pool's agreement channel, elsewhere one all-reduce
+    of the digest and its negation on the default group (the maximum of
+    both is this rank's digest only if no rank's differs)."""
     if dist.get_backend() == "fake" or dist.get_world_size() == 1:
         return True  # one real rank: nothing to disagree with
     h = int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+    ch = agree.channel()
+    if ch is not None:
+        return all(v == h for v in ch.exchange(h))
     both = torch.tensor([h, -h], dtype=torch.int64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return both.tolist() == [h, -h]

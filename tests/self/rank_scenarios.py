@@ -1,7 +1,8 @@
-"""Test-only scenarios for the StallGuard (conformance.areas.common.stall;
-tests/self/test_stall.py): two ranks on a guarded group of their own, one of
-them diverging (a collective the other never matches) or slow (busy on CPU
-before it enters the same collective)."""
+"""Test-only scenarios of the suite's rank-side helpers: the StallGuard
+(conformance.areas.common.stall; tests/self/test_stall.py), two ranks on a
+guarded group of their own, one of them diverging (a collective the other
+never matches) or slow (busy on CPU before it enters the same collective);
+and the agreement channel (conformance.engine.agree; tests/self/test_agree.py)."""
 
 import datetime
 import time
@@ -9,7 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from conformance.areas.common import stall
+from conformance.areas.common import ranks, stall
+from conformance.engine import agree
 from conformance.engine.scenarios import scenario
 
 # far beyond the guard's second: a collective that ends before it did not time out
@@ -56,3 +58,16 @@ def stall_slow_rank(spec) -> dict:
         dist.all_reduce(t, group=group)
         assert t.tolist() == [3.0, 3.0, 3.0], t
     return _guarded(body)
+
+
+@scenario("agree-on-ranks", test_only=True)
+def agree_on_ranks(spec) -> dict:
+    """What ranks.py's agreement gives where only the last rank failed, and
+    where only it saw something else, through the pool's channel."""
+    last = dist.get_rank() == dist.get_world_size() - 1
+    ch = agree.channel()
+    return {"channel": ch is not None, "rounds_before": ch.round if ch else None,
+            "any_failed": ranks.any_rank_failed(last), "failed": ranks.failed_ranks(last),
+            "none_failed": ranks.any_rank_failed(False), "equal": ranks.all_ranks_equal(("same", 1)),
+            "unequal": ranks.all_ranks_equal(("seen", dist.get_rank() if last else 0)),
+            "rounds_after": ch.round if ch else None}
