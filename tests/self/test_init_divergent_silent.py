@@ -60,9 +60,13 @@ def test_a_divergent_example_after_one_on_the_default_mesh_does_not_hang(fault_p
     pool = fault_pools(2)
     assert all(r["ok"] for r in pool.run("fsdp2", CASE))
     t0 = time.monotonic()
+    rebuilds = pool.rebuilds
     records = pool.run("init_order", CASE, deadline=30.0)
     assert time.monotonic() - t0 < 30.0
     assert all(r["ok"] and not r["value"]["timed_out"] for r in records), records
+    # no hang, yet the example's own group dies with its ranks, never torn
+    # down in a live one (conformance.areas.init_order.adapter.observe)
+    assert all(r["value"]["spent_process_groups"] for r in records) and pool.rebuilds == rebuilds + 1
 
 
 # FSDP1's form (thorough seed 94): rank 1 skips 1.seq1.0, a unit given

@@ -198,6 +198,18 @@ def _reference(spec: CaseSpec, plan: InitPlan, world: int, dtype):
 
 
 def observe(spec: CaseSpec) -> InitObservation:
+    """The case on this rank. A rank-divergent case's group of its own is
+    never torn down while its ranks live: every such example says its
+    process groups are spent, and the pool starts fresh ranks after it
+    (killed, not destroyed: a gloo group that one rank destroys while its
+    peer's pairs are still open can abort that peer later, in another
+    example)."""
+    made: list = []
+    obs = _observe(spec, made)
+    return dataclasses.replace(obs, spent_process_groups=True) if made else obs
+
+
+def _observe(spec: CaseSpec, made: list) -> InitObservation:
     plan = spec.init or InitPlan()
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = str(dist.get_backend())
@@ -225,6 +237,7 @@ def observe(spec: CaseSpec) -> InitObservation:
     group, guard = None, contextlib.nullcontext()
     if plan.skip is not None and backend != "fake":
         group, fds = stall.new_group(datetime.timedelta(seconds=DIVERGENT_TIMEOUT))
+        made.append(group)
         guard = stall.StallGuard(group, fds)
     rank0_sd = {k: v.detach().clone() for k, v in built.model.state_dict().items()} if plan.sync and spec.plan.api == "fsdp2" else None
 
@@ -379,7 +392,7 @@ def observe(spec: CaseSpec) -> InitObservation:
                       f"(the suite then closed the group; the collective raised: {step_error})")
     timed_out = step_error is not None and (stalled or "Timed out" in step_error or "Application timeout" in step_error)
     if any_rank_failed(step_error is not None):
-        return InitObservation(**obs, step_error=step_error, timed_out=timed_out, spent_process_groups=group is not None, failed=True, losses=tuple(losses),
+        return InitObservation(**obs, step_error=step_error, timed_out=timed_out, failed=True, losses=tuple(losses),
                                seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)
     want = list(ref_per_step)
     close = all(math.isclose(got, w[rank], rel_tol=TRAIN_RTOL, abs_tol=TRAIN_ATOL) for got, w in zip(losses, want))

@@ -26,8 +26,9 @@ class InitObservation(RankRecord):
     step_error: str | None = None  # a forward, backward or optimizer step raised on this rank
     failed: bool = False  # some rank raised in the same phase (the ranks agree on it)
     timed_out: bool = False  # this rank's error is a hang on the private group: its timeout, or its StallGuard's close
-    # a collective of the example's own group failed: the ranks' process-group
-    # state is spent and the pool starts fresh ranks after the example (engine.pool)
+    # the example made a group of its own (a rank-divergent case): its ranks'
+    # process-group state is spent and the pool starts fresh ranks after the
+    # example (engine.pool), so that the group is never torn down in a live rank
     spent_process_groups: bool = False
     # model.to(dtype): every parameter is still a DTensor and of the new dtype
     dtype_kept: bool | None = None
