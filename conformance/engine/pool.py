@@ -164,7 +164,7 @@ class _Rank:
         """User + system CPU time of every thread (_cpu_seconds)."""
         if self.stat_fd is None:
             return _cpu_seconds(self.pid)
-        return _cpu_of(self.stat())
+        return cpu_of(self.stat())
 
     def log_size(self) -> int:
         try:
@@ -804,18 +804,23 @@ def _last_line(path: str) -> str:
     return lines[-1] if lines else ""
 
 
+def proc_stat(pid: int) -> list[bytes] | None:
+    """A process's /proc/<pid>/stat fields after its command name (the state
+    first); None where that cannot be read (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _cpu_seconds(pid: int) -> float | None:
     """The process's user + system CPU time (every thread), from /proc; None
     where that cannot be read (not Linux, or the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return _cpu_of(fields)
+    return cpu_of(proc_stat(pid))
 
 
-def _cpu_of(fields: list[bytes] | None) -> float | None:
+def cpu_of(fields: list[bytes] | None) -> float | None:
     """utime + stime from a /proc/<pid>/stat's fields after the command name."""
     try:
         return (int(fields[11]) + int(fields[12])) / _CLK_TCK

@@ -28,6 +28,8 @@ import time
 
 import torch.distributed as dist
 
+from conformance.engine.pool import cpu_of, proc_stat
+
 INTERVAL = 0.05  # seconds between samples
 STALL = 1.0  # seconds every rank must sleep without CPU before the group is shut
 # CPU seconds a rank may gain over a stall and still count as asleep: the
@@ -71,16 +73,14 @@ def _rank_pids() -> tuple[int, ...] | None:
 def _sample(pids) -> tuple[bool, float] | None:
     """(every main thread asleep, CPU seconds of all ranks), or None where a
     rank cannot be read (gone: not a stall to judge)."""
-    tick = os.sysconf("SC_CLK_TCK")
     asleep, cpu = True, 0.0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+        fields = proc_stat(pid)
+        used = cpu_of(fields)
+        if used is None:
             return None
         asleep = asleep and fields[0] == b"S"
-        cpu += (int(fields[11]) + int(fields[12])) / tick
+        cpu += used
     return asleep, cpu
 
 
