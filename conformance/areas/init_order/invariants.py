@@ -6,7 +6,7 @@ some ranks do not call."""
 from __future__ import annotations
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
-from conformance.areas.common.violations import backend_tag, load_cause_tag, violation
+from conformance.areas.common.violations import backend_tag, freed_storage_tags, load_cause_tag, violation
 from conformance.areas.init_order.observation import InitObservation
 from conformance.areas.init_order.oracle import InitPrediction
 from conformance.case.spec import CaseSpec
@@ -51,6 +51,8 @@ def error_tag(text: str) -> str:
         return "error:load-state-dict"
     if "Timed out" in text:
         return "error:timeout"
+    if freed_storage_tags(text):
+        return "error:freed-storage"  # a parameter read over its freed unsharded storage
     return "error:other"
 
 

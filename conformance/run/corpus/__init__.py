@@ -102,7 +102,7 @@ def examples(*invariants: str, argname: str = "spec"):
 
 
 def write(case_dir: Path, name: str, spec: CaseSpec, invariants: list[str], finding: str | None, tier: str, why: str) -> Path:
-    """Store a case (atomically); used by `fsdp-conformance corpus add`."""
+    """Store a case (atomically), e.g. a report finding's case (README: the regression corpus)."""
     case_dir = Path(case_dir)
     case_dir.mkdir(parents=True, exist_ok=True)
     path = case_dir / f"{name}.json"
