@@ -91,6 +91,8 @@ def check_order(spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> l
     exp = _expected(pred, obs)
     if isinstance(exp, NotChecked):
         return exp
+    if exp.order_why:
+        return NotChecked(exp.order_why)
     tags = case_tags(spec, obs)
     out = _raised("COMM-ORDER", obs, tags)
     out += compare_events("COMM-ORDER", exp, obs, tags)

@@ -136,7 +136,9 @@ def fsdp2_patches(rec: Recorder, labels: dict[int, str]):
     orig_unshard, orig_reshard, orig_post = FSDPParamGroup.unshard, FSDPParamGroup.reshard, FSDPParamGroup.post_backward
 
     def label(g) -> str:
-        return labels.get(id(g.modules[0]), "?") if g.modules else "?"
+        # a list group by all its modules, as fully_shard was given them (the
+        # oracle's name: ", "-joined), a one-module group by its module
+        return ", ".join(labels.get(id(m), "?") for m in g.modules) if g.modules else "?"
 
     def state(g) -> str:
         return g._training_state.name

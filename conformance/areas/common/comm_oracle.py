@@ -100,6 +100,9 @@ class Expected:
     exact_numel: bool = True
     # the mechanisms the run goes through that a finding may name (tags, not compared)
     notes: frozenset[str] = frozenset()
+    # set where the collectives are predicted but not the order of the
+    # events (COMM-ORDER, MB-COMMS): why not
+    order_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,14 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
         return padded_numel(shape, world)
 
     notes: set[str] = set()
+    # fully_shard([a, b]) hooks the group's pre-forward on whichever of its
+    # modules runs first, its post-forward after the last and its
+    # post-backward on the first one's inputs; the timeline below follows a
+    # group on its first module given: its collectives (once per forward,
+    # once per resharded backward, one reduce-scatter) hold, its events'
+    # places among the other groups' do not
+    order_why = ("a multi-module FSDP2 group: the oracle places a group's hooks on its first module only"
+                 if any(len(g.modules) > 1 for g in pred.groups if g.managed) else "")
     if any(m in groups and not isinstance(groups[m][3], bool) and any(len(params[f][0]) >= 2 for f in groups[m][1])
            for m in c.shard_dim1):
         notes.add("int-reshard-of-shard-dim1")  # a Shard(1) matrix resharded to the int world after forward
@@ -381,7 +392,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
                     indices[m].clear()
                 post_order.clear()
         out.append(Iteration(tuple(colls), tuple(events), loss))
-    return Expected(tuple(out), notes=frozenset(notes))
+    return Expected(tuple(out), notes=frozenset(notes), order_why=order_why)
 
 
 # ---- FSDP1 -----------------------------------------------------------------

@@ -6,10 +6,12 @@ shard_placement_fn) against the oracle and the large batch."""
 
 from __future__ import annotations
 
+import torch
+
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.comm_checks import compare_collectives, compare_events
-from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
-from conformance.areas.common.violations import backend_tag, violation
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags, predict_fsdp2
+from conformance.areas.common.violations import backend_tag, freed_storage_tags, violation
 from conformance.areas.microbatch.observation import MicrobatchObservation
 from conformance.areas.microbatch.oracle import MicrobatchPrediction
 from conformance.case.spec import CaseSpec
@@ -41,6 +43,11 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
             tags.add(name)
     if container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    if any(len(g.modules) > 1 for g in spec.plan.groups):
+        # a list group completed by a frozen Embedding, or run again after it
+        # (fsdp2-frozen-list-group-freed-in-backward, -list-group-reentered-loses-grad)
+        tags |= {t for t in fsdp2_case_tags(spec, predict_fsdp2(spec, torch.__version__))
+                 if t.startswith(("group:multi-frozen-embedding", "group:rerun-after-frozen-embedding"))}
     if _frozen_int_reshard_group(spec):
         tags.add("group:frozen-int-reshard")  # see fsdp2-frozen-int-reshard-group-not-last-backward
     return tags | set(pred.expect(obs.world_size).notes)
@@ -61,7 +68,7 @@ def _frozen_int_reshard_group(spec: CaseSpec) -> bool:
 
 
 def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violation]:
-    return [violation(inv, f"FSDP raised ({obs.error})", tags, "kind:raised")] if obs.error else []
+    return [violation(inv, f"FSDP raised ({obs.error})", tags, "kind:raised", *freed_storage_tags(obs.error))] if obs.error else []
 
 
 @catalog.invariant(
@@ -74,8 +81,8 @@ def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violat
 )
 def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
     exp = pred.expect(obs.world_size)
-    if exp.why:
-        return NotChecked(exp.why)
+    if exp.why or exp.order_why:
+        return NotChecked(exp.why or exp.order_why)
     tags = case_tags(spec, pred, obs)
     return _raised("MB-COMMS", obs, tags) + compare_collectives("MB-COMMS", exp, obs, tags) + compare_events("MB-COMMS", exp, obs, tags)
 
