@@ -270,12 +270,12 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
         return padded_numel(shape, world)
 
     notes: set[str] = set()
-    # fully_shard([a, b]) hooks the group's pre-forward on whichever of its
-    # modules runs first, its post-forward after the last and its
-    # post-backward on the first one's inputs; the timeline below follows a
-    # group on its first module given: its collectives (once per forward,
-    # once per resharded backward, one reduce-scatter) hold, its events'
-    # places among the other groups' do not
+    # fully_shard([a, b]) runs the group's pre-forward (its all-gather, and
+    # its post-backward hook on that call's inputs) at whichever of its
+    # modules runs first and its post-forward after the last; the timeline
+    # below follows a group on the first module it was given: its
+    # collectives (once per forward, once per resharded backward, one
+    # reduce-scatter) hold, its events' places among other groups' do not
     order_why = ("a multi-module FSDP2 group: the oracle places a group's hooks on its first module only"
                  if any(len(g.modules) > 1 for g in pred.groups if g.managed) else "")
     if any(m in groups and not isinstance(groups[m][3], bool) and any(len(params[f][0]) >= 2 for f in groups[m][1])
