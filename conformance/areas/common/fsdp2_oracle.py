@@ -527,6 +527,15 @@ def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
     return tags
 
 
+def list_group_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
+    """The list-group facts of fsdp2_case_tags that training findings match
+    on in every area: a group completed by a frozen Embedding, or run again
+    after it (fsdp2-frozen-list-group-freed-in-backward,
+    fsdp2-list-group-reentered-loses-grad)."""
+    return {t for t in fsdp2_case_tags(spec, pred)
+            if t.startswith(("group:multi-frozen-embedding", "group:rerun-after-frozen-embedding"))}
+
+
 def _frozen_fqns(spec: CaseSpec) -> set[str]:
     """Canonical FQNs of the parameters the case builds frozen."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, list_group_tags
 from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
 from conformance.areas.common.violations import tie_within_one_module
 from conformance.case.spec import CaseSpec, InitPlan
@@ -68,10 +68,7 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
     if any(len(g.aliases(pid)) > 1 for _, pid in g.named_parameters()):
         tags.add("tie")
     if training.fsdp2 is not None:
-        # a list group whose backward meets its freed parameters
-        # (fsdp2-frozen-list-group-freed-in-backward, -list-group-reentered-loses-grad)
-        tags |= {t for t in fsdp2_case_tags(spec, training.fsdp2)
-                 if t.startswith(("group:multi-frozen-embedding", "group:rerun-after-frozen-embedding"))}
+        tags |= list_group_tags(spec, training.fsdp2)
     if plan.dtype and any(a.startswith("unshard") for a in plan.before):
         tags.add("dtype:after-lazy-init")  # unshard() ran FSDP's lazy init before to(dtype)
     skip_trains = False

@@ -10,7 +10,7 @@ import torch
 
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.comm_checks import compare_collectives, compare_events
-from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, fsdp2_case_tags, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, list_group_tags, predict_fsdp2
 from conformance.areas.common.violations import backend_tag, freed_storage_tags, violation
 from conformance.areas.microbatch.observation import MicrobatchObservation
 from conformance.areas.microbatch.oracle import MicrobatchPrediction
@@ -44,10 +44,7 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
     if container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if any(len(g.modules) > 1 for g in spec.plan.groups):
-        # a list group completed by a frozen Embedding, or run again after it
-        # (fsdp2-frozen-list-group-freed-in-backward, -list-group-reentered-loses-grad)
-        tags |= {t for t in fsdp2_case_tags(spec, predict_fsdp2(spec, torch.__version__))
-                 if t.startswith(("group:multi-frozen-embedding", "group:rerun-after-frozen-embedding"))}
+        tags |= list_group_tags(spec, predict_fsdp2(spec, torch.__version__))
     if _frozen_int_reshard_group(spec):
         tags.add("group:frozen-int-reshard")  # see fsdp2-frozen-int-reshard-group-not-last-backward
     return tags | set(pred.expect(obs.world_size).notes)
