@@ -273,12 +273,23 @@ def sum_reduction_not_divided():
 
 @fault("full-tensor-raises")
 def full_tensor_raises():
-    """DTensor.full_tensor raises (a sharded parameter or gradient FSDP2
-    leaves unreadable): the adapters' read of the full values after backward
-    (the tp faults' own, reused)."""
+    """Reading a sharded parameter's or gradient's full value raises (FSDP2
+    leaves it unreadable, or the all-gather of the read fails): the
+    adapters' read of the full values after backward, both ways it reads
+    them: DTensor.full_tensor (the tp faults' own, reused) and the list
+    all-gather that fsdp2_adapter.full_tensors gathers FSDP2's Shard(0)
+    values with (FSDP2 itself all-gathers into one tensor, not a list)."""
+    import torch.distributed as dist
+
     from tests.self.faults_tp import FAULTS as TP_FAULTS
 
-    return TP_FAULTS["full-tensor-raises"]()
+    def broken(*args, **kwargs):
+        raise RuntimeError("all_gather: injected failure")
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(TP_FAULTS["full-tensor-raises"]())
+    stack.enter_context(mock.patch.object(dist, "all_gather", broken))
+    return stack
 
 
 # ---- test-only scenarios: the fault applied inside each rank ----------------

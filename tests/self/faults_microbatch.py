@@ -119,8 +119,9 @@ FAULTS["grad-element-nan"] = _grad_element_nan
 
 
 def _full_tensor_raises():
-    """DTensor.full_tensor raises: the read of the accumulated gradients'
-    full values after the last microbatch."""
+    """Reading a sharded gradient's full value raises (faults_fsdp2's
+    full-tensor-raises): the read of the accumulated gradients' full values
+    after the last microbatch."""
     from tests.self.faults_fsdp2 import FAULTS as FSDP2_FAULTS
 
     return FSDP2_FAULTS["full-tensor-raises"]()

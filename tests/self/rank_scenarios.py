@@ -71,3 +71,38 @@ def agree_on_ranks(spec) -> dict:
             "none_failed": ranks.any_rank_failed(False), "equal": ranks.all_ranks_equal(("same", 1)),
             "unequal": ranks.all_ranks_equal(("seen", dist.get_rank() if last else 0)),
             "rounds_after": ch.round if ch else None}
+
+
+@scenario("full-tensors", test_only=True)
+def full_tensors_on_ranks(spec) -> dict:
+    """fsdp2_adapter.full_tensors against DTensor.full_tensor() on every
+    kind of value it is handed: Shard(0) and Shard(1), uneven and
+    smaller-than-the-world dims (empty local shards), several dtypes in one
+    batch, a Replicate DTensor, a plain tensor and None. Every rank's values
+    differ (a shard read from the wrong rank changes the result)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from conformance.areas.common.fsdp2_adapter import full_tensors
+    try:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    gen = torch.Generator().manual_seed(11)
+    shapes = [((5, 3), 0, torch.float32), ((1, 4), 0, torch.float32), ((7,), 0, torch.bfloat16), ((2, 5, 3), 1, torch.float16),
+              ((4, 4), 0, torch.float64), ((3, 2), 0, torch.int64), ((6,), 0, torch.bool), ((0, 3), 0, torch.float32)]
+    values = {}
+    for i, (shape, dim, dtype) in enumerate(shapes):
+        full = torch.randn(shape, generator=gen) * 10
+        values[f"shard{i}"] = distribute_tensor(full.to(dtype) if dtype != torch.bool else full > 0, mesh, [Shard(dim)])
+    values["replicated"] = distribute_tensor(torch.randn((3, 3), generator=gen), mesh, [Replicate()])
+    values["plain"] = torch.arange(4.0) + dist.get_rank()
+    values["none"] = None
+    got = full_tensors(values)
+    want = {k: (None if v is None else v.full_tensor() if hasattr(v, "device_mesh") else v) for k, v in values.items()}
+    return {"keys": list(got), "same": {k: (got[k] is None and want[k] is None) or
+                                        (got[k] is not None and want[k] is not None and got[k].dtype == want[k].dtype
+                                         and got[k].shape == want[k].shape and bool(torch.equal(got[k], want[k])))
+                                        for k in values},
+            "shapes": {k: list(v.shape) for k, v in got.items() if v is not None}}

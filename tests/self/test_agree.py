@@ -84,3 +84,21 @@ def test_a_pools_ranks_agree_on_the_channel(fault_pools):
         v = r["value"]
         assert v["channel"] and v["rounds_after"] - v["rounds_before"] == 5, v
         assert (v["any_failed"], v["failed"], v["none_failed"], v["equal"], v["unequal"]) == (True, 1, False, True, False), v
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_tensors_equals_full_tensor_bitwise(fault_pools, world):
+    """fsdp2_adapter.full_tensors (every sharded value in two all-gathers)
+    gives what DTensor.full_tensor() gives, value for value, dtype and
+    shape included, on uneven and empty shards and Shard(1); anything else
+    (Replicate, a plain tensor, None) as full_tensor() or as it is."""
+    import tests.self.rank_scenarios  # noqa: F401  (registers the scenario)
+
+    records = fault_pools(world).run("full-tensors", lora_model(num_layers=1, seed=4))
+    assert all(r["ok"] for r in records), records
+    for r in records:
+        v = r["value"]
+        assert v["keys"][-3:] == ["replicated", "plain", "none"], v
+        assert all(v["same"].values()), v["same"]
+        assert v["shapes"]["shard3"] == [2, 5, 3] and v["shapes"]["shard7"] == [0, 3], v["shapes"]

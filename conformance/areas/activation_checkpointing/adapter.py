@@ -25,7 +25,7 @@ from conformance.areas.activation_checkpointing.oracle import FREED_READ, RESHAR
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
-from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
+from conformance.areas.common.fsdp2_adapter import error_line, full_tensors
 from conformance.areas.common.observation import GradObservation
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import placed, unchanged
@@ -274,7 +274,7 @@ def _final(spec: CaseSpec, model: nn.Module, inner: nn.Module, names: list[str],
         if spec.plan.use_orig_params:  # with False, FSDP's parameters are flat: no per-parameter grad
             none = {_clean(f): p.grad is None for f, p in model.named_parameters() if _clean(f) in frozen}
         return values, none
-    values = {f: full_tensor(read_attr(inner, f).detach()) for f in names}
+    values = full_tensors({f: read_attr(inner, f) for f in names})
     none = {f: read_attr(inner, f).grad is None for f in names if f in frozen}
     return values, none
 

@@ -242,7 +242,7 @@ def full_params(spec: CaseSpec, model: nn.Module, inner: nn.Module) -> dict[str,
 
         with FSDP.summon_full_params(model, writeback=False):
             return {f: read_attr(model, f).detach().clone() for f in names}
-    return {f: a2.full_tensor(read_attr(inner, f).detach()).clone() for f in names}
+    return {f: t.clone() for f, t in a2.full_tensors({f: read_attr(inner, f) for f in names}).items()}
 
 
 def _plain(t) -> bool:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.areas.common.fsdp1_adapter import Aliases
-from conformance.areas.common.fsdp2_adapter import count_collectives, error_line, fsdp2_api, full_tensor, shard, watch_method
+from conformance.areas.common.fsdp2_adapter import count_collectives, error_line, fsdp2_api, full_tensor, full_tensors, shard, watch_method
 from conformance.areas.common.observation import CallObservation, GradObservation
 from conformance.areas.common.support import on_rank_device, placed, unchanged
 from conformance.areas.common.training import FORWARD_ATOL, FORWARD_RTOL
@@ -279,12 +279,14 @@ def _read_grads(model: nn.Module, ref: nn.Module, initial: dict[str, torch.Tenso
 
 def _grads(model: nn.Module, ref: nn.Module, initial: dict[str, torch.Tensor]) -> list[GradObservation]:
     refs = dict(ref.named_parameters(remove_duplicate=False))
+    params = dict(model.named_parameters())
+    # every value and gradient in one read (a collective: every rank runs it)
+    full = full_tensors({**{(f, "value"): p for f, p in params.items()}, **{(f, "grad"): p.grad for f, p in params.items()}})
     out = []
-    for fqn, p in model.named_parameters():
+    for fqn in params:
         r = refs[fqn]
-        value = full_tensor(p.detach())
-        same = unchanged(value, initial[fqn])
-        g = None if p.grad is None else full_tensor(p.grad)
+        same = unchanged(full[fqn, "value"], initial[fqn])
+        g = full[fqn, "grad"]
         if g is None or r.grad is None:
             out.append(GradObservation(fqn, g is None, r.grad is None, None, None, same))
             continue

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
-from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensor
+from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensors
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.support import fsdp2_mesh, on_rank_device, placed
 from conformance.areas.common.training import rel_err
@@ -141,9 +141,9 @@ def _compare_grads(spec: CaseSpec, model, ref, names: list[str], world: int) -> 
         if total.requires_grad:
             total.backward()
     out = []
+    grads = full_tensors({f: read_attr(model, f).grad for f in names})  # a collective: every rank runs it
     for f in names:
-        g = read_attr(model, f).grad
-        full = None if g is None else full_tensor(g).detach().float()  # a collective: every rank runs it
+        full = None if grads[f] is None else grads[f].float()
         r = read_attr(ref.model, f).grad
         if full is None or r is None:
             out.append(GradSeen(f, full is None, r is None, 0.0 if (full is None) == (r is None) else -1.0))

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
-from conformance.areas.common.fsdp2_adapter import error_line, full_tensor
+from conformance.areas.common.fsdp2_adapter import error_line, full_tensors
 from conformance.areas.common.observation import GradObservation
 from conformance.areas.common.support import on_rank_device, placed, unchanged
 from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, make_optimizer, noise, reference_loss, stable
@@ -158,7 +158,7 @@ def _final(spec: CaseSpec, model: nn.Module, inner: nn.Module, aliases, frozen: 
         if spec.plan.use_orig_params:  # with False, FSDP's parameters are flat: no per-parameter grad
             none = {a1.clean(f): p.grad is None for f, p in model.named_parameters() if a1.clean(f) in frozen}
         return values, none
-    values = {f: full_tensor(read_attr(inner, f).detach()) for f in names}
+    values = full_tensors({f: read_attr(inner, f) for f in names})
     none = {f: read_attr(inner, f).grad is None for f in names if f in frozen}
     return values, none
 

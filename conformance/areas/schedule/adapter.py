@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err2
-from conformance.areas.common.fsdp2_adapter import full_tensor
+from conformance.areas.common.fsdp2_adapter import full_tensors
 from conformance.areas.common.precision_adapter import dtype as _dtype
 from conformance.areas.common.precision_adapter import precision_api, wrap_kwargs
 from conformance.areas.common.ranks import any_rank_failed
@@ -435,7 +435,8 @@ class Runner:
 
     def full_values(self) -> dict[str, torch.Tensor]:
         if self.api == "fsdp2":
-            return {f: full_tensor(read_attr(self.built.model, f).detach()).clone() for f in self.names}
+            full = full_tensors({f: read_attr(self.built.model, f) for f in self.names})
+            return {f: t.clone() for f, t in full.items()}
 
         with FSDP.summon_full_params(self.model, writeback=False):
             return {f: read_attr(self.model, f).detach().clone() for f in self.names}
@@ -447,11 +448,8 @@ class Runner:
         on the ranks whose shard holds a low-precision gradient and not on
         the others (which then wait in its all-gather): None there too."""
         if self.api == "fsdp2":
-            out = {}
-            for f in self.names:  # the sharded parameter's .grad: what the optimizer sees
-                g = read_attr(self.built.model, f).grad
-                out[f] = None if g is None else full_tensor(g)
-            return out
+            # the sharded parameter's .grad: what the optimizer sees
+            return full_tensors({f: read_attr(self.built.model, f).grad for f in self.names})
         if not self._summons_grads():
             return None
 
