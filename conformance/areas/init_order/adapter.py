@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common import stall
-from conformance.areas.common.fsdp2_adapter import error_line, full_tensors, load_cause
+from conformance.areas.common.fsdp2_adapter import error_line, full_tensor, load_cause
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import placed, rank_device
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
@@ -146,7 +146,7 @@ def _full_values(spec: CaseSpec, model: nn.Module, inner: nn.Module, names: list
     if spec.plan.api == "fsdp1":
         with FSDP.summon_full_params(model, writeback=False):
             return {f: read_attr(model, f).detach().clone() for f in names}
-    return {f: t.clone() for f, t in full_tensors({f: read_attr(inner, f) for f in names}).items()}
+    return {f: full_tensor(read_attr(inner, f).detach()).clone() for f in names}
 
 
 def _shard_checks(inner: nn.Module, world: int, rank: int) -> tuple[tuple[str, ...], bool]:
