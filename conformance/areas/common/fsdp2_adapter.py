@@ -177,8 +177,7 @@ def full_tensors(tensors: dict) -> dict:
         all_sizes = [torch.empty_like(sizes) for _ in range(world)]
         dist.all_gather(all_sizes, sizes, group=group)
         all_sizes = [s.tolist() for s in all_sizes]
-        mine = [local.contiguous().reshape(-1).view(torch.uint8) for _, _, _, local in items]
-        mine_bytes = torch.cat(mine) if mine else torch.empty(0, dtype=torch.uint8, device=device)
+        mine_bytes = torch.cat([local.contiguous().reshape(-1).view(torch.uint8) for _, _, _, local in items])
         # every rank's byte count, from its sizes: the same shapes elsewhere
         widths = [[_local_numel(t.shape, dim, n) * local.element_size() for (_, t, dim, local), n in zip(items, rank_sizes)]
                   for rank_sizes in all_sizes]
