@@ -14,7 +14,7 @@ class CallObservation:
     index: int
     method: int
     allgathers: int
-    close: bool | None  # output equals the reference's (None: the call raised)
+    close: bool | None  # output equals the reference's (None: the call raised, or the fake tier compared nothing)
     max_diff: float | None
     error: str | None  # "Type: first line" when the call raised
     group_states: tuple[str, ...]  # per observed group after the call: sharded | full | mixed

@@ -168,14 +168,18 @@ def _shard_checks(inner: nn.Module, world: int, rank: int) -> tuple[tuple[str, .
     return tuple(bad), empty
 
 
-def _reference(spec: CaseSpec, plan: InitPlan, world: int, dtype):
+def _reference(spec: CaseSpec, plan: InitPlan, world: int, dtype, train: bool = True):
     """Single-process training of the case (the seed's values), every
     rank's batch in each step's mean loss, rank 1's forward passing over
-    ``plan.skip``: per-rank losses per step, final values, stability."""
+    ``plan.skip``: per-rank losses per step, final values, stability. Not
+    ``train``: only the batches (the fake tier, whose collectives carry no
+    data, compares no values)."""
     ref = placed(build(spec))
     if dtype is not None:
         ref.model.to(dtype)
     xs = _batches(ref.example_input().to(dtype or torch.float32), world)
+    if not train:
+        return xs, [], {}, True
     params = [p for p in ref.model.parameters() if p.requires_grad]
     opt = make_optimizer(plan.optimizer, params, LR) if params else None
     calls = itertools.count()
@@ -216,7 +220,8 @@ def _observe(spec: CaseSpec, made: list) -> InitObservation:
     base = dict(api=spec.plan.api, rank=rank, world_size=world, backend=backend, torch_version=torch.__version__)
     dtype = getattr(torch, plan.dtype) if plan.dtype else None
     t_start = time.perf_counter()
-    xs, ref_per_step, ref_final, ref_ok = _reference(spec, plan, world, dtype)
+    fake = backend == "fake"
+    xs, ref_per_step, ref_final, ref_ok = _reference(spec, plan, world, dtype, train=not fake)
     src = build(spec)  # the non-meta model of the same seed: what meta init and sync must give
     src_values = {f: p.detach().clone() for f, p in src.model.named_parameters(remove_duplicate=False)}
     common = dict(base, ref_losses=tuple(s[rank] for s in ref_per_step), ref_stable=ref_ok)
@@ -395,9 +400,9 @@ def _observe(spec: CaseSpec, made: list) -> InitObservation:
         return InitObservation(**obs, step_error=step_error, timed_out=timed_out, failed=True, losses=tuple(losses),
                                seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)
     want = list(ref_per_step)
-    close = all(math.isclose(got, w[rank], rel_tol=TRAIN_RTOL, abs_tol=TRAIN_ATOL) for got, w in zip(losses, want))
+    close = None if fake else all(math.isclose(got, w[rank], rel_tol=TRAIN_RTOL, abs_tol=TRAIN_ATOL) for got, w in zip(losses, want))
     untied = tuple(sorted(f for f in names if aliases.param_canon[f] != f
                           and not torch.equal(final[f], final[aliases.param_canon[f]])))
     return InitObservation(**obs, losses=tuple(losses), losses_close=close, untied=untied,
-                           final=tuple(_checks([(f, final[f]) for f in names], ref_final, "param", exact=False)),
+                           final=() if fake else tuple(_checks([(f, final[f]) for f in names], ref_final, "param", exact=False)),
                            seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)
