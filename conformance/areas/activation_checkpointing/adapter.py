@@ -338,11 +338,14 @@ def observe(spec: CaseSpec) -> ACObservation:
         return ACObservation(**base, step_error=error or "another rank's training raised", plain_error=_plain_error(spec, plain_model, x0, plan.steps, rank, world))
     fsdp_seconds = time.perf_counter() - t0
     plain_gathers, plain_error = None, None
+    t_plain = time.perf_counter()
     try:
         plain_labels = plain_aliases.canon_of_module if fsdp2 else fsdp1_units(plain_model, plain_aliases)
         plain_gathers = tuple(_train(spec, plain_model, x0, plan.steps, rank, world, plain_labels, calls=plain_calls)[1])
     except Exception as e:  # without AC it is FSDP's own failure (other areas'): recorded, not AC's
         plain_error = error_line(e)
+    # the same FSDP run without AC is FSDP's work too (its wrapping is counted above)
+    fsdp_seconds += time.perf_counter() - t_plain
     if any_rank_failed(plain_error is not None):
         plain_gathers, plain_error = None, plain_error or "another rank's training without AC raised"
     fake = base["backend"] == "fake"
