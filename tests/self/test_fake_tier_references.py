@@ -32,32 +32,36 @@ def _value(records: list[dict]) -> dict:
     return rec["value"]
 
 
+def _ac_structure(obs: dict) -> None:
+    assert obs["losses_close"] is None and not obs["params"], obs
+    if not (obs["ac_error"] or obs["wrap_error"] or obs["step_error"]):
+        assert obs["state_dict_keys"] and obs["plain_keys"], obs  # structure is still observed
+
+
+def _init_structure(obs: dict) -> None:
+    assert not obs["final"], obs
+    if not obs["failed"]:
+        assert obs["losses_close"] is None and obs["losses"], obs  # FSDP's training still ran
+
+
+TRAINED = {
+    "activation-checkpointing": (ac, ac_specs, _ac_structure),
+    "init_order": (init, init_specs, _init_structure),
+}
+
+
 @pytest.mark.parametrize("api", ["fsdp1", "fsdp2"])
-def test_activation_checkpointing_trains_no_reference_on_the_fake_tier(api, fake_engine, monkeypatch):
-    monkeypatch.setattr(ac, "reference_loss", _no_reference)
+@pytest.mark.parametrize("scenario", sorted(TRAINED))
+def test_no_reference_is_trained_on_the_fake_tier(scenario, api, fake_engine, monkeypatch):
+    adapter, strategy, structure = TRAINED[scenario]
+    monkeypatch.setattr(adapter, "reference_loss", _no_reference)
 
     @FEW
-    @given(spec=ac_specs(api=api))
+    @given(spec=strategy(api=api))
     def run(spec):
-        obs = _value(fake_engine.run("activation-checkpointing", spec))
-        assert not obs["ref_losses"] and obs["losses_close"] is None and not obs["params"], obs
-        if not (obs["ac_error"] or obs["wrap_error"] or obs["step_error"]):
-            assert obs["state_dict_keys"] and obs["plain_keys"], obs  # structure is still observed
-
-    run()
-
-
-@pytest.mark.parametrize("api", ["fsdp1", "fsdp2"])
-def test_init_order_trains_no_reference_on_the_fake_tier(api, fake_engine, monkeypatch):
-    monkeypatch.setattr(init, "reference_loss", _no_reference)
-
-    @FEW
-    @given(spec=init_specs(api=api))
-    def run(spec):
-        obs = _value(fake_engine.run("init_order", spec))
-        assert not obs["ref_losses"] and not obs["final"], obs
-        if not obs["failed"]:
-            assert obs["losses_close"] is None and obs["losses"], obs  # FSDP's training still ran
+        obs = _value(fake_engine.run(scenario, spec))
+        assert not obs["ref_losses"], obs
+        structure(obs)
 
     run()
 
