@@ -212,6 +212,20 @@ def test_fsdp1_optim_state_conversion_error_tags(error, tags):
     assert set(cause_tags(error, {"block1.tied0", "block1.shared0.weight"})) == tags
 
 
+@pytest.mark.parametrize("error,tags", [
+    # FSDP1 (use_orig_params=False) rekeying the param_groups of an FSDP2
+    # checkpoint: the shared Parameter's first name is unknown to it
+    ("KeyError: 'proj0.weight'", {"cause:key-error", "key:first-of-shared"}),
+    ("KeyError: 'block1.shared0.weight'", {"cause:key-error"}),  # a second name: not this form
+    ("KeyError: 'proj1.weight'", {"cause:key-error"}),  # a name of a Parameter that has one
+    ("KeyError: proj0.weight", {"cause:key-error", "key:first-of-shared"}),
+])
+def test_a_key_error_on_the_first_name_of_a_shared_parameter(error, tags):
+    from conformance.areas.checkpoint.invariants import cause_tags
+
+    assert set(cause_tags(error, {"block1.shared0.weight"}, {"proj0.weight"})) == tags
+
+
 @pytest.mark.parametrize("loaded,saved,renamed", [
     (("block1.shared0.weight",), ("proj0.weight",), True),  # the same Parameter under its unit's name
     (("block1.shared0.weight",), ("other.weight",), False),

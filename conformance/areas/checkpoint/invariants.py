@@ -139,6 +139,7 @@ def _outside(pred: CkptPrediction, obs: CkptObservation) -> NotChecked:
 def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str], pred: CkptPrediction | None = None) -> list[Violation] | NotChecked:
     """One violation per distinct error (ranks may raise differently)."""
     aliases = {a for group in pred.tied for a in group[1:]} if pred is not None else set()
+    firsts = {group[0] for group in pred.tied} if pred is not None else set()
     out, seen = [], set()
     for o in obs if isinstance(obs, list) else [obs]:
         if not o.error or (o.phase, o.error) in seen:
@@ -147,7 +148,7 @@ def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[st
         etype = o.error.split(":")[0]
         where = "rank:0" if o.rank == 0 else "rank:nonzero"
         out.append(violation(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where,
-                      *cause_tags(o.error, aliases)))
+                      *cause_tags(o.error, aliases, firsts)))
     return out
 
 
@@ -209,14 +210,14 @@ def _refreeze_in_unsharded_group(spec: CaseSpec) -> bool:
     return any(grp.managed and not grp.reshard and unfrozen & set(grp.managed) for grp in predict_fsdp2(spec, torch.__version__).groups)
 
 
-def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
+def cause_tags(error: str, aliases=frozenset(), firsts=frozenset()) -> tuple[str, ...]:
     """What a CheckpointException wraps (the adapter writes 'CheckpointException:
     rank R: InnerType: message'): its type, and which of DCP's load-plan
     checks it is, so that a finding matches one cause, not every
     CheckpointException. For a missing key or a size mismatch, the key it
     names (key:model, key:optim-state, key:param-groups) and key:alias when
     its FQN is not the first of a Parameter's names (``aliases``: those
-    other names)."""
+    other names; ``firsts``: the first names of Parameters that have several)."""
     if "out of bounds for storage of size 0" in error:
         return ("cause:freed-storage",)  # a parameter read over its freed unsharded storage
     if fsdp1_cause_tags(error):
@@ -228,7 +229,7 @@ def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
         return ("cause:copy-into-unsharded",)
     head, sep, rest = error.partition(": rank ")
     if head != "CheckpointException" or not sep:
-        return _optim_conversion_tags(error, aliases)
+        return _optim_conversion_tags(error, aliases, firsts)
     inner = rest.partition(": ")[2]
     itype, _, msg = inner.partition(": ")
     tags = [f"cause:{itype}"]
@@ -255,13 +256,21 @@ def cause_tags(error: str, aliases=frozenset()) -> tuple[str, ...]:
     return tuple(tags)
 
 
-def _optim_conversion_tags(error: str, aliases) -> tuple[str, ...]:
+def _optim_conversion_tags(error: str, aliases, firsts=frozenset()) -> tuple[str, ...]:
     """FSDP1's optimizer state dict (use_orig_params=True) looks each of a
     unit's parameters up by its name inside the unit: 'RuntimeError: <FQN> is
     not in the optimizer state. The FSDPParamInfo has the param keys ...'.
     cause:not-in-optim-state, and key:alias when that FQN is not the
-    Parameter's first name."""
+    Parameter's first name. A bare KeyError naming the first name of a
+    Parameter that has several (FSDP1, use_orig_params=False, knows it only by
+    its name inside the unit that flattened it: optim_state_dict_to_load's
+    rekeying of the param_groups): cause:key-error, key:first-of-shared."""
     itype, _, msg = error.partition(": ")
+    if itype == "KeyError":
+        key = msg.strip()
+        if len(key) > 1 and key[0] == key[-1] and key[0] in "'\"":
+            key = key[1:-1]
+        return ("cause:key-error", *(("key:first-of-shared",) if key in firsts else ()))
     fqn, sep, _ = msg.partition(" is not in the optimizer state")
     if itype != "RuntimeError" or not sep or " " in fqn:
         return ()
