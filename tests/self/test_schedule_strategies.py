@@ -58,8 +58,10 @@ def test_fsdp1_flat_parameters_give_unused_parameters_of_a_used_unit_a_zero_grad
             spec = dataclasses.replace(spec, schedule=Schedule(steps[:3]))
         pred = predict_schedule(spec)
         # step 2 skips the whole block unit: no gradient there at all; step 3
-        # freezes its only other parameter: nothing of the unit trains
-        want = ((), ("block.proj.weight",), ()) + (((),) if uop else ())
+        # freezes its only other parameter, which the forward still reads:
+        # the FlatParameter gets a gradient all the same (checked on gloo,
+        # torch 2.13.0: SGD's momentum moves block.proj.weight there)
+        want = ((), ("block.proj.weight",), ()) + ((("block.proj.weight",),) if uop else ())
         assert pred.unused_in_used_unit == want
         assert pred.reference_zero_grads is (not uop)
     fsdp2 = CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), seed=0, schedule=Schedule(steps[:2]), plan=WrapPlan(api="fsdp2"))

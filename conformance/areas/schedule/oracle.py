@@ -50,7 +50,7 @@ class SchedulePrediction:
     frozen_by_step: tuple[tuple[str, ...], ...]
     trainable: tuple[str, ...]  # canonical FQNs
     # FSDP1, per step: the trainable parameters the step does not use while
-    # another trainable parameter of their unit is used. FSDP1 reduces whole
+    # another parameter of their unit (frozen or not) is used. FSDP1 reduces whole
     # FlatParameters, so these get a zero gradient, not None: a step of a
     # stateful optimizer (momentum, Adam, weight decay), where single-process
     # training skips them.
@@ -410,12 +410,19 @@ def unused_in_used_unit(spec: CaseSpec) -> tuple[tuple[str, ...], ...]:
     units = [set(u.managed) for u in predict_fsdp1(spec).units]
     out = []
     for st in spec.schedule.steps:
-        used = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches)) - set(st.frozen)
+        read = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches))
         zero: set[str] = set()
         for managed in units:
             trainable = managed - set(st.frozen)
-            if trainable & used:
-                zero |= trainable - used
+            # the unit is used when the step reads any of its parameters, a
+            # frozen one too: FSDP1's forward reads them as views of the
+            # unsharded FlatParameter, which needs a gradient when any of its
+            # parameters does, so it gets one (ci seed 11530, torch 2.13.0:
+            # a frozen proj0.weight read, the unit's only trainable proj1.bias
+            # skipped, and SGD's momentum moved proj1.bias; with proj0 skipped
+            # too it stayed)
+            if trainable and managed & read:
+                zero |= trainable - read
         out.append(tuple(sorted(zero)))
     return tuple(out)
 
