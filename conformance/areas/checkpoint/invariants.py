@@ -264,13 +264,14 @@ def _optim_conversion_tags(error: str, aliases, firsts=frozenset()) -> tuple[str
     Parameter's first name. A bare KeyError naming the first name of a
     Parameter that has several (FSDP1, use_orig_params=False, knows it only by
     its name inside the unit that flattened it: optim_state_dict_to_load's
-    rekeying of the param_groups): cause:key-error, key:first-of-shared."""
+    rekeying of the param_groups): key:first-of-shared (error:KeyError says
+    the type)."""
     itype, _, msg = error.partition(": ")
     if itype == "KeyError":
         key = msg.strip()
         if len(key) > 1 and key[0] == key[-1] and key[0] in "'\"":
             key = key[1:-1]
-        return ("cause:key-error", *(("key:first-of-shared",) if key in firsts else ()))
+        return ("key:first-of-shared",) if key in firsts else ()
     fqn, sep, _ = msg.partition(" is not in the optimizer state")
     if itype != "RuntimeError" or not sep or " " in fqn:
         return ()
