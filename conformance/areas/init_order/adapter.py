@@ -14,6 +14,7 @@ import datetime
 import itertools
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from conformance.areas.common import stall
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor, load_cause
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import placed, rank_device
-from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, stable
+from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, make_optimizer, noise, reference_loss, stable
 from conformance.areas.init_order.observation import InitObservation, ValueCheck
 from conformance.case.build import Built, build, is_sharded, read_attr
 from conformance.case.spec import CaseSpec, InitPlan
@@ -76,8 +77,14 @@ def _skipped_params(built: Built, path: str | None) -> tuple[str, ...]:
     return tuple(sorted(f"{path}.{n}" for n, p in built.modules[path].named_parameters() if p.requires_grad))
 
 
-def _checks(names_values, want: dict[str, torch.Tensor], kind: str, exact: bool) -> list[ValueCheck]:
+def _checks(names_values, want: dict[str, torch.Tensor], kind: str, exact: bool,
+            floor: Callable[[], dict[str, torch.Tensor]] | None = None) -> list[ValueCheck]:
+    """Each value against ``want``: equal, or (not ``exact``) within the
+    training tolerance; where it is not, and ``floor`` gives the reference's
+    noise (its float32 run's distance from float64), within NOISE_FACTOR
+    times that on top, as PARITY judges."""
     out = []
+    floors = None
     for name, got in names_values:
         w = want[name].to(got.dtype)
         diff = float((got - w).abs().max()) if got.numel() and got.shape == w.shape else (0.0 if got.shape == w.shape else math.inf)
@@ -86,6 +93,10 @@ def _checks(names_values, want: dict[str, torch.Tensor], kind: str, exact: bool)
         else:
             scale = float(w.abs().max()) if w.numel() else 0.0
             eq = got.shape == w.shape and bool(torch.allclose(got, w, rtol=TRAIN_RTOL, atol=TRAIN_ATOL * max(1.0, scale)))
+            if not eq and floor is not None and got.shape == w.shape:
+                floors = floor() if floors is None else floors
+                bound = TRAIN_ATOL * max(1.0, scale) + TRAIN_RTOL * w.abs() + NOISE_FACTOR * floors.get(name, torch.zeros_like(w)).to(w.dtype)
+                eq = bool(((got - w).abs() <= bound).all())
         out.append(ValueCheck(name, kind, eq, diff))
     return out
 
@@ -400,9 +411,15 @@ def _observe(spec: CaseSpec, made: list) -> InitObservation:
         return InitObservation(**obs, step_error=step_error, timed_out=timed_out, failed=True, losses=tuple(losses),
                                seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)
     want = list(ref_per_step)
+
+    def floor() -> dict[str, torch.Tensor]:
+        """The float32 reference's own noise: its distance from the same training in float64."""
+        return noise(ref_final, _reference(spec, plan, world, torch.float64)[2])
+
+    floor = floor if dtype is None else None  # a float64 case's reference is its own float64 run
     close = None if fake else all(math.isclose(got, w[rank], rel_tol=TRAIN_RTOL, abs_tol=TRAIN_ATOL) for got, w in zip(losses, want))
     untied = tuple(sorted(f for f in names if aliases.param_canon[f] != f
                           and not torch.equal(final[f], final[aliases.param_canon[f]])))
     return InitObservation(**obs, losses=tuple(losses), losses_close=close, untied=untied,
-                           final=() if fake else tuple(_checks([(f, final[f]) for f in names], ref_final, "param", exact=False)),
+                           final=() if fake else tuple(_checks([(f, final[f]) for f in names], ref_final, "param", exact=False, floor=floor)),
                            seconds=time.perf_counter() - t_start, fsdp_seconds=fsdp_seconds)
