@@ -21,7 +21,9 @@ def cmd_check(ns) -> int:
     need_distributed()
 
     selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
-    return check_case_file(spec, [i for i in selected if spec.plan.api in i.api.split("|") and applicable(i, spec)], ns.backend, ns.world_size)
+    # as `run` has them: a report's gloo / NCCL finding came from 2 ranks, a fake-tier one from 4
+    world_size = ns.world_size if ns.world_size is not None else (4 if ns.backend == "fake" else 2)
+    return check_case_file(spec, [i for i in selected if spec.plan.api in i.api.split("|") and applicable(i, spec)], ns.backend, world_size)
 
 
 def add_parser(sub) -> None:
@@ -29,5 +31,6 @@ def add_parser(sub) -> None:
     p.add_argument("spec")
     p.add_argument("--invariant", action="append")
     p.add_argument("--backend", default="fake", choices=BACKENDS)
-    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default: run's, 4 on the fake tier and 2 on a pool; an HSDP or TP case takes its mesh's)")
     p.set_defaults(fn=cmd_check)

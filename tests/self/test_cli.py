@@ -64,6 +64,24 @@ def test_nccl_without_gpus_is_one_line(tmp_path, cli_in_process):
     assert_one_line_error(proc, "nccl")
 
 
+@pytest.mark.parametrize("args, world", [(("--backend", "fake"), 4), (("--backend", "gloo"), 2), (("--backend", "nccl"), 2),
+                                         (("--backend", "gloo", "--world-size", "3"), 3), ((), 4)])
+def test_check_takes_the_world_size_run_gives_the_tier(tmp_path, cli_in_process, monkeypatch, args, world):
+    """A report's finding names its tier; `run` gives the gloo / NCCL pool 2
+    ranks and the fake tier 4. `check` took 4 everywhere, so a finding's case
+    from the gloo tier checked on 4 ranks (thorough seed 24226's ACCUM case:
+    KNOWN on 2 ranks, as the run said, PASS on 4)."""
+    import conformance.cli.check as check_cli
+
+    seen = []
+    monkeypatch.setattr(check_cli, "check_case_file", lambda spec, selected, backend, world_size: seen.append(world_size) or 0)
+    path = tmp_path / "case.json"
+    path.write_text(lora_model(num_layers=1).to_json())
+    proc = cli_in_process("check", path, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert seen == [world]
+
+
 def test_check_and_repro_on_a_good_case(tmp_path):
     path = tmp_path / "case.json"
     path.write_text(lora_model(num_layers=1).to_json())
