@@ -174,3 +174,43 @@ def test_a_unit_smaller_than_the_world_accumulating_synced_gradients(invariant):
     unsynced = _steps(spec, dataclasses.replace(step, sync_every=False))
     assert "unit:small-accumulates-synced" not in case_tags(unsynced, predict_schedule(unsynced))
     assert param_off(unsynced).verdict == "FAIL"
+
+
+DROPPED = "fsdp1-synced-accumulation-unused-unit-drops-grad"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_unit_run_without_its_parameters_after_a_synced_gradient(invariant):
+    """fsdp1-synced-accumulation-unused-unit-drops-grad (thorough seed 24226)
+    needs a unit that got a gradient in a synchronized microbatch, then runs
+    (its output needing a gradient) in a later one of the same step without
+    reading its trainable parameters (unit:synced-grad-dropped): the root
+    unit, whose only parameter 4.weight the second microbatch passes over.
+    The same microbatches in the other order, or under no_sync, are not
+    that mechanism, and the same deviation is then a FAIL."""
+    from conformance.areas.schedule.observation import ValueSeen
+    from conformance.areas.schedule.oracle import units_dropping_synced_grad
+
+    spec = _case(DROPPED)
+    (step,) = spec.schedule.steps
+    assert step.sync_every and [mb.skip for mb in step.microbatches] == [(), ("4",)] and not spec.plan.use_orig_params
+
+    def param_off(s):
+        obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,),
+                                   params=(ValueSeen(0, "4.weight", "float32", False, False, 1.73e-4),)) for r in range(2)]
+        return evaluate(invariant, s, obs)
+
+    assert units_dropping_synced_grad(spec) == ("",)
+    assert "unit:synced-grad-dropped" in case_tags(spec, predict_schedule(spec))
+    res = param_off(spec)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {DROPPED}, res.describe()
+    # 4 skipped first, read second: the gradient comes after the unused run
+    first = _steps(spec, dataclasses.replace(step, microbatches=step.microbatches[::-1]))
+    # under no_sync: the first microbatch's gradient stays unsharded (fsdp1-no-sync-unit-unused-in-last-microbatch's ground)
+    unsynced = _steps(spec, dataclasses.replace(step, sync_every=False))
+    # every Linear frozen: nothing before the root's output needs a gradient once 4 is skipped (no pre-backward hook)
+    frozen = _steps(spec, dataclasses.replace(step, frozen=("0.weight", "1.weight", "2.weight", "3.weight")))
+    for other in (first, unsynced, frozen):
+        assert not units_dropping_synced_grad(other)
+        assert "unit:synced-grad-dropped" not in case_tags(other, predict_schedule(other))
+        assert param_off(other).verdict == "FAIL"

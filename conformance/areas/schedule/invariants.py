@@ -25,6 +25,7 @@ from conformance.areas.schedule.oracle import (
     stale_hook_states,
     step_tolerance,
     unit_strategy,
+    units_dropping_synced_grad,
     units_unsynced_by_last_microbatch,
     used_params,
 )
@@ -125,6 +126,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("group:accumulated-and-fresh")  # fsdp2-accumulated-grads-mixed-reduce-dtype's mechanism
     if pred.api == "fsdp2" and _group_unrun_under_no_sync(spec):
         tags.add("group:unrun-under-no-sync")  # fsdp2-no-sync-unrun-group-reduce-dtype's mechanism
+    if units_dropping_synced_grad(spec):
+        tags.add("unit:synced-grad-dropped")  # fsdp1-synced-accumulation-unused-unit-drops-grad's mechanism
     if no_shard_accumulates_synced(spec):
         tags.add("unit:no-shard-synced-accumulation")  # fsdp1-no-shard-synced-accumulation-in-reduce-dtype's mechanism
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):

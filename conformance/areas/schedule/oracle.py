@@ -297,6 +297,62 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
+def reads_through(spec: CaseSpec, skip: tuple[str, ...], path: str) -> set[str]:
+    """Canonical FQNs of the parameters a forward that passes over ``skip``
+    has read when the module at ``path`` returns (its own subtree included):
+    the forward visits a module's parameters, then its children in order
+    (used_params' order, stopped there)."""
+    g = graph_of(spec)
+    skipped = set(skip)
+    out: set[str] = set()
+    seen: set[str] = set()
+
+    def visit(nid: str) -> bool:  # True once ``path`` has returned
+        if nid in seen:
+            return False
+        seen.add(nid)
+        out.update(g.param_fqn[pid] for _, pid in g.nodes[nid].params)
+        for name, child in g.nodes[nid].children:
+            tree_child = child == (f"{nid}.{name}" if nid else name)
+            if not (tree_child and child in skipped) and visit(child):
+                return True
+        return nid == path
+
+    visit("")
+    return out
+
+
+def units_dropping_synced_grad(spec: CaseSpec) -> tuple[str, ...]:
+    """FSDP1: the sharded units (canonical paths; NO_SHARD keeps no separate
+    sharded gradient) some trainable parameter of which a microbatch of a
+    step synchronizing every microbatch uses, while a later microbatch of
+    that step runs the unit's forward, its output needing a gradient (a
+    trainable parameter read by then), and reads none of the unit's
+    trainable parameters. That backward's pre-backward hook moves the
+    accumulated sharded gradient into _saved_grad_shard and clears .grad;
+    no post-backward hook runs for the unit, and prepare_gradient_for_optim
+    forwards _saved_grad_shard to .grad only after a post-backward hook,
+    then deletes it: the earlier microbatches' gradient is dropped."""
+    if is_model_case(spec) or spec.plan.api != "fsdp1":
+        return ()
+    out: set[str] = set()
+    for st in spec.schedule.steps:
+        if not st.sync_every or len(st.microbatches) < 2:
+            continue
+        frozen = set(st.frozen)
+        for u in predict_fsdp1(spec).units:
+            trainable = set(u.managed) - frozen
+            if not trainable or unit_strategy(spec, u.path) == "NO_SHARD":
+                continue
+            got_grad = False
+            for mb in st.microbatches:
+                used = used_params(spec, mb.skip)
+                if got_grad and not trainable & used and _runs(u.path, mb.skip) and reads_through(spec, mb.skip, u.path) - frozen:
+                    out.add(u.path)
+                got_grad = got_grad or bool(trainable & used)
+    return tuple(sorted(out))
+
+
 def no_shard_accumulates_synced(spec: CaseSpec) -> bool:
     """FSDP1: some NO_SHARD unit (unit_strategy) with a trainable parameter
     that two microbatches of a step synchronizing every microbatch both use:
