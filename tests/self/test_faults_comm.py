@@ -258,3 +258,26 @@ def test_a_list_group_is_counted_as_one_group_and_its_event_order_unchecked(fake
     got = evaluate("MB-COMMS", mb, observations(fake_engine, mb, "microbatch", MicrobatchObservation.from_dict), known=[])
     assert got.verdict != PASS and "multi-module FSDP2 group" in got.unchecked, got.describe()
 
+
+
+def test_a_prefetch_missing_before_a_nested_unit_is_not_prefetched():
+    """Thorough seed 16651: forward_prefetch and BACKWARD_POST over 0 (with
+    0.block2 nested in it) and 1. BACKWARD_POST's target after 1 is 0 (the
+    previous unit in post-forward order), so with the prefetch missing (the
+    recorded fsdp1-forward-prefetch-delays-post-backward) the first
+    difference is 0.block2's own all-gather, not 0's: it was called an order
+    and left FAIL. Every unit gathering in its own pre-backward from there,
+    0 among them, is the missing prefetch; a prefetch of another unit
+    instead (off by one) stays an order."""
+    from conformance.areas.comm.invariants import _not_prefetched
+
+    def ag(unit, context):
+        return ("backward", "all_gather", unit, context)
+
+    want = ag("0", "post_backward 1")
+    seen = [ag("0.block2", "pre_backward 0.block2"), ag("0", "pre_backward 0")]
+    assert _not_prefetched(want, seen)
+    assert _not_prefetched(want, seen[1:])  # the flat form: the first difference is 0's own all-gather
+    assert not _not_prefetched(want, [ag("0.block2", "post_backward 1"), ag("0", "pre_backward 0")])  # off by one
+    assert not _not_prefetched(want, [ag("0.block2", "pre_backward 0.block2")])  # 0 never gathers: not this
+    assert not _not_prefetched(ag("0", "pre_backward 0"), seen[1:])  # its own hook promised: no prefetch to miss

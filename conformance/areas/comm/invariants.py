@@ -138,13 +138,34 @@ def check_fsdp1_prefetch(spec: CaseSpec, pred: CommPrediction, obs: CommObservat
             continue
         k = next(j for j, (a, b) in enumerate(zip(w, g)) if not _same(a, b))
         kind = "kind:context" if w[k][:3] == g[k][:3] else "kind:order"
-        if kind == "kind:context" and g[k][3] == f"pre_backward {g[k][2]}":
+        if _not_prefetched(w[k], g[k:]):
             kind = "kind:not-prefetched"
         out.append(violation("COMM-FSDP1-PREFETCH", f"iteration {i}: collective {k} is {_fmt1(g[k])}, promised {_fmt1(w[k])} "
                                                    f"(promised {[_fmt1(x) for x in w]}, seen {[_fmt1(x) for x in g]})", tags, kind))
     if not compared and not out:
         return NotChecked("the collectives differ from the promised ones in every iteration (COMM-FSDP1-COUNTS)")
     return out
+
+
+def _not_prefetched(want, rest) -> bool:
+    """The promised all-gather ``want`` is a prefetch (issued in another
+    unit's hook), and from the first difference on (``rest``, the seen
+    all-gathers from there) every unit all-gathers in its own pre-backward
+    hook, ``want``'s unit among them: nothing was prefetched there. Where
+    the prefetched unit is not the next in the hooks' own order
+    (BACKWARD_POST's target is the previous unit in post-forward order: a
+    parent after its nested child), the first difference is another unit's
+    own all-gather. A prefetch of another unit instead (off by one) is an
+    order, not this."""
+    own = f"pre_backward {want[2]}"
+    if own in want[3].split(" or "):
+        return False  # its own hook was promised: not a prefetch
+    for c in rest:
+        if c[3] != f"pre_backward {c[2]}":
+            return False  # something was prefetched (or gathered elsewhere) before want's unit gathered
+        if c[:3] == want[:3]:
+            return True
+    return False
 
 
 def _same(want, got) -> bool:
