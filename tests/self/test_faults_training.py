@@ -393,3 +393,32 @@ def test_a_read_of_the_trained_values_that_raises_is_a_parity_failure_not_a_scen
     spec = CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp1", use_orig_params=True), seed=3)
     res = evaluate("PARITY", spec, observations(pool, spec, "fault:train:fsdp1-summon-raises", TrainObservation.from_dict))
     assert res.verdict == FAIL and any("kind:raised" in v.tags and "full values" in v.message for v in res.violations), res.describe()
+
+
+@pytest.mark.gloo
+def test_a_reused_parameter_accumulated_over_microbatches_gets_the_reuse_slack_per_microbatch(pool):
+    """Thorough seed 16651: FSDP2, reduce_dtype float16, a Linear shared
+    three ways, one step of three microbatches under no_sync. The shared
+    bias's gradient ended 8 units of float16 roundoff from the emulated
+    pipeline's, beyond the reuse slack of one microbatch (4 units): each
+    backward's reused gradient may round to another float16 value (its
+    three contributions summed in another order) and the no_sync
+    accumulation carries each difference on. With two microbatches, every
+    microbatch synced, or float32 reduction, the same case passed. The
+    reuse slack is now per microbatch of the step, for reused parameters
+    only; the gradients doubled still fail."""
+    from pathlib import Path
+
+    from conformance.areas.schedule.oracle import EPS, PIPELINE_SLACK, pipeline_tolerance, predict_schedule, reuse_slack
+    from conformance.case.model_case import case_from_json
+
+    spec = case_from_json((Path(__file__).parent / "data" / "schedule_fsdp2_float16_shared_module_three_microbatches.json").read_text())
+    pred = predict_schedule(spec)
+    assert reuse_slack(pred) == 4 * EPS["float16"] and "1.layer0.shared0.bias" in pred.reused_params
+    assert pipeline_tolerance(pred, "1.layer0.shared0.bias", 3) == PIPELINE_SLACK + 3 * reuse_slack(pred)
+    assert pipeline_tolerance(pred, "1.proj1.bias", 3) == pipeline_tolerance(pred, "1.proj1.bias", 1)  # not reused: as before
+    assert pipeline_tolerance(pred, None) == PIPELINE_SLACK + reuse_slack(pred)  # a loss is one microbatch's
+    res = run("MP-PIPELINE", spec, pool)
+    assert res.verdict == PASS, res.describe()
+    res = run("MP-PIPELINE", spec, pool, "fault:schedule:gradients-doubled")
+    assert res.verdict == FAIL and any("kind:grad" in v.tags for v in res.violations), res.describe()

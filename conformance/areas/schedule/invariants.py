@@ -366,7 +366,8 @@ def check_mp_pipeline(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObs
             out.append(violation("MP-PIPELINE", f"step {mb.step} microbatch {mb.index}: loss differs from the emulated pipeline's by {mb.emulated_loss_err:.3g} (relative; tolerance {tol:.3g})", tags, "kind:loss"))
     frozen = dict(enumerate(pred.frozen_by_step))
     for g in obs.grads:
-        gtol = pipeline_tolerance(pred, g.fqn)  # reuse slack for the reused parameters' gradients only
+        # reuse slack for the reused parameters' gradients only, per microbatch of the step
+        gtol = pipeline_tolerance(pred, g.fqn, len(spec.schedule.steps[g.step].microbatches))
         if g.step < stop and g.emulated_err is not None and g.fqn not in frozen[g.step] and g.emulated_err > gtol:
             # a few roundings of reduce_dtype, or more (a findings' match can tell a rounding from a wrong value)
             size = "off:rounding" if g.emulated_err <= 4 * EPS[pred.reduce_dtype] else "off:large"

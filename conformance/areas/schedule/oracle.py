@@ -134,11 +134,21 @@ def other_slack(pred: "SchedulePrediction") -> float:
     return REUSE_ROUNDINGS * PIPELINE_SLACK if pred.reused and pred.api == "fsdp2" else 0.0
 
 
-def pipeline_tolerance(pred: "SchedulePrediction", fqn: str | None = None) -> float:
+def pipeline_tolerance(pred: "SchedulePrediction", fqn: str | None = None, microbatches: int = 1) -> float:
     """MP-PIPELINE's tolerance of a loss (``fqn`` None) or of the gradient
-    of ``fqn`` (canonical FQN, or an FSDP1 flat parameter's label), beyond
-    the element-wise reduction_slack of a world of more than two ranks."""
-    return PIPELINE_SLACK + (reuse_slack(pred) if is_reused(pred, fqn) else other_slack(pred))
+    of ``fqn`` (canonical FQN, or an FSDP1 flat parameter's label) after a
+    step of ``microbatches`` backwards, beyond the element-wise
+    reduction_slack of a world of more than two ranks. A reused parameter's
+    gradient gets reuse_slack per microbatch: each backward's gradient may
+    round to another reduce_dtype value than the emulation's (its
+    contributions summed in another order), and the accumulation (in
+    reduce_dtype under no_sync) carries every such difference on (thorough
+    seed 16651: FSDP2, float16, a module shared three ways, three
+    microbatches: 8 units of float16 roundoff, passing with two microbatches
+    or with float32 reduction)."""
+    if is_reused(pred, fqn):
+        return PIPELINE_SLACK + reuse_slack(pred) * max(1, microbatches)
+    return PIPELINE_SLACK + other_slack(pred)
 
 
 # Recursive summation of n terms in any order (any binary tree) rounds to
