@@ -38,7 +38,7 @@ from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed, unchanged
 from conformance.areas.common.training import make_optimizer, reference_loss, rel_err
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
-from conformance.areas.schedule.oracle import EPS, cast_paths, predict_schedule, reduction_slack
+from conformance.areas.schedule.oracle import EPS, REUSE_ROUNDINGS, cast_paths, predict_schedule, reduction_slack
 from conformance.case.build import BATCH, Built, build, method_callable, read_attr
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
@@ -264,6 +264,14 @@ class Emulation:
         self.acc: list[dict[str, torch.Tensor]] = []
         self.grads: dict[str, torch.Tensor] = {}
         self.slack: dict[str, torch.Tensor] = {}  # how far another order of the ranks' sum may move self.grads (oracle.reduction_slack)
+        # a reused parameter's gradient: each microbatch's may round to another
+        # reduce_dtype value than FSDP's (its contributions summed in another
+        # order); per rank, the magnitudes of what it accumulates since the
+        # last synchronization, for an element-wise slack (thorough seed
+        # 16651, bfloat16: microbatch gradients that cancel leave one rounding
+        # of theirs large against the sum)
+        self.reused = set(pred.reused_params)
+        self.mag: list[dict[str, torch.Tensor]] = []
 
     def start(self, values: dict[str, torch.Tensor], frozen: set[str]) -> None:
         with torch.no_grad():
@@ -272,6 +280,7 @@ class Emulation:
                 p.data = v.to(self.compute)
                 p.requires_grad_(f not in frozen)
         self.acc = [{} for _ in range(self.world)]
+        self.mag = [{} for _ in range(self.world)]
         self.grads, self.slack = {}, {}
         self.unpromised = False
         self.overflowed = False  # a loss, an accumulated or a reduced gradient of this step not finite
@@ -318,6 +327,9 @@ class Emulation:
                     self.acc[r][f].add_(p.grad)  # in reduce_dtype: the sum rounded once into it
                 else:
                     self.acc[r][f] = p.grad.to(self.reduce, copy=True)
+                if f in self.reused:
+                    m = p.grad.detach().float().abs()
+                    self.mag[r][f] = m if f not in self.mag[r] else self.mag[r][f] + m
                 self.overflowed |= not bool(torch.isfinite(self.acc[r][f]).all())
         if sync:
             for f in self.names:
@@ -331,8 +343,12 @@ class Emulation:
                 self.overflowed |= not bool(torch.isfinite(total).all())
                 self.grads[f] = reduced if f not in self.grads else self.grads[f] + reduced
                 slack = reduction_slack(have, self.world, reduced, EPS[self.reduce_name])  # FSDP may sum in another order
+                mags = [m[f] for m in self.mag if f in m]
+                if mags:  # a few roundings of every microbatch's reused gradient, averaged as the ranks' are
+                    slack = slack + REUSE_ROUNDINGS * EPS[self.reduce_name] * sum(mags) / self.world
                 self.slack[f] = slack if f not in self.slack else self.slack[f] + slack
             self.acc = [{} for _ in range(self.world)]
+            self.mag = [{} for _ in range(self.world)]
         return losses
 
 
