@@ -214,3 +214,57 @@ def test_a_unit_run_without_its_parameters_after_a_synced_gradient(invariant):
         assert not units_dropping_synced_grad(other)
         assert "unit:synced-grad-dropped" not in case_tags(other, predict_schedule(other))
         assert param_off(other).verdict == "FAIL"
+
+
+LEFT = "fsdp1-no-shard-unused-unit-params-unregistered"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_no_shard_unit_run_without_reading_its_parameters(invariant):
+    """fsdp1-no-shard-unused-unit-params-unregistered needs a NO_SHARD unit
+    under use_orig_params=True that a microbatch runs (its output needing a
+    gradient, from the trainable Linear 0 before it) without reading its
+    trainable parameters, and a later microbatch that reads them
+    (unit:no-shard-left-unsharded): the corpus case's Block 1, whose only
+    parameter 1.proj0.weight step 0's first microbatch passes over. The
+    same case sharded, with use_orig_params=False, with a low param_dtype,
+    with 1.proj0 read in every microbatch, or with Linear 0 frozen is not
+    that mechanism, and the same deviation is then a FAIL; on one rank,
+    where FSDP1 runs FULL_SHARD as NO_SHARD, the sharded form is."""
+    from conformance.areas.schedule.observation import ValueSeen
+    from conformance.areas.schedule.oracle import no_shard_units_left_unsharded
+    from conformance.case.spec import CustomWrap, Precision
+
+    spec = _case(LEFT)
+    first, *later = spec.schedule.steps
+    assert spec.plan.use_orig_params and [mb.skip for mb in first.microbatches] == [("1.proj0",), ()] and later
+    assert spec.plan.policy.kwargs == (("1", (("sharding_strategy", "NO_SHARD"),)),)
+
+    def off(s, world=2):
+        # what the gloo run of the corpus case saw (torch 2.13.0): step 0's value, step 1's gradient
+        err = dict(dtype="float32", none=False, ref_none=False)
+        obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=world, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,) * 3,
+                                   params=(ValueSeen(0, "1.proj0.weight", err=0.0337, **err),),
+                                   grads=(ValueSeen(1, "1.proj0.weight", err=0.684, emulated_err=0.684, **err),)) for r in range(world)]
+        return evaluate(invariant, s, obs)
+
+    assert no_shard_units_left_unsharded(spec, 2) == ("1",)
+    assert "unit:no-shard-left-unsharded" in case_tags(spec, predict_schedule(spec))
+    res = off(spec)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {LEFT}, res.describe()
+
+    sharded = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, policy=CustomWrap(("1",), (("1", (("sharding_strategy", "FULL_SHARD"),)),))))
+    assert no_shard_units_left_unsharded(sharded, 1) == ("1",)  # one rank: every unit NO_SHARD (the root reads 0.weight always)
+    orig_false = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, use_orig_params=False))
+    low = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=Precision(param_dtype="bfloat16")))
+    read = _steps(spec, dataclasses.replace(first, microbatches=first.microbatches[::-1]), *later)  # read first, then passed over
+    read_all = _steps(spec, *(dataclasses.replace(st, microbatches=tuple(dataclasses.replace(mb, skip=()) for mb in st.microbatches))
+                              for st in spec.schedule.steps))
+    # Linear 0 frozen throughout: the first microbatch's loss needs no gradient once 1.proj0 is passed over (no pre-backward hook)
+    frozen = _steps(spec, *(dataclasses.replace(st, frozen=("0.weight",)) for st in spec.schedule.steps))
+    for other in (sharded, orig_false, low, read_all, frozen):
+        assert not no_shard_units_left_unsharded(other, 2)
+        assert "unit:no-shard-left-unsharded" not in case_tags(other, predict_schedule(other))
+        assert off(other).verdict == "FAIL", other
+    # passed over in the last microbatch of step 0, read again in step 1: still the mechanism
+    assert no_shard_units_left_unsharded(read, 2) == ("1",)

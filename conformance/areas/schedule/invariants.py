@@ -21,6 +21,7 @@ from conformance.areas.schedule.oracle import (
     group_mixes_accumulated_and_fresh,
     group_unrun_under_no_sync,
     no_shard_accumulates_synced,
+    no_shard_units_left_unsharded,
     pipeline_tolerance,
     stale_hook_states,
     step_tolerance,
@@ -128,6 +129,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("group:unrun-under-no-sync")  # fsdp2-no-sync-unrun-group-reduce-dtype's mechanism
     if units_dropping_synced_grad(spec):
         tags.add("unit:synced-grad-dropped")  # fsdp1-synced-accumulation-unused-unit-drops-grad's mechanism
+    if no_shard_units_left_unsharded(spec, world_size):
+        tags.add("unit:no-shard-left-unsharded")  # fsdp1-no-shard-unused-unit-params-unregistered's mechanism
     if no_shard_accumulates_synced(spec):
         tags.add("unit:no-shard-synced-accumulation")  # fsdp1-no-shard-synced-accumulation-in-reduce-dtype's mechanism
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
