@@ -88,6 +88,23 @@ def noise(ref32: dict[str, torch.Tensor], ref64: dict[str, torch.Tensor]) -> dic
             for f, v in ref32.items() if f in ref64 and ref64[f].shape == v.shape}
 
 
+def reference_noise(spec, train, values, ref_values: dict[str, torch.Tensor],
+                    ref_losses: list[float]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The float32 reference's own rounding noise, from the same training of
+    a fresh build of ``spec`` in float64 (``train(spec, model, x0)`` returns
+    its losses first; ``values(model)`` names its parameters as
+    ``ref_values`` does): per name the elementwise distance of
+    ``ref_values`` from it (``noise``), and per step that of ``ref_losses``."""
+    from conformance.areas.common.support import placed
+    from conformance.case.build import build
+
+    ref64 = placed(build(spec))
+    ref64.model.double()
+    losses64 = train(spec, ref64.model, ref64.example_input().double())[0]
+    loss_floor = (torch.tensor(ref_losses, dtype=torch.float64) - torch.tensor(losses64, dtype=torch.float64)).abs().float()
+    return noise(ref_values, values(ref64.model)), loss_floor
+
+
 def train_close(got: torch.Tensor, want: torch.Tensor, floor: torch.Tensor | float = 0.0) -> bool:
     """``got`` equals ``want`` within the training tolerance plus
     NOISE_FACTOR times the reference's noise ``floor`` (a tensor of

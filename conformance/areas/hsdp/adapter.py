@@ -27,7 +27,7 @@ from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_t
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import fsdp2_mesh, placed, rank_device
-from conformance.areas.common.training import make_optimizer, noise, reference_loss, stable, train_close
+from conformance.areas.common.training import make_optimizer, reference_loss, reference_noise, stable, train_close
 from conformance.areas.hsdp.observation import HsdpObservation, LocalSeen, StepSeen, ValueSeen
 from conformance.case.build import build, is_sharded, read_attr
 from conformance.case.spec import CaseSpec
@@ -401,11 +401,7 @@ def observe(spec: CaseSpec) -> HsdpObservation:
     ref = placed(build(spec))
     ref_losses, ref_totals = train_reference(spec, ref.model, ref.example_input())
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
-    ref64 = placed(build(spec))
-    ref64.model.double()
-    ref64_losses, _ = train_reference(spec, ref64.model, ref64.example_input().double())
-    floor = noise(refs, dict(ref64.model.named_parameters(remove_duplicate=False)))
-    loss_floor = (torch.tensor(ref_losses, dtype=torch.float64) - torch.tensor(ref64_losses, dtype=torch.float64)).abs().float()
+    floor, loss_floor = reference_noise(spec, train_reference, lambda m: dict(m.named_parameters(remove_duplicate=False)), refs, ref_losses)
     obs.update(ref_losses=tuple(ref_losses), ref_stable=stable(ref_totals, ref.model),
                losses_close=train_close(torch.tensor(losses), torch.tensor(ref_losses), loss_floor),
                vs_reference=_compare(final, refs, floor))

@@ -24,7 +24,7 @@ from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_t
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.ranks import any_rank_failed, failed_ranks
 from conformance.areas.common.support import fsdp2_mesh, placed, rank_device
-from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, make_optimizer, noise, reference_loss, stable
+from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, reference_noise, stable
 from conformance.areas.tp.observation import LayoutSeen, TpObservation, ValueSeen
 from conformance.areas.tp.oracle import predict_tp
 from conformance.case.build import build, is_sharded
@@ -494,12 +494,11 @@ def observe(spec: CaseSpec) -> TpObservation:
     if not (losses_close and all(v.close for v in vs_reference)):
         # where the float32 reference is off, judge within its own noise (its
         # distance from the same training in float64), as PARITY and HSDP do
-        ref64 = placed(build(spec))
-        ref64.model.double()
-        ref64_losses, _ = train_reference(spec, ref64.model, ref64.example_input().double())
-        ref64_aliases = a1.Aliases(ref64.model)
-        floor = noise(refs, {ref64_aliases.param_canon.get(n, n): p for n, p in ref64.model.named_parameters()})
-        loss_floor = (torch.tensor(ref_losses, dtype=torch.float64) - torch.tensor(ref64_losses, dtype=torch.float64)).abs().float()
+        def canonical(model: nn.Module) -> dict[str, torch.Tensor]:
+            canon = a1.Aliases(model).param_canon
+            return {canon.get(n, n): p for n, p in model.named_parameters()}
+
+        floor, loss_floor = reference_noise(spec, train_reference, canonical, refs, ref_losses)
         vs_reference = _compare(final, refs, TRAIN_RTOL, TRAIN_ATOL, floor)
         got, want = torch.tensor(losses), torch.tensor(ref_losses)
         losses_close = bool(((got - want).abs() <= TRAIN_ATOL + TRAIN_RTOL * want.abs() + NOISE_FACTOR * loss_floor).all())
