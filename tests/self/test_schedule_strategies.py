@@ -30,6 +30,28 @@ def test_schedules_are_valid_and_train(api, data):
         assert len({st.frozen for st in spec.schedule.steps}) == 1  # flat parameters: requires_grad fixed
 
 
+def test_a_microbatch_can_pass_over_every_child_of_a_module_that_still_runs():
+    """Conditional computation (an MoE layer routing to none of its
+    experts): a microbatch may skip every child of one module, more than
+    the 1..2 random registrations otherwise drawn, while the module itself
+    runs; an FSDP1 unit whose parameters all sit there runs without reading
+    any of them (the ground of fsdp1-synced-accumulation-unused-unit-drops-grad
+    and fsdp1-no-shard-unused-unit-params-unregistered)."""
+    from hypothesis import find
+    from hypothesis import strategies as st
+
+    from conformance.strategies.schedule import _draw_skip
+
+    experts = ("moe.e0", "moe.e1", "moe.e2")
+    skippable = ["moe", *experts, "head"]
+    parents = [("moe", "head"), experts]
+    skips = st.composite(lambda draw: _draw_skip(draw, skippable, parents))()
+    quiet = settings(database=None, max_examples=500, suppress_health_check=list(HealthCheck))
+    assert find(skips, lambda s: s == experts, settings=quiet) == experts
+    assert find(skips, lambda s: len(s) == 2 and s != ("moe", "head"), settings=quiet)  # two random registrations still
+    assert find(skips, lambda s: True, settings=quiet) == ()  # shrinks to no skip
+
+
 def test_bad_arguments_are_rejected():
     with pytest.raises(InvalidArgument):
         schedule_specs(api="fsdp3")
