@@ -262,7 +262,10 @@ def test_a_no_shard_unit_run_without_reading_its_parameters(invariant):
                               for st in spec.schedule.steps))
     # Linear 0 frozen throughout: the first microbatch's loss needs no gradient once 1.proj0 is passed over (no pre-backward hook)
     frozen = _steps(spec, *(dataclasses.replace(st, frozen=("0.weight",)) for st in spec.schedule.steps))
-    for other in (sharded, orig_false, low, read_all, frozen):
+    # 1.proj0 frozen in step 0: the all-frozen unit's input needs a gradient there (0.weight), so FSDP registers its reshard-only
+    # hook on that input instead (on gloo this case, the unit returning its input, is fsdp1-frozen-unit-returning-its-input-fails-backward)
+    frozen_unit = _steps(spec, dataclasses.replace(first, frozen=("1.proj0.weight",)), *later)
+    for other in (sharded, orig_false, low, read_all, frozen, frozen_unit):
         assert not no_shard_units_left_unsharded(other, 2)
         assert "unit:no-shard-left-unsharded" not in case_tags(other, predict_schedule(other))
         assert off(other).verdict == "FAIL", other

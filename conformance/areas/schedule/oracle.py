@@ -307,17 +307,20 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-def reads_through(spec: CaseSpec, skip: tuple[str, ...], path: str) -> set[str]:
+def reads_through(spec: CaseSpec, skip: tuple[str, ...], path: str, *, before: bool = False) -> set[str]:
     """Canonical FQNs of the parameters a forward that passes over ``skip``
-    has read when the module at ``path`` returns (its own subtree included):
-    the forward visits a module's parameters, then its children in order
+    has read when the module at ``path`` returns (its own subtree included),
+    or with ``before`` when it starts (what its input depends on): the
+    forward visits a module's parameters, then its children in order
     (used_params' order, stopped there)."""
     g = graph_of(spec)
     skipped = set(skip)
     out: set[str] = set()
     seen: set[str] = set()
 
-    def visit(nid: str) -> bool:  # True once ``path`` has returned
+    def visit(nid: str) -> bool:  # True once ``path`` has returned (``before``: is entered)
+        if before and nid == path:
+            return True
         if nid in seen:
             return False
         seen.add(nid)
@@ -415,35 +418,9 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> tuple[str,
                 break
             if not _runs(u.path, skip) or trainable & used or not reads_through(spec, skip, u.path) - frozen:
                 continue
-            if trainable or not reads_before(spec, skip, u.path) - frozen:
+            if trainable or not reads_through(spec, skip, u.path, before=True) - frozen:
                 left = True
     return tuple(sorted(out))
-
-
-def reads_before(spec: CaseSpec, skip: tuple[str, ...], path: str) -> set[str]:
-    """Canonical FQNs of the parameters a forward that passes over ``skip``
-    has read when the module at ``path`` starts (what its input depends on):
-    reads_through's walk, stopped on entering ``path``."""
-    g = graph_of(spec)
-    skipped = set(skip)
-    out: set[str] = set()
-    seen: set[str] = set()
-
-    def visit(nid: str) -> bool:  # True once ``path`` is entered
-        if nid == path:
-            return True
-        if nid in seen:
-            return False
-        seen.add(nid)
-        out.update(g.param_fqn[pid] for _, pid in g.nodes[nid].params)
-        for name, child in g.nodes[nid].children:
-            tree_child = child == (f"{nid}.{name}" if nid else name)
-            if not (tree_child and child in skipped) and visit(child):
-                return True
-        return False
-
-    visit("")
-    return out
 
 
 def _runs(path: str, skip: tuple[str, ...]) -> bool:
