@@ -248,13 +248,13 @@ def test_a_no_shard_unit_run_without_reading_its_parameters(invariant):
                                    grads=(ValueSeen(1, "1.proj0.weight", err=0.684, emulated_err=0.684, **err),)) for r in range(world)]
         return evaluate(invariant, s, obs)
 
-    assert no_shard_units_left_unsharded(spec, 2) == ("1",)
+    assert no_shard_units_left_unsharded(spec, 2) == {"1": "unused"}
     assert "unit:no-shard-left-unsharded" in case_tags(spec, predict_schedule(spec))
     res = off(spec)
     assert res.verdict == "KNOWN" and {f for _, f in res.known} == {LEFT}, res.describe()
 
     sharded = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, policy=CustomWrap(("1",), (("1", (("sharding_strategy", "FULL_SHARD"),)),))))
-    assert no_shard_units_left_unsharded(sharded, 1) == ("1",)  # one rank: every unit NO_SHARD (the root reads 0.weight always)
+    assert no_shard_units_left_unsharded(sharded, 1) == {"1": "unused"}  # one rank: every unit NO_SHARD (the root reads 0.weight always)
     orig_false = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, use_orig_params=False))
     low = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=Precision(param_dtype="bfloat16")))
     read = _steps(spec, dataclasses.replace(first, microbatches=first.microbatches[::-1]), *later)  # read first, then passed over
@@ -270,4 +270,42 @@ def test_a_no_shard_unit_run_without_reading_its_parameters(invariant):
         assert "unit:no-shard-left-unsharded" not in case_tags(other, predict_schedule(other))
         assert off(other).verdict == "FAIL", other
     # passed over in the last microbatch of step 0, read again in step 1: still the mechanism
-    assert no_shard_units_left_unsharded(read, 2) == ("1",)
+    assert no_shard_units_left_unsharded(read, 2) == {"1": "unused"}
+
+
+FROZEN_LEFT = "fsdp1-no-shard-frozen-unit-params-unregistered"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_frozen_no_shard_unit_trained_after_it_was_left_unsharded(invariant):
+    """fsdp1-no-shard-frozen-unit-params-unregistered in the schedule area:
+    a NO_SHARD unit all frozen in a step whose input needs no gradient
+    while its output does (the trainable LoRA-like unit 1.lora inside it),
+    unfrozen in a later step (unit:no-shard-frozen-left-unsharded). With
+    Linear 0 trainable (the unit's input needs a gradient) or 1.proj0
+    never unfrozen it is not that mechanism (with Linear 0 trainable the
+    same deviation is a FAIL)."""
+    from conformance.areas.schedule.observation import ValueSeen
+    from conformance.areas.schedule.oracle import no_shard_units_left_unsharded
+
+    (case,) = [c for c in corpus.load() if c.name == f"{FROZEN_LEFT}-unfrozen"]
+    spec = case.spec
+    first, *later = spec.schedule.steps
+    assert set(first.frozen) == {"0.weight", "1.proj0.weight"} and all(st.frozen == ("0.weight",) for st in later)
+
+    def off(s):
+        err = dict(dtype="float32", none=False, ref_none=False)
+        obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,) * 3,
+                                   grads=(ValueSeen(1, "1.proj0.weight", err=0.00125, **err),),
+                                   params=(ValueSeen(2, "1.proj0.weight", err=0.0015, **err),)) for r in range(2)]
+        return evaluate(invariant, s, obs)
+
+    assert no_shard_units_left_unsharded(spec, 2) == {"1": "frozen"}
+    tags = case_tags(spec, predict_schedule(spec))
+    assert "unit:no-shard-frozen-left-unsharded" in tags and "unit:no-shard-left-unsharded" not in tags
+    res = off(spec)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {FROZEN_LEFT}, res.describe()
+    input_trains = _steps(spec, *(dataclasses.replace(st, frozen=tuple(f for f in st.frozen if f != "0.weight")) for st in spec.schedule.steps))
+    never_unfrozen = _steps(spec, *(dataclasses.replace(st, frozen=first.frozen) for st in spec.schedule.steps))
+    assert not no_shard_units_left_unsharded(input_trains, 2) and not no_shard_units_left_unsharded(never_unfrozen, 2)
+    assert off(input_trains).verdict == "FAIL"

@@ -129,8 +129,11 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("group:unrun-under-no-sync")  # fsdp2-no-sync-unrun-group-reduce-dtype's mechanism
     if units_dropping_synced_grad(spec):
         tags.add("unit:synced-grad-dropped")  # fsdp1-synced-accumulation-unused-unit-drops-grad's mechanism
-    if no_shard_units_left_unsharded(spec, world_size):
+    left = set(no_shard_units_left_unsharded(spec, world_size).values())
+    if "unused" in left:
         tags.add("unit:no-shard-left-unsharded")  # fsdp1-no-shard-unused-unit-params-unregistered's mechanism
+    if "frozen" in left:
+        tags.add("unit:no-shard-frozen-left-unsharded")  # fsdp1-no-shard-frozen-unit-params-unregistered's, trained later
     if no_shard_accumulates_synced(spec):
         tags.add("unit:no-shard-synced-accumulation")  # fsdp1-no-shard-synced-accumulation-in-reduce-dtype's mechanism
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):

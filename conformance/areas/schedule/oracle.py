@@ -385,42 +385,46 @@ def no_shard_accumulates_synced(spec: CaseSpec) -> bool:
     return False
 
 
-def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> tuple[str, ...]:
+def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, str]:
     """FSDP1, use_orig_params=True: the NO_SHARD units (unit_strategy; every
     unit on one rank, where FSDP1 runs FULL_SHARD as NO_SHARD) that some
-    microbatch leaves holding plain-tensor views, read again by a later
-    microbatch (canonical paths). The microbatch runs the unit's forward,
-    its output needing a gradient, and its backward gives the unit's flat
-    parameter none: it reads none of the unit's trainable parameters, or,
-    the unit all frozen, its input needs no gradient (else the reshard-only
-    hook on the input reshards it). The pre-backward hook unshards the unit
-    (the original parameters swapped for plain tensor views); no
-    post-backward hook runs, and _catch_all_reshard takes NO_SHARD's flat
-    parameter for already resharded: named_parameters() lacks the views,
-    and a later backward's gradients land on them, not on the parameters
-    the optimizer holds. A low param_dtype unshards into a buffer of its
-    own, which the check does see (the finding's corpus case with
-    param_dtype bfloat16 passes on gloo)."""
+    microbatch leaves holding plain-tensor views, read again with a
+    trainable parameter by a later microbatch: canonical path -> how the
+    first such microbatch left it. It runs the unit's forward, its output
+    needing a gradient, and its backward gives the unit's flat parameter
+    none: "unused", it reads none of the unit's trainable parameters;
+    "frozen", the unit is all frozen then and its input needs no gradient
+    (else FSDP registers its reshard-only hook on that input). The
+    pre-backward hook unshards the unit (the original parameters swapped
+    for plain tensor views); no post-backward hook runs, and
+    _catch_all_reshard takes NO_SHARD's flat parameter for already
+    resharded: named_parameters() lacks the views, and a later backward's
+    gradients land on them, not on the parameters the optimizer holds. A
+    low param_dtype unshards into a buffer of its own, which the check does
+    see (the unused form's corpus case with param_dtype bfloat16 passes on
+    gloo)."""
     pr = spec.schedule.precision
     if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params or (pr is not None and pr.param_dtype not in (None, "float32")):
-        return ()
+        return {}
     units = [u for u in predict_fsdp1(spec).units
              if u.managed and (world_size == 1 or unit_strategy(spec, u.path) == "NO_SHARD")]
     mbs = [(set(st.frozen), mb.skip) for st in spec.schedule.steps for mb in st.microbatches]
-    out: set[str] = set()
+    out: dict[str, str] = {}
     for u in units:
-        left = False
+        left = None
         for frozen, skip in mbs:
             trainable = set(u.managed) - frozen
             used = used_params(spec, skip)
             if left and trainable & used:
-                out.add(u.path)
+                out[u.path] = left
                 break
-            if not _runs(u.path, skip) or trainable & used or not reads_through(spec, skip, u.path) - frozen:
+            if left or not _runs(u.path, skip) or trainable & used or not reads_through(spec, skip, u.path) - frozen:
                 continue
-            if trainable or not reads_through(spec, skip, u.path, before=True) - frozen:
-                left = True
-    return tuple(sorted(out))
+            if trainable:
+                left = "unused"
+            elif not reads_through(spec, skip, u.path, before=True) - frozen:
+                left = "frozen"
+    return dict(sorted(out.items()))
 
 
 def _runs(path: str, skip: tuple[str, ...]) -> bool:
