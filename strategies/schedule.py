@@ -85,8 +85,9 @@ def _draw_skip(draw: Any, skippable: list[str], parents: list[tuple[str, ...]]) 
     to none of its experts, a block whose branches are all dropped). A unit
     whose parameters all sit in such children runs without reading any of
     them: the ground of fsdp1-synced-accumulation-unused-unit-drops-grad and
-    fsdp1-no-shard-unused-unit-params-unregistered, which 1..2 random
-    registrations rarely give (2 of 30,000 FSDP1 draws)."""
+    fsdp1-no-shard-unused-unit-params-unregistered. With 1..2 random
+    registrations alone, 111 of 3,000 FSDP1 draws had such a unit; with
+    this, 223."""
     if not skippable or not maybe(draw, 1):
         return ()
     if parents and draw(ints(2)) == 2:
