@@ -10,6 +10,9 @@ import math
 import torch
 import torch.nn as nn
 
+from conformance.areas.common.support import placed
+from conformance.case.build import build
+
 # One forward (a registered method, the FSDP1 workaround) against the
 # unsharded model: the same arithmetic up to the order of a few sums.
 FORWARD_RTOL, FORWARD_ATOL = 1e-4, 1e-5
@@ -95,9 +98,6 @@ def reference_noise(spec, train, values, ref_values: dict[str, torch.Tensor],
     its losses first; ``values(model)`` names its parameters as
     ``ref_values`` does): per name the elementwise distance of
     ``ref_values`` from it (``noise``), and per step that of ``ref_losses``."""
-    from conformance.areas.common.support import placed
-    from conformance.case.build import build
-
     ref64 = placed(build(spec))
     ref64.model.double()
     losses64 = train(spec, ref64.model, ref64.example_input().double())[0]
