@@ -32,11 +32,13 @@ PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 REQUIRED = PACKAGES[0]
 # Single modules outside those packages that the areas composed with FSDP
 # exercise (gradient clipping, activation checkpointing, tensor parallelism's
-# styles): overlaid file by
-# file where the source holds them. torch imports them while it starts, so
-# the overlay must be in effect before torch is imported.
+# styles, the distributed state-dict API and its gather / broadcast /
+# distribute helpers): overlaid file by file where the source holds them.
+# torch imports some of them while it starts, so the overlay must be in
+# effect before torch is imported.
 MODULES = ("torch.nn.utils.clip_grad", "torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
-           "torch.distributed.tensor.parallel.style")
+           "torch.distributed.tensor.parallel.style", "torch.distributed.checkpoint.state_dict",
+           "torch.distributed._state_dict_utils")
 
 
 class SourceError(Exception):
