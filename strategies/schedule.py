@@ -18,7 +18,17 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.common.training_oracle import predict_training
 from conformance.areas.schedule.oracle import used_params
 from conformance.case.graph import ModelGraph
-from conformance.case.spec import SCHEDULE_OPTIMIZERS, CaseSpec, ForwardMethod, MethodStep, Microbatch, Precision, Schedule, ScheduleStep
+from conformance.case.spec import (
+    FSDP1_STRATEGIES,
+    SCHEDULE_OPTIMIZERS,
+    CaseSpec,
+    ForwardMethod,
+    MethodStep,
+    Microbatch,
+    Precision,
+    Schedule,
+    ScheduleStep,
+)
 from conformance.case.tree import walk
 from conformance.strategies._common import check_bool, check_int, ints, maybe, pick, pick_subset
 from conformance.strategies.cases import case_specs
@@ -73,8 +83,13 @@ def draw_schedule(draw: Any, spec: CaseSpec, *, max_steps: int, max_microbatches
     taken = {x.name for x in spec.tree.params + spec.tree.buffers + spec.tree.children}
     if spec.plan.api == "fsdp2" and root_drawn and "encode" not in taken and draw(ints(2)) == 1:
         methods, first = (ForwardMethod("", "encode", (MethodStep("forward"),)),), 0
-    sched = Schedule(tuple(steps), optimizer=pick(draw, SCHEDULE_OPTIMIZERS), precision=pr, first=first)
+    # FSDP1: the root's ShardingStrategy, inherited by every unit without a
+    # CustomWrap kwarg of its own (ZeRO-3, ZeRO-2, DDP-like)
+    strategy = pick(draw, FSDP1_STRATEGIES) if spec.plan.api == "fsdp1" else "FULL_SHARD"
+    sched = Schedule(tuple(steps), optimizer=pick(draw, SCHEDULE_OPTIMIZERS), precision=pr, first=first, sharding_strategy=strategy)
     event(f"schedule: {len(steps)} steps, max {max(len(s.microbatches) for s in steps)} microbatches, precision {pr.param_dtype if pr else 'none'}")
+    if spec.plan.api == "fsdp1":
+        event(f"schedule: fsdp1 {strategy}")
     return dataclasses.replace(spec, schedule=sched, methods=methods, calls=(), train=None)
 
 

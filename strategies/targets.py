@@ -30,6 +30,7 @@ from conformance.case.model_case import ModelCase
 from conformance.case.spec import (
     CKPT_OPTIMIZERS,
     CUSTOM_KWARGS,
+    FSDP1_STRATEGIES,
     LOAD_PATHS,
     SCHEDULE_OPTIMIZERS,
     CheckpointPlan,
@@ -342,7 +343,9 @@ def _with_schedule(draw, m: _Model, case: ModelCase) -> ModelCase:
         mbs = tuple(Microbatch() for _ in range(1 + draw(ints(1))))
         steps.append(ScheduleStep(frozen, mbs, sync_every=not maybe(draw, 2)))
     pr = draw_precision(draw, api) if maybe(draw, 4) else None
-    return dataclasses.replace(case, schedule=Schedule(tuple(steps), optimizer=pick(draw, SCHEDULE_OPTIMIZERS), precision=pr))
+    strategy = pick(draw, FSDP1_STRATEGIES) if api == "fsdp1" else "FULL_SHARD"  # the root's, every unit's
+    return dataclasses.replace(case, schedule=Schedule(tuple(steps), optimizer=pick(draw, SCHEDULE_OPTIMIZERS), precision=pr,
+                                                       sharding_strategy=strategy))
 
 
 # ---- the natural configurations ------------------------------------------------------

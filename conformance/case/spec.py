@@ -696,13 +696,16 @@ class ScheduleStep:
 class Schedule:
     """Optimizer steps under mixed precision and gradient accumulation; the
     loss of a microbatch is (model(x) ** 2).sum() on data that differs by rank
-    and microbatch. ``optimizer``: SGD (momentum 0.9), Adam or AdamW."""
+    and microbatch. ``optimizer``: SGD (momentum 0.9), Adam or AdamW.
+    ``sharding_strategy`` (FSDP1): the root's ShardingStrategy, which every
+    unit without one of its own (a CustomWrap kwarg) inherits."""
 
     steps: tuple[ScheduleStep, ...] = (ScheduleStep(),)
     optimizer: str = "SGD"
     lr: float = 0.05
     precision: Precision | None = None
     first: int = -1  # the very first microbatch calls spec.methods[first] (registered, FSDP2); -1: forward
+    sharding_strategy: str = "FULL_SHARD"
 
 
 def validate_schedule_plan(s: "Schedule", api: str) -> None:
@@ -713,6 +716,8 @@ def validate_schedule_plan(s: "Schedule", api: str) -> None:
     for st in s.steps:
         if not st.microbatches:
             raise SpecError("schedule: a step needs at least one microbatch")
+    if s.sharding_strategy not in FSDP1_STRATEGIES or (api != "fsdp1" and s.sharding_strategy != "FULL_SHARD"):
+        raise SpecError(f"schedule: sharding_strategy one of {FSDP1_STRATEGIES} (FSDP1; FSDP2 keeps FULL_SHARD)")
     pr = s.precision
     if pr is not None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):

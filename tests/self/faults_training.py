@@ -171,6 +171,23 @@ def fsdp1_no_sync_ignored():
     return mock.patch.object(FSDP, "no_sync", lambda self: contextlib.nullcontext())
 
 
+@fault("fsdp1-no-shard-grad-not-all-reduced")
+def fsdp1_no_shard_grad_not_all_reduced():
+    """NO_SHARD's post-backward skips the all-reduce: each rank keeps its
+    own gradient (divided as if averaged) and steps with it."""
+    from torch.distributed.fsdp import _runtime_utils as ru
+
+    def no_all_reduce(state, handle):
+        flat_param = handle.flat_param
+        ru._div_if_needed(flat_param.grad, state._gradient_predivide_factor)
+        ru._div_if_needed(flat_param.grad, state._gradient_postdivide_factor)
+        if not handle._keep_low_precision_grads:
+            ru._cast_grad_to_param_dtype(state, flat_param.grad, flat_param)
+        ru._post_reduce_grad_callback(state, handle, flat_param.grad.data)
+
+    return mock.patch.object(ru, "_reduce_grad_no_shard", no_all_reduce)
+
+
 @fault("fsdp1-reduce-dtype-ignored")
 def fsdp1_reduce_dtype_ignored():
     """FSDP1 ignores reduce_dtype (and its param_dtype default): gradients

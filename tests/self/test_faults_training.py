@@ -80,6 +80,12 @@ CASES = {
     # gives proj a zero gradient, and Adam steps it (the reference models it;
     # seed 22 found the unmodelled reference failing)
     "fsdp1-flat-unused": lambda: model(FSDP1, Schedule((ScheduleStep(), ScheduleStep((), (Microbatch(("block.proj",)),))), optimizer="Adam")),
+    # the root's sharding strategy, which every unit inherits: NO_SHARD's flat
+    # gradients are whole (MP-PIPELINE compares them unsharded), SHARD_GRAD_OP
+    # keeps the parameters unsharded between forward and backward
+    "fsdp1-no-shard": lambda: model(FSDP1, Schedule(synced(1), precision=BF16_FP32, sharding_strategy="NO_SHARD")),
+    "fsdp1-zero2-accum": lambda: model(FSDP1_UOP, Schedule(accumulate(3, skip_first=()), sharding_strategy="SHARD_GRAD_OP")),
+    "fsdp1-no-shard-accum": lambda: model(FSDP1_UOP, Schedule(accumulate(2, skip_first=()), sharding_strategy="NO_SHARD")),
 }
 
 FAULTS = [
@@ -105,6 +111,9 @@ FAULTS = [
     ("ACCUM", "fsdp2-accum", "fsdp2-unsynced-grads-dropped", "kind:grad"),
     ("ACCUM", "fsdp2-accum", "fsdp2-frozen-get-zero-grads", "kind:frozen-grad"),
     ("ACCUM", "fsdp1-accum", "fsdp1-no-sync-ignored", "kind:reduced-unsynced"),
+    ("ACCUM", "fsdp1-zero2-accum", "fsdp1-no-sync-ignored", "kind:reduced-unsynced"),
+    ("MP-PIPELINE", "fsdp1-no-shard", "fsdp1-no-shard-grad-not-all-reduced", "kind:grad"),
+    ("ACCUM", "fsdp1-no-shard-accum", "fsdp1-no-shard-grad-not-all-reduced", "kind:grad"),
 ]
 
 

@@ -52,6 +52,34 @@ def test_a_microbatch_can_pass_over_every_child_of_a_module_that_still_runs():
     assert find(skips, lambda s: True, settings=quiet) == ()  # shrinks to no skip
 
 
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_fsdp1_schedules_draw_the_root_s_sharding_strategy(strategy):
+    """FSDP1 schedules give the root each ShardingStrategy, which every unit
+    without a CustomWrap kwarg inherits (unit_strategy), and the repro script
+    passes it to FSDP: the NO_SHARD form reduces whole flat gradients
+    (MP-PIPELINE compares them unsharded), ZeRO-2 keeps parameters unsharded
+    between forward and backward. The field is FSDP1's: an FSDP2 schedule
+    with another strategy is not a valid spec."""
+    import dataclasses
+
+    from hypothesis import find
+
+    from conformance.areas.schedule.oracle import unit_strategy
+    from conformance.areas.schedule.repro import schedule_script
+    from conformance.case.spec import SpecError, validate
+
+    spec = find(schedule_specs(api="fsdp1"), lambda s: s.schedule.sharding_strategy == strategy,
+                settings=settings(max_examples=500, database=None, suppress_health_check=list(HealthCheck)))
+    assert unit_strategy(spec, "") == strategy
+    script = schedule_script(spec, [], "ACCUM")
+    assert (f"sharding_strategy=ShardingStrategy.{strategy}" in script) == (strategy != "FULL_SHARD")
+    two = find(schedule_specs(api="fsdp2"), lambda s: True, settings=settings(max_examples=5, database=None))
+    assert two.schedule.sharding_strategy == "FULL_SHARD"
+    if strategy != "FULL_SHARD":
+        with pytest.raises(SpecError, match="sharding_strategy"):
+            validate(dataclasses.replace(two, schedule=dataclasses.replace(two.schedule, sharding_strategy=strategy)))
+
+
 def test_bad_arguments_are_rejected():
     with pytest.raises(InvalidArgument):
         schedule_specs(api="fsdp3")

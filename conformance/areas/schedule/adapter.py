@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.areas.common import fsdp1_adapter as a1
@@ -38,7 +39,7 @@ from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import on_rank_device, placed, unchanged
 from conformance.areas.common.training import make_optimizer, reference_loss, rel_err
 from conformance.areas.schedule.observation import ForwardSeen, MicrobatchSeen, ScheduleObservation, ValueSeen
-from conformance.areas.schedule.oracle import EPS, REUSE_ROUNDINGS, cast_paths, predict_schedule, reduction_slack
+from conformance.areas.schedule.oracle import EPS, REUSE_ROUNDINGS, cast_paths, predict_schedule, reduction_slack, unit_strategy
 from conformance.case.build import BATCH, Built, build, method_callable, read_attr
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
@@ -384,6 +385,8 @@ class Runner:
         s = self.spec.schedule
         kw = wrap_kwargs(self.spec, s.precision)
         if self.api == "fsdp1":
+            if s.sharding_strategy != "FULL_SHARD":
+                kw["sharding_strategy"] = ShardingStrategy[s.sharding_strategy]
             self.model = a1.wrap(self.spec, self.built, **kw)
         else:
             a2.shard(self.spec, self.built, kw)
@@ -511,7 +514,8 @@ class Runner:
         parameter as the emulated gradients fill it: each original
         parameter's gradient flattened in the flat parameter's order (zeros
         for padding and for parameters without one), the whole padded to a
-        multiple of the world size and chunked by rank (a1.flat_layout)."""
+        multiple of the world size and chunked by rank (a1.flat_layout); a
+        NO_SHARD unit keeps the whole, unpadded."""
         parts = []
         for name, numel in a1.flat_layout(flat):
             g = None
@@ -520,6 +524,9 @@ class Runner:
                 g = emu.get(self.aliases.param_canon.get(fqn, fqn))
             parts.append(torch.zeros(numel) if g is None else g.detach().float().reshape(-1).cpu())
         full = torch.cat(parts) if parts else torch.zeros(0)
+        strategy = self.spec.schedule.sharding_strategy if is_model_case(self.spec) else unit_strategy(self.spec, path)
+        if strategy == "NO_SHARD" or self.world == 1:
+            return full.to(flat.device)
         chunk = -(-full.numel() // self.world)
         full = torch.nn.functional.pad(full, (0, chunk * self.world - full.numel()))
         return full[self.rank * chunk:(self.rank + 1) * chunk].to(flat.device)

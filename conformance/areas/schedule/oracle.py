@@ -503,8 +503,8 @@ def group_mixes_accumulated_and_fresh(spec: CaseSpec, groups) -> bool:
 
 def unit_strategy(spec: CaseSpec, path: str) -> str:
     """FSDP1: the ShardingStrategy name of the unit at ``path`` (canonical):
-    a CustomWrap policy's kwargs may give a unit its own; the rest keep the
-    root's default, FULL_SHARD."""
+    a CustomWrap policy's kwargs may give a unit its own; the rest inherit
+    the root's, the schedule's sharding_strategy (FULL_SHARD by default)."""
     pol = spec.plan.policy
     if spec.plan.api == "fsdp1" and isinstance(pol, CustomWrap):
         g = graph_of(spec)
@@ -512,7 +512,7 @@ def unit_strategy(spec: CaseSpec, path: str) -> str:
             for k, v in kw:
                 if k == "sharding_strategy" and g.resolve_module(t) == g.resolve_module(path):
                     return v
-    return "FULL_SHARD"
+    return spec.schedule.sharding_strategy if spec.schedule is not None else "FULL_SHARD"
 
 
 def unused_in_used_unit(spec: CaseSpec) -> tuple[tuple[str, ...], ...]:

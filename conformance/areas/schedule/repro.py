@@ -321,6 +321,8 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
         modes = (("torchrun --nproc-per-node 2 repro.py", True, ""), ("python repro.py", True, ""))
     doc = header(f"({api} training schedule) {title}".rstrip(), violations, expected, modes, finding, name)
     pol_imports, fsdp_names = policy_imports(spec) if api == "fsdp1" else ([], [])
+    if api == "fsdp1" and s.sharding_strategy != "FULL_SHARD" and "ShardingStrategy" not in fsdp_names:
+        fsdp_names = [*fsdp_names, "ShardingStrategy"]
     # the standard library's imports in ruff's order (a policy may add functools)
     imports = sorted(["import contextlib", "import copy", "import os", "import socket", *(i for i in pol_imports if not i.startswith("from"))])
     imports += ["", "import torch", "import torch.distributed as dist", "import torch.nn as nn"]
@@ -364,7 +366,8 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
             mp = f"MixedPrecision({', '.join(kw)})"
         body = policy_code(spec, {p: f"mods[{p!r}]" for p in var}) + (
             f"\nreturn FSDP(m0, auto_wrap_policy=policy, use_orig_params={spec.plan.use_orig_params}, "
-            f"mixed_precision={mp}, device_id=DEVICE)"
+            + (f"sharding_strategy=ShardingStrategy.{s.sharding_strategy}, " if s.sharding_strategy != "FULL_SHARD" else "")
+            + f"mixed_precision={mp}, device_id=DEVICE)"
         )
         wrap = "def wrap(m0, mods):\n" + textwrap.indent(body, "    ") + "\n"
     else:
