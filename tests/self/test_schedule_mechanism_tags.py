@@ -309,3 +309,98 @@ def test_a_frozen_no_shard_unit_trained_after_it_was_left_unsharded(invariant):
     never_unfrozen = _steps(spec, *(dataclasses.replace(st, frozen=first.frozen) for st in spec.schedule.steps))
     assert not no_shard_units_left_unsharded(input_trains, 2) and not no_shard_units_left_unsharded(never_unfrozen, 2)
     assert off(input_trains).verdict == "FAIL"
+
+
+UNFROZEN_MASK = "fsdp1-no-shard-unfrozen-param-loses-no-sync-grad"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_no_shard_parameter_unfrozen_then_accumulated_under_no_sync(invariant):
+    """fsdp1-no-shard-unfrozen-param-loses-no-sync-grad needs, under
+    use_orig_params=True and NO_SHARD, a parameter frozen in a step whose
+    gradients FSDP writes back while its unit trains (the summon that reads
+    them, or a second microbatch), then a step that unfreezes it and reads
+    it in a no_sync() microbatch before another runs the unit
+    (unit:no-shard-stale-grad-none-mask). The corpus case (the root's
+    NO_SHARD; 0.weight frozen in step 0, unfrozen in step 1) is; sharded,
+    with use_orig_params=False, never frozen, with step 1 synchronizing
+    every microbatch, or with keep_low_precision_grads (no summon of
+    gradients) and one microbatch in step 0, it is not, and the same
+    deviation is a FAIL. (MP-PIPELINE cannot see it: FSDP1 promises no
+    dtype for no_sync() accumulation, so a step with an unsynchronized
+    microbatch has its losses compared, not its gradients.)"""
+    from conformance.areas.schedule.observation import ValueSeen
+    from conformance.areas.schedule.oracle import no_shard_unfrozen_stale_mask
+    from conformance.case.spec import Precision
+
+    spec = _case(UNFROZEN_MASK)
+    first, second = spec.schedule.steps
+    assert spec.plan.use_orig_params and spec.schedule.sharding_strategy == "NO_SHARD"
+    assert "0.weight" in first.frozen and "0.weight" not in second.frozen and not second.sync_every and len(second.microbatches) == 2
+
+    def off(s):
+        # what the gloo run of the corpus case saw (torch 2.13.0)
+        err = dict(dtype="float32", none=False, ref_none=False)
+        obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,) * 3,
+                                   grads=(ValueSeen(1, "0.weight", err=0.0203, emulated_err=0.0203, **err),),
+                                   params=(ValueSeen(1, "0.weight", err=0.00293, **err),)) for r in range(2)]
+        return evaluate(invariant, s, obs)
+
+    assert no_shard_unfrozen_stale_mask(spec, 2) == ("0.weight",)
+    assert "unit:no-shard-stale-grad-none-mask" in case_tags(spec, predict_schedule(spec))
+    res = off(spec)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNFROZEN_MASK}, res.describe()
+
+    sharded = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, sharding_strategy="FULL_SHARD"))
+    orig_false = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, use_orig_params=False))
+    never_frozen = _steps(spec, dataclasses.replace(first, frozen=second.frozen), second)
+    synced = _steps(spec, first, dataclasses.replace(second, sync_every=True))
+    kept_low = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=Precision("bfloat16", keep_low_precision_grads=True)))
+    assert len(first.microbatches) == 1
+    for other in (sharded, orig_false, never_frozen, synced, kept_low):
+        assert not no_shard_unfrozen_stale_mask(other, 2), other
+        assert "unit:no-shard-stale-grad-none-mask" not in case_tags(other, predict_schedule(other))
+    # (use_orig_params=False cannot unfreeze: not checked; keep_low_precision_grads has its own dtype and tolerance)
+    for other in (sharded, never_frozen, synced):
+        assert off(other).verdict == "FAIL", other
+    # one rank: FSDP1 runs FULL_SHARD as NO_SHARD
+    assert no_shard_unfrozen_stale_mask(sharded, 1) == ("0.weight",)
+    # keep_low_precision_grads, and a second microbatch in the frozen step that runs the unit after the first gave it a gradient
+    two = _steps(kept_low, dataclasses.replace(first, microbatches=first.microbatches * 2), second)
+    assert no_shard_unfrozen_stale_mask(two, 2) == ("0.weight",)
+
+
+NO_SYNC_UNUSED = "fsdp1-no-sync-unit-unused-in-last-microbatch"
+
+
+def test_a_frozen_parameter_of_a_no_shard_unit_the_last_microbatch_skips():
+    """fsdp1-no-sync-unit-unused-in-last-microbatch's NO_SHARD form with
+    use_orig_params=True: the no_sync() post-backward gave every parameter
+    of the unit a view of its unreduced gradient, and no synchronizing
+    post-backward takes the frozen one's back, so ACCUM sees a frozen
+    parameter with a gradient, changed by the step
+    (unit:unsynced-no-shard-frozen). Sharded (FULL_SHARD: the AssertionError
+    form), or with the last microbatch running the unit, it is not that
+    mechanism and the same observation is a FAIL."""
+    from conformance.areas.schedule.observation import ValueSeen
+    from conformance.areas.schedule.oracle import unsynced_no_shard_frozen
+
+    spec = _case(f"{NO_SYNC_UNUSED}-no-shard-frozen")
+    (step,) = spec.schedule.steps
+    assert spec.schedule.sharding_strategy == "NO_SHARD" and step.microbatches[-1].skip == ("0",) and "0.weight" in step.frozen
+
+    def off(s):
+        obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,),
+                                   grads=(ValueSeen(0, "0.weight", "bfloat16", False, True, None),),
+                                   params=(ValueSeen(0, "0.weight", "float32", False, True, None, unchanged=False),)) for r in range(2)]
+        return evaluate("ACCUM", s, obs)
+
+    assert unsynced_no_shard_frozen(spec)
+    assert {"unit:unsynced-no-shard", "unit:unsynced-no-shard-frozen"} <= case_tags(spec, predict_schedule(spec))
+    res = off(spec)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {NO_SYNC_UNUSED}, res.describe()
+    sharded = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, sharding_strategy="FULL_SHARD"))
+    last_runs = _steps(spec, dataclasses.replace(step, microbatches=(*step.microbatches[:-1], dataclasses.replace(step.microbatches[-1], skip=()))))
+    for other in (sharded, last_runs):
+        assert not unsynced_no_shard_frozen(other)
+        assert off(other).verdict == "FAIL", other

@@ -21,6 +21,7 @@ from conformance.areas.schedule.oracle import (
     group_mixes_accumulated_and_fresh,
     group_unrun_under_no_sync,
     no_shard_accumulates_synced,
+    no_shard_unfrozen_stale_mask,
     no_shard_units_left_unsharded,
     pipeline_tolerance,
     stale_hook_states,
@@ -28,6 +29,7 @@ from conformance.areas.schedule.oracle import (
     unit_strategy,
     units_dropping_synced_grad,
     units_unsynced_by_last_microbatch,
+    unsynced_no_shard_frozen,
     used_params,
 )
 from conformance.case.model_case import is_model_case
@@ -118,6 +120,10 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("unit:unsynced-by-last-microbatch")  # fsdp1-no-sync-unit-unused-in-last-microbatch's mechanism
         if any(unit_strategy(spec, u) == "NO_SHARD" for u in unsynced):
             tags.add("unit:unsynced-no-shard")  # ... in its NO_SHARD form: the gradient is never all-reduced
+            if unsynced_no_shard_frozen(spec):
+                tags.add("unit:unsynced-no-shard-frozen")  # ... a frozen parameter of the unit keeps a gradient view
+    if no_shard_unfrozen_stale_mask(spec, world_size):
+        tags.add("unit:no-shard-stale-grad-none-mask")  # fsdp1-no-shard-unfrozen-param-loses-no-sync-grad's mechanism
     stale = stale_hook_states(spec)
     if "changed" in stale:
         tags.add("unit:stale-hook-state")  # fsdp1-unfreeze-frozen-unit-orig-params's mechanism

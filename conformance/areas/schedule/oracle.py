@@ -427,6 +427,76 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, 
     return dict(sorted(out.items()))
 
 
+def no_shard_unfrozen_stale_mask(spec: CaseSpec, world_size: int) -> tuple[str, ...]:
+    """FSDP1, use_orig_params=True: the parameters (canonical FQNs) of NO_SHARD
+    units (unit_strategy; every unit on one rank) whose no_sync() gradient a
+    step drops after they were frozen and unfrozen. While a parameter is
+    frozen and its unit has a gradient (a microbatch read one of the unit's
+    trainable parameters), the next unshard's write-back (a later
+    microbatch's forward, or the summon_full_params(with_grads=True) that
+    reads the step's gradients, absent keep_low_precision_grads) finds its
+    .grad None, zeroes its slice of the flat gradient and sets its
+    _is_grad_none_mask entry. Only a synchronizing post-backward with the
+    parameter trainable resets the entry (_reset_is_grad_none). Once
+    unfrozen, a no_sync() microbatch that reads it, followed by a microbatch
+    that runs the unit, loses that gradient: the reshard's
+    _use_sharded_grad_views reads the stale mask and sets .grad to None, and
+    the next write-back zeroes the slice."""
+    pr = spec.schedule.precision
+    if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params:
+        return ()
+    summons = not (pr is not None and pr.keep_low_precision_grads)  # the adapter's full_grads
+    out: set[str] = set()
+    for u in predict_fsdp1(spec).units:
+        if not u.managed or not (world_size == 1 or unit_strategy(spec, u.path) == "NO_SHARD"):
+            continue
+        for p in u.managed:
+            masked = False
+            for st in spec.schedule.steps:
+                frozen = set(st.frozen)
+                trainable = set(u.managed) - frozen
+                last = len(st.microbatches) - 1
+                if p in frozen:
+                    graded = False  # the unit holds a gradient by now
+                    for mb in st.microbatches:
+                        if graded and _runs(u.path, mb.skip):
+                            masked = True
+                        graded = graded or bool(trainable & used_params(spec, mb.skip))
+                    masked = masked or (graded and summons)
+                    continue
+                if not masked:
+                    continue
+                for k, mb in enumerate(st.microbatches):
+                    used = used_params(spec, mb.skip)
+                    if not trainable & used:
+                        continue  # no post-backward for the unit
+                    if st.sync_every or k == last:
+                        masked = False  # _reset_is_grad_none
+                        break
+                    if p in used and any(_runs(u.path, later.skip) for later in st.microbatches[k + 1:]):
+                        out.add(p)
+                        break
+    return tuple(sorted(out))
+
+
+def unsynced_no_shard_frozen(spec: CaseSpec) -> bool:
+    """FSDP1, use_orig_params=True: a NO_SHARD unit left unsynchronized by a
+    step's last microbatch (units_unsynced_by_last_microbatch) holds a
+    parameter frozen in that step: the no_sync() post-backward gave every
+    parameter of the unit a view of the unreduced gradient
+    (_use_unsharded_grad_views), the frozen one too, and no synchronizing
+    post-backward takes it back: the frozen parameter has a gradient and the
+    optimizer steps it."""
+    if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params:
+        return False
+    unsynced = set(units_unsynced_by_last_microbatch(spec))
+    for u in predict_fsdp1(spec).units:
+        if u.path in unsynced and unit_strategy(spec, u.path) == "NO_SHARD":
+            if any(set(u.managed) & set(st.frozen) for st in spec.schedule.steps if not st.sync_every and len(st.microbatches) > 1):
+                return True
+    return False
+
+
 def _runs(path: str, skip: tuple[str, ...]) -> bool:
     """The module at ``path`` runs in a microbatch that passes over ``skip``."""
     return not any(path == s or path.startswith(s + ".") for s in skip)
