@@ -404,3 +404,41 @@ def test_a_frozen_parameter_of_a_no_shard_unit_the_last_microbatch_skips():
     for other in (sharded, last_runs):
         assert not unsynced_no_shard_frozen(other)
         assert off(other).verdict == "FAIL", other
+
+
+TIED_NO_SYNC = "fsdp1-no-shard-no-sync-tied-param-low-precision"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_tied_parameter_of_a_no_shard_unit_accumulated_in_low_precision(invariant):
+    """fsdp1-no-shard-no-sync-tied-param-low-precision needs, under
+    use_orig_params=True, a NO_SHARD unit holding a tied parameter, a low
+    param_dtype without keep_low_precision_grads, and a no_sync()
+    microbatch giving the unit a gradient before another that runs it
+    (unit:no-shard-unsynced-tied-low-precision). The corpus case is; sharded,
+    in float32, with keep_low_precision_grads (the other finding's ground),
+    without the tie, or with every microbatch synchronized it is not, and
+    the same raise is a FAIL (or the other finding's)."""
+    from conformance.areas.schedule.oracle import no_shard_unsynced_tied_low_precision
+    from conformance.case.spec import Precision
+
+    spec = _case(TIED_NO_SYNC)
+    *_, last = spec.schedule.steps
+    assert spec.schedule.sharding_strategy == "NO_SHARD" and spec.ties and not last.sync_every and len(last.microbatches) == 2
+    where = f"step {len(spec.schedule.steps) - 1} microbatch 1"
+    error = "RuntimeError: attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'"
+
+    assert no_shard_unsynced_tied_low_precision(spec, 2)
+    res = _raised(spec, invariant, where, error)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {TIED_NO_SYNC}, res.describe()
+
+    sharded = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, sharding_strategy="FULL_SHARD"))
+    fp32 = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=None))
+    kept_low = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=Precision("bfloat16", keep_low_precision_grads=True)))
+    untied = dataclasses.replace(spec, ties=())
+    synced = _steps(spec, *spec.schedule.steps[:-1], dataclasses.replace(last, sync_every=True))
+    for other in (sharded, fp32, kept_low, untied, synced):
+        assert not no_shard_unsynced_tied_low_precision(other, 2), other
+        assert TIED_NO_SYNC not in {f for _, f in _raised(other, invariant, where, error).known}, other
+    for other in (sharded, fp32, untied, synced):
+        assert _raised(other, invariant, where, error).verdict == "FAIL", other

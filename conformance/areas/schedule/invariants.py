@@ -23,6 +23,7 @@ from conformance.areas.schedule.oracle import (
     no_shard_accumulates_synced,
     no_shard_unfrozen_stale_mask,
     no_shard_units_left_unsharded,
+    no_shard_unsynced_tied_low_precision,
     pipeline_tolerance,
     stale_hook_states,
     step_tolerance,
@@ -122,6 +123,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
             tags.add("unit:unsynced-no-shard")  # ... in its NO_SHARD form: the gradient is never all-reduced
             if unsynced_no_shard_frozen(spec):
                 tags.add("unit:unsynced-no-shard-frozen")  # ... a frozen parameter of the unit keeps a gradient view
+    if no_shard_unsynced_tied_low_precision(spec, world_size):
+        tags.add("unit:no-shard-unsynced-tied-low-precision")  # fsdp1-no-shard-no-sync-tied-param-low-precision's mechanism
     if no_shard_unfrozen_stale_mask(spec, world_size):
         tags.add("unit:no-shard-stale-grad-none-mask")  # fsdp1-no-shard-unfrozen-param-loses-no-sync-grad's mechanism
     stale = stale_hook_states(spec)

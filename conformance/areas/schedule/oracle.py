@@ -479,6 +479,38 @@ def no_shard_unfrozen_stale_mask(spec: CaseSpec, world_size: int) -> tuple[str, 
     return tuple(sorted(out))
 
 
+def no_shard_unsynced_tied_low_precision(spec: CaseSpec, world_size: int) -> bool:
+    """FSDP1, use_orig_params=True, a low param_dtype (without
+    keep_low_precision_grads, fsdp1-keep-low-precision-grads-tied-param's
+    ground): a NO_SHARD unit (unit_strategy; every unit on one rank) holding
+    a tied parameter gets a gradient in a no_sync() microbatch, and a later
+    microbatch of the step runs the unit. The no_sync() post-backward
+    exposes the unsharded low-precision gradient through the views (the
+    .data work-around); NO_SHARD's next reshard (_use_sharded_grad_views)
+    re-points the tied name's gradient with a plain assignment, which
+    raises on the dtype mismatch. The sharded strategies expose no sharded
+    gradient there."""
+    pr = spec.schedule.precision
+    if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params:
+        return False
+    if pr is None or pr.param_dtype in (None, "float32") or pr.keep_low_precision_grads:
+        return False
+    g = graph_of(spec)
+    for u in predict_fsdp1(spec).units:
+        if not (world_size == 1 or unit_strategy(spec, u.path) == "NO_SHARD"):
+            continue
+        if not any(len(g.aliases(g.resolve_param(f))) > 1 for f in u.managed):
+            continue
+        for st in spec.schedule.steps:
+            if st.sync_every:
+                continue
+            trainable = set(u.managed) - set(st.frozen)
+            for k, mb in enumerate(st.microbatches[:-1]):
+                if trainable & used_params(spec, mb.skip) and any(_runs(u.path, later.skip) for later in st.microbatches[k + 1:]):
+                    return True
+    return False
+
+
 def unsynced_no_shard_frozen(spec: CaseSpec) -> bool:
     """FSDP1, use_orig_params=True: a NO_SHARD unit left unsynchronized by a
     step's last microbatch (units_unsynced_by_last_microbatch) holds a
