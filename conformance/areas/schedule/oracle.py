@@ -385,6 +385,13 @@ def no_shard_accumulates_synced(spec: CaseSpec) -> bool:
     return False
 
 
+def _no_shard_units(spec: CaseSpec, world_size: int) -> list:
+    """FSDP1: the units with parameters that run NO_SHARD: unit_strategy
+    says so, or there is one rank (FSDP1 then runs every strategy as
+    NO_SHARD)."""
+    return [u for u in predict_fsdp1(spec).units if u.managed and (world_size == 1 or unit_strategy(spec, u.path) == "NO_SHARD")]
+
+
 def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, str]:
     """FSDP1, use_orig_params=True: the NO_SHARD units (unit_strategy; every
     unit on one rank, where FSDP1 runs FULL_SHARD as NO_SHARD) that some
@@ -406,8 +413,7 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, 
     pr = spec.schedule.precision
     if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params or (pr is not None and pr.param_dtype not in (None, "float32")):
         return {}
-    units = [u for u in predict_fsdp1(spec).units
-             if u.managed and (world_size == 1 or unit_strategy(spec, u.path) == "NO_SHARD")]
+    units = _no_shard_units(spec, world_size)
     mbs = [(set(st.frozen), mb.skip) for st in spec.schedule.steps for mb in st.microbatches]
     out: dict[str, str] = {}
     for u in units:
@@ -447,9 +453,7 @@ def no_shard_unfrozen_stale_mask(spec: CaseSpec, world_size: int) -> tuple[str, 
         return ()
     summons = not (pr is not None and pr.keep_low_precision_grads)  # the adapter's full_grads
     out: set[str] = set()
-    for u in predict_fsdp1(spec).units:
-        if not u.managed or not (world_size == 1 or unit_strategy(spec, u.path) == "NO_SHARD"):
-            continue
+    for u in _no_shard_units(spec, world_size):
         for p in u.managed:
             masked = False
             for st in spec.schedule.steps:
@@ -496,9 +500,7 @@ def no_shard_unsynced_tied_low_precision(spec: CaseSpec, world_size: int) -> boo
     if pr is None or pr.param_dtype in (None, "float32") or pr.keep_low_precision_grads:
         return False
     g = graph_of(spec)
-    for u in predict_fsdp1(spec).units:
-        if not (world_size == 1 or unit_strategy(spec, u.path) == "NO_SHARD"):
-            continue
+    for u in _no_shard_units(spec, world_size):
         if not any(len(g.aliases(g.resolve_param(f))) > 1 for f in u.managed):
             continue
         for st in spec.schedule.steps:
