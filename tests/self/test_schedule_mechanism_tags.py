@@ -442,3 +442,36 @@ def test_a_tied_parameter_of_a_no_shard_unit_accumulated_in_low_precision(invari
         assert TIED_NO_SYNC not in {f for _, f in _raised(other, invariant, where, error).known}, other
     for other in (sharded, fp32, untied, synced):
         assert _raised(other, invariant, where, error).verdict == "FAIL", other
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_frozen_tied_no_shard_unit_read_by_the_step_end_summon(invariant):
+    """The tied form of fsdp1-no-shard-frozen-unit-params-unregistered in a
+    schedule: the root unit, NO_SHARD and all frozen, holds embed0.weight
+    tied to model1.tied0; the step's only microbatch leaves it holding
+    plain-tensor views, and the summon_full_params(with_grads=True) that
+    reads the gradients asserts on the tied name
+    (unit:no-shard-frozen-tied-left-unsharded). Sharded, untied, in
+    bfloat16, or with the embedding trainable it is not that mechanism, and
+    the same raise is a FAIL."""
+    from conformance.areas.schedule.oracle import no_shard_frozen_tied_left_unsharded
+    from conformance.case.spec import Precision
+
+    spec = _case(f"{FROZEN_LEFT}-tied-schedule")
+    (step,) = spec.schedule.steps
+    assert spec.schedule.sharding_strategy == "NO_SHARD" and spec.ties and "embed0.weight" in step.frozen
+    error = "AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>"
+    assert no_shard_frozen_tied_left_unsharded(spec, 2)
+    assert "unit:no-shard-frozen-tied-left-unsharded" in case_tags(spec, predict_schedule(spec))
+    res = _raised(spec, invariant, "step 0 gradients", error)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {FROZEN_LEFT}, res.describe()
+
+    sharded = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, sharding_strategy="FULL_SHARD"))
+    untied = dataclasses.replace(spec, ties=())
+    bf16 = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=Precision("bfloat16")))
+    trains = _steps(spec, dataclasses.replace(step, frozen=tuple(f for f in step.frozen if f != "embed0.weight")))
+    for other in (sharded, untied, bf16, trains):
+        assert not no_shard_frozen_tied_left_unsharded(other, 2), other
+        assert _raised(other, invariant, "step 0 gradients", error).verdict == "FAIL", other
+    # a different raise at the same place is not this finding's
+    assert _raised(spec, invariant, "step 0 gradients", "AssertionError: something else").verdict == "FAIL"

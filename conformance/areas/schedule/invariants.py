@@ -12,7 +12,7 @@ from conformance.areas.common.fsdp2_oracle import (
     list_group_completed_by_frozen_embedding,
     predict_fsdp2,
 )
-from conformance.areas.common.violations import backend_tag, violation
+from conformance.areas.common.violations import backend_tag, fsdp1_cause_tags, violation
 from conformance.areas.schedule.observation import ScheduleObservation
 from conformance.areas.schedule.oracle import (
     EPS,
@@ -21,6 +21,7 @@ from conformance.areas.schedule.oracle import (
     group_mixes_accumulated_and_fresh,
     group_unrun_under_no_sync,
     no_shard_accumulates_synced,
+    no_shard_frozen_tied_left_unsharded,
     no_shard_unfrozen_stale_mask,
     no_shard_units_left_unsharded,
     no_shard_unsynced_tied_low_precision,
@@ -143,6 +144,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("unit:no-shard-left-unsharded")  # fsdp1-no-shard-unused-unit-params-unregistered's mechanism
     if "frozen" in left:
         tags.add("unit:no-shard-frozen-left-unsharded")  # fsdp1-no-shard-frozen-unit-params-unregistered's, trained later
+    if no_shard_frozen_tied_left_unsharded(spec, world_size):
+        tags.add("unit:no-shard-frozen-tied-left-unsharded")  # ... its tied form, read by the summon the step ends with
     if no_shard_accumulates_synced(spec):
         tags.add("unit:no-shard-synced-accumulation")  # fsdp1-no-shard-synced-accumulation-in-reduce-dtype's mechanism
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):
@@ -233,7 +236,7 @@ def error_tags(obs: ScheduleObservation) -> set[str]:
         return set()
     error = obs.step_error.partition(": ")[2].partition(":")[0]  # "step S microbatch M: Type: message"
     where = "at:optimizer" if "optimizer" in obs.step_error else "at:gradients" if "gradients" in obs.step_error else "at:microbatch"
-    return {f"error:{error}", where, *(t for frag, t in ERRORS.items() if frag in obs.step_error)}
+    return {f"error:{error}", where, *(t for frag, t in ERRORS.items() if frag in obs.step_error), *fsdp1_cause_tags(obs.step_error)}
 
 
 def _raised(inv: str, obs: ScheduleObservation, tags: set[str]) -> list[Violation] | NotChecked:

@@ -419,18 +419,54 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, 
     for u in units:
         left = None
         for frozen, skip in mbs:
-            trainable = set(u.managed) - frozen
-            used = used_params(spec, skip)
-            if left and trainable & used:
+            if left and (set(u.managed) - frozen) & used_params(spec, skip):
                 out[u.path] = left
                 break
-            if left or not _runs(u.path, skip) or trainable & used or not reads_through(spec, skip, u.path) - frozen:
-                continue
-            if trainable:
-                left = "unused"
-            elif not reads_through(spec, skip, u.path, before=True) - frozen:
-                left = "frozen"
+            left = left or _leaves_unsharded(spec, u, frozen, skip)
     return dict(sorted(out.items()))
+
+
+def _leaves_unsharded(spec: CaseSpec, u, frozen: set[str], skip: tuple[str, ...]) -> str | None:
+    """How a microbatch (its frozen set and skips) leaves the NO_SHARD unit
+    ``u`` holding plain-tensor views (see no_shard_units_left_unsharded):
+    "unused", "frozen", or None where it does not."""
+    trainable = set(u.managed) - frozen
+    used = used_params(spec, skip)
+    if not _runs(u.path, skip) or trainable & used or not reads_through(spec, skip, u.path) - frozen:
+        return None
+    if trainable:
+        return "unused"
+    if not reads_through(spec, skip, u.path, before=True) - frozen:
+        return "frozen"
+    return None
+
+
+def no_shard_frozen_tied_left_unsharded(spec: CaseSpec, world_size: int) -> bool:
+    """FSDP1, use_orig_params=True: a NO_SHARD unit holding a tied parameter
+    (two names) that the last microbatch of a step running it leaves all
+    frozen and holding plain-tensor views ("frozen" in
+    no_shard_units_left_unsharded: no post-backward hook runs, and
+    _catch_all_reshard takes the flat parameter for already resharded).
+    The next unshard is then the summon_full_params the step ends with
+    (the gradients' with_grads=True read, or the values'), outside forward
+    and backward: _use_unsharded_views(as_params=True) re-registers the
+    tied name from its primary, which is a plain tensor, and asserts
+    ("as_params=True type(prim_param)=<class 'torch.Tensor'>"). A low
+    param_dtype unshards into a buffer of its own, and the summon does not
+    assert (the corpus case with param_dtype bfloat16 trains, checked on
+    gloo)."""
+    pr = spec.schedule.precision
+    if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params or (pr is not None and pr.param_dtype not in (None, "float32")):
+        return False
+    g = graph_of(spec)
+    for u in _no_shard_units(spec, world_size):
+        if not any(len(g.aliases(g.resolve_param(f))) > 1 for f in u.managed):
+            continue
+        for st in spec.schedule.steps:
+            running = [mb for mb in st.microbatches if _runs(u.path, mb.skip)]
+            if running and _leaves_unsharded(spec, u, set(st.frozen), running[-1].skip) == "frozen":
+                return True
+    return False
 
 
 def no_shard_unfrozen_stale_mask(spec: CaseSpec, world_size: int) -> tuple[str, ...]:

@@ -133,6 +133,11 @@ def rel(a, b, slack=None):
     return float(d.max() / (1 + b.abs().max())) if b.numel() else 0.0
 
 
+def raised(rank, where, e):
+    """A deviation: what FSDP raised on this rank, and where."""
+    return f"[rank {rank}] {where} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
 def main():
     init()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -179,7 +184,10 @@ def main():
         if API == "fsdp2" or USE_ORIG_PARAMS:
             for n, p in list(inner.named_parameters()) + list(ref.named_parameters()):
                 p.requires_grad_(n.replace("_fsdp_wrapped_module.", "") not in frozen)
-        start = full_values()
+        try:
+            start = full_values()
+        except Exception as e:
+            return finish(raised(rank, f"step {si} values", e), None)
         with torch.no_grad():  # the reference restarts from FSDP's values at every step
             for n, v in start.items():
                 read_attr(ref, n).copy_(v.float())
@@ -203,7 +211,7 @@ def main():
                     if loss.requires_grad:
                         loss.backward()
             except Exception as e:
-                return finish(f"[rank {rank}] step {si} microbatch {k} raised {type(e).__name__}: {str(e).splitlines()[0]}", None)
+                return finish(raised(rank, f"step {si} microbatch {k}", e), None)
             ref_fn = ref.encode if (si, k, FIRST_METHOD) == (0, 0, True) else ref
             losses = [(ref_fn(data(si, k, r)) ** 2).sum() for r in range(world)]
             total = sum(losses) / world
@@ -261,9 +269,12 @@ def main():
             grads = {n: read_attr(inner, n).grad for n in names}
             grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) if g is not None else None for n, g in grads.items()}
         elif USE_ORIG_PARAMS and not KEEP_LOW_PRECISION_GRADS:
-            with FSDP.summon_full_params(fsdp, writeback=False, with_grads=True):
-                grads = {n: read_attr(fsdp, n).grad for n in names}
-                grads = {n: None if g is None else g.clone() for n, g in grads.items()}
+            try:
+                with FSDP.summon_full_params(fsdp, writeback=False, with_grads=True):
+                    grads = {n: read_attr(fsdp, n).grad for n in names}
+                    grads = {n: None if g is None else g.clone() for n, g in grads.items()}
+            except Exception as e:
+                return finish(raised(rank, f"step {si} gradients", e), None)
         else:
             grads = {}
         for n in names:
@@ -282,9 +293,15 @@ def main():
                     if str(p.grad.dtype) != GRAD_DTYPE:
                         wrong.append(f"[rank {rank}] step {si}: a gradient FSDP keeps is {p.grad.dtype}, expected {GRAD_DTYPE}")
                     p.grad = p.grad.to(p.dtype)
-        opt.step()
+        try:
+            opt.step()
+        except Exception as e:
+            return finish(raised(rank, f"step {si} optimizer", e), None)
         ropt.step()
-        after = full_values()
+        try:
+            after = full_values()
+        except Exception as e:
+            return finish(raised(rank, f"step {si} values", e), None)
         for n in names:
             if n in frozen and not (torch.equal(after[n], start[n]) or bool(((after[n] == start[n]) | (after[n].isnan() & start[n].isnan())).all())):  # a NaN that stays NaN is unchanged
                 wrong.append(f"[rank {rank}] step {si}: the frozen {n} changed")
