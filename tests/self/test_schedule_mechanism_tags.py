@@ -475,3 +475,41 @@ def test_a_frozen_tied_no_shard_unit_read_by_the_step_end_summon(invariant):
         assert _raised(other, invariant, "step 0 gradients", error).verdict == "FAIL", other
     # a different raise at the same place is not this finding's
     assert _raised(spec, invariant, "step 0 gradients", "AssertionError: something else").verdict == "FAIL"
+
+
+UNSYNCED = "fsdp1-no-sync-unit-unused-in-last-microbatch"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_an_unsynced_no_shard_unit_keeps_its_low_precision_gradient(invariant):
+    """The NO_SHARD form of fsdp1-no-sync-unit-unused-in-last-microbatch
+    with a low param_dtype: the unit the synchronizing microbatch skips
+    keeps the no_sync() gradient in bfloat16 (its flat gradient's dtype,
+    MP-DTYPES) and Adam's step raises on it (both invariants). In fp32,
+    or with the last microbatch running the unit, the same observation is
+    a FAIL; a different optimizer error is not the finding's."""
+    from conformance.areas.schedule.observation import ValueSeen
+
+    spec = _case(f"{UNSYNCED}-no-shard-low-precision")
+    (step,) = spec.schedule.steps
+    assert spec.schedule.sharding_strategy == "NO_SHARD" and spec.schedule.optimizer == "Adam"
+    assert step.microbatches[-1].skip == ("model0",) and not step.sync_every
+    error = "RuntimeError: expected dtype float for `end` but got dtype c10::BFloat16"
+
+    def grad_dtype(s):
+        obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0",
+                                   grads=(ValueSeen(0, "<flat parameter of model0>", "bfloat16", False, False, None),)) for r in range(2)]
+        return evaluate(invariant, s, obs)
+
+    res = _raised(spec, invariant, "step 0 optimizer", error)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNSYNCED}, res.describe()
+    assert _raised(spec, invariant, "step 0 optimizer", "RuntimeError: something else").verdict == "FAIL"
+    runs = _steps(spec, dataclasses.replace(step, microbatches=(step.microbatches[0], dataclasses.replace(step.microbatches[-1], skip=()))))
+    fp32 = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=None))
+    assert "unit:unsynced-no-shard" not in case_tags(runs, predict_schedule(runs))
+    for other in (runs, fp32):
+        assert _raised(other, invariant, "step 0 optimizer", error).verdict == "FAIL", other
+    if invariant == "MP-DTYPES":
+        res = grad_dtype(spec)
+        assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNSYNCED}, res.describe()
+        assert grad_dtype(runs).verdict == "FAIL"

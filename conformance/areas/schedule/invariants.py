@@ -222,6 +222,8 @@ ERRORS = {
     "_post_backward_hook_state": "error:post-backward-hook-state",
     "has no attribute '_unsharded_param'": "error:no-unsharded-param",
     "its data is not allocated yet": "error:data-not-allocated",
+    # Adam's and AdamW's lerp over a low-precision gradient of a full-precision parameter
+    "expected dtype float for `end` but got dtype": "error:optimizer-grad-dtype",
     "out of bounds for storage of size 0": "error:freed-storage",  # a parameter read over its freed unsharded storage
     # a unit's pre-backward hook found it in backward already (its reshard-only hook ran first)
     "expected to be in states [<TrainingState.IDLE: 1>] but current state is TrainingState.FORWARD_BACKWARD": "error:pre-backward-state",

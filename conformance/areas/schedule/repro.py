@@ -287,6 +287,10 @@ def main():
                     wrong.append(f"[rank {rank}] step {si}: {n}.grad off by {off:.3g} from fp32 training")
                 if EMULATE and GRADS_PROMISED[si] and (off := rel(g, emu_grads.get(n, torch.zeros_like(r)), emu_slack.get(n))) > pipeline_tolerance(n, len(microbatches)):
                     wrong.append(f"[rank {rank}] step {si}: {n}.grad off by {off:.3g} from the emulated pipeline (tolerance {pipeline_tolerance(n, len(microbatches)):.3g} beyond the order slack)")
+        if API == "fsdp1" and not USE_ORIG_PARAMS and not KEEP_LOW_PRECISION_GRADS:  # the flat parameters' gradients
+            for n, p in fsdp.named_parameters():
+                if p.grad is not None and str(p.grad.dtype) != GRAD_DTYPE:
+                    wrong.append(f"[rank {rank}] step {si}: the gradient of {n} is {p.grad.dtype}, expected {GRAD_DTYPE}")
         if KEEP_LOW_PRECISION_GRADS:
             for p in fsdp.parameters():
                 if p.grad is not None:
