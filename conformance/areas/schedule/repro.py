@@ -133,6 +133,21 @@ def rel(a, b, slack=None):
     return float(d.max() / (1 + b.abs().max())) if b.numel() else 0.0
 
 
+def unsharded_flat_grad(fsdp):
+    """FSDP1, before summon_full_params(with_grads=True): a unit's flat
+    gradient that is not of its sharded flat parameter's shape and dtype
+    makes the summon raise on this rank while the others wait in its
+    all-gather (internals, as the suite reads them)."""
+    for unit in FSDP.fsdp_modules(fsdp):
+        flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        if flat is None or flat.grad is None:
+            continue
+        g, want = flat.grad, tuple(getattr(flat, "_sharded_size", flat.shape))
+        if tuple(g.shape) != want or g.dtype != flat.dtype:
+            return f"a unit's flat gradient is {g.dtype} {list(g.shape)}, its sharded flat parameter {flat.dtype} {list(want)}"
+    return None
+
+
 def raised(rank, where, e):
     """A deviation: what FSDP raised on this rank, and where."""
     return f"[rank {rank}] {where} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
@@ -269,6 +284,10 @@ def main():
             grads = {n: read_attr(inner, n).grad for n in names}
             grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) if g is not None else None for n, g in grads.items()}
         elif USE_ORIG_PARAMS and not KEEP_LOW_PRECISION_GRADS:
+            bad = [None] * world  # every rank agrees before the summon's collectives
+            dist.all_gather_object(bad, unsharded_flat_grad(fsdp))
+            if any(bad):
+                return finish(bad[rank] and f"[rank {rank}] step {si} gradients: {bad[rank]}", None)
             try:
                 with FSDP.summon_full_params(fsdp, writeback=False, with_grads=True):
                     grads = {n: read_attr(fsdp, n).grad for n in names}
