@@ -126,10 +126,12 @@ def applicable(inv, spec) -> bool:
     return area_of(inv.id).applies(spec)
 
 
-def check_case_file(spec, selected, backend: str, world_size: int, history=()) -> int:
+def check_case_file(spec, selected, backend: str, world_size: int, history=(), *, known: bool = True) -> int:
     """Check ``spec`` against ``selected`` on a fresh engine (a pool, or the
     fake tier); with ``history`` (load_history), those examples run first
-    on the same ranks. Prints each invariant's verdict; 1 if any failed."""
+    on the same ranks. Prints each invariant's verdict; 1 if any failed.
+    ``known=False``: against the oracle alone, the known failures unread,
+    so a recorded finding's deviation fails too (a repro's verdict)."""
 
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance.run import known as known_mod
@@ -150,12 +152,12 @@ def check_case_file(spec, selected, backend: str, world_size: int, history=()) -
         # as `run` checks an example: the known failures read once, each
         # scenario the invariants need run once and every invariant of it
         # checked on that observation (a HANG or CRASH is each one's verdict)
-        known = known_mod.load()
+        known_failures = known_mod.load() if known else []
         ids = [inv.id for inv in selected]
         got: dict = {}
         for group in plan_scenarios(ids).values():
             try:
-                got.update((res.invariant, res) for res in check_example(group, spec, engine, known))
+                got.update((res.invariant, res) for res in check_example(group, spec, engine, known_failures))
             except ExampleFailed as e:
                 got.update((i, e) for i in group)
         worst = 0

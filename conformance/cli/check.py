@@ -23,7 +23,8 @@ def cmd_check(ns) -> int:
     selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
     # as `run` has them: a report's gloo / NCCL finding came from 2 ranks, a fake-tier one from 4
     world_size = ns.world_size if ns.world_size is not None else (4 if ns.backend == "fake" else 2)
-    return check_case_file(spec, [i for i in selected if spec.plan.api in i.api.split("|") and applicable(i, spec)], ns.backend, world_size)
+    return check_case_file(spec, [i for i in selected if spec.plan.api in i.api.split("|") and applicable(i, spec)], ns.backend, world_size,
+                           known=not ns.no_known)
 
 
 def add_parser(sub) -> None:
@@ -33,4 +34,6 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", default="fake", choices=BACKENDS)
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks (default: run's, 4 on the fake tier and 2 on a pool; an HSDP or TP case takes its mesh's)")
+    p.add_argument("--no-known", action="store_true",
+                   help="against the oracle alone: a recorded finding's deviation is a FAIL (exit 1), as a repro's verdict needs")
     p.set_defaults(fn=cmd_check)

@@ -297,3 +297,22 @@ def test_repro_history_that_cannot_run_is_one_line(tmp_path, cli_in_process):
     assert_one_line_error(cli_in_process("repro", path, "--backend", "gloo"), "example 1 of the finding's engine.history")
     path = _crash_finding(tmp_path, ["echo"])
     assert_one_line_error(cli_in_process("repro", path, "--backend", "fake"), "engine.history runs on real ranks")
+
+
+def test_check_no_known_fails_a_recorded_finding_s_deviation(tmp_path, cli_in_process):
+    """A recorded finding's case is KNOWN (exit 0) under `check`; with
+    --no-known (what a replay repro runs) the oracle alone judges it: FAIL,
+    exit 1. A case that holds passes either way."""
+    from conformance.run import corpus
+
+    (case,) = [c for c in corpus.load() if c.name == "fsdp1-callable-policy-frozen-not-validated"]
+    path = tmp_path / "case.json"
+    path.write_text(case.spec.to_json())
+    inv = case.invariants[0]
+    known = cli_in_process("check", path, "--invariant", inv)
+    assert known.returncode == 0 and f"{inv}: KNOWN" in known.stdout, known.stdout + known.stderr
+    strict = cli_in_process("check", path, "--invariant", inv, "--no-known")
+    assert strict.returncode == 1 and f"{inv}: FAIL" in strict.stdout, strict.stdout + strict.stderr
+    good = tmp_path / "good.json"
+    good.write_text(lora_model(num_layers=1).to_json())
+    assert cli_in_process("check", good, "--invariant", "WRAP-FQNS", "--no-known").returncode == 0
