@@ -103,37 +103,46 @@ def ties_kept():
     other, _ = build(FROZEN_AT_SAVE, seed=1)
     source = {k: v.detach().clone() for k, v in other.state_dict().items()}
     n_before = len(list(model.parameters()))
-    if LOAD_PATH == "meta-to_empty":
-        with torch.device("meta"):
-            model, mods = build(FROZEN_AT_SAVE)
-        if SAVE_PLAN[0] == "fsdp1":
-            model = wrap(model, mods, SAVE_PLAN, param_init_fn=lambda m: m.to_empty(device=torch.device("cpu"), recurse=False))
+
+    def load_into(model, mods):
+        if LOAD_PATH == "meta-to_empty":
+            with torch.device("meta"):
+                model, mods = build(FROZEN_AT_SAVE)
+            if SAVE_PLAN[0] == "fsdp1":
+                model = wrap(model, mods, SAVE_PLAN, param_init_fn=lambda m: m.to_empty(device=torch.device("cpu"), recurse=False))
+            else:
+                model = wrap(model, mods, SAVE_PLAN)
+                model.to_empty(device="cpu")
+            set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True))
+        elif LOAD_PATH == "load_state_dict-assign" and SAVE_PLAN[0] == "fsdp1":
+            model.load_state_dict(source, assign=True)
+            model = wrap(model, mods, SAVE_PLAN)
         else:
             model = wrap(model, mods, SAVE_PLAN)
-            model.to_empty(device="cpu")
-        set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True))
-    elif LOAD_PATH == "load_state_dict-assign" and SAVE_PLAN[0] == "fsdp1":
-        model.load_state_dict(source, assign=True)
-        model = wrap(model, mods, SAVE_PLAN)
-    else:
-        model = wrap(model, mods, SAVE_PLAN)
-        if WARM:  # a model in use: one forward before the load
-            with torch.no_grad():
-                model(torch.linspace(-1.0, 1.0, 2) * 1.25)
-        if LOAD_PATH.startswith("load_state_dict"):
-            if SAVE_PLAN[0] == "fsdp1":
-                with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
-                    model.load_state_dict(source)
-            else:
-                from torch.distributed.tensor import distribute_tensor
+            if WARM:  # a model in use: one forward before the load
+                with torch.no_grad():
+                    model(torch.linspace(-1.0, 1.0, 2) * 1.25)
+            if LOAD_PATH.startswith("load_state_dict"):
+                if SAVE_PLAN[0] == "fsdp1":
+                    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                        model.load_state_dict(source)
+                else:
+                    from torch.distributed.tensor import distribute_tensor
 
-                sharded = {k: distribute_tensor(source[k], v.device_mesh, v.placements) if hasattr(v, "device_mesh") else source[k]
-                           for k, v in model.state_dict().items()}
-                model.load_state_dict(sharded, assign=LOAD_PATH.endswith("assign"))
-        else:
-            bcast = LOAD_PATH.endswith("broadcast")
-            src = source if dist.get_rank() == 0 or not bcast else {}
-            set_model_state_dict(model, src, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast))
+                    sharded = {k: distribute_tensor(source[k], v.device_mesh, v.placements) if hasattr(v, "device_mesh") else source[k]
+                               for k, v in model.state_dict().items()}
+                    model.load_state_dict(sharded, assign=LOAD_PATH.endswith("assign"))
+            else:
+                bcast = LOAD_PATH.endswith("broadcast")
+                src = source if dist.get_rank() == 0 or not bcast else {}
+                set_model_state_dict(model, src, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast))
+        return model
+
+    try:
+        model, err = load_into(model, mods), None
+    except Exception as e:
+        err = f"[rank {dist.get_rank()}] the load raised {type(e).__name__}: {first_failure(e)}"
+    agree(err)  # before the forward's collectives: a rank that raised leaves the others none to meet
     for group in TIED:
         objs = {id(model.get_parameter(n)) if SAVE_PLAN[0] == "fsdp2" else id(functools.reduce(getattr, n.split("."), model)) for n in group}
         if len(objs) > 1:
@@ -148,10 +157,8 @@ def ties_kept():
             WRONG.append(f"the first forward after the load gives loss {got!r}; the unwrapped model with the loaded state gives {want!r}")
 
 
-def save(path):
-    model, mods = build(FROZEN_AT_SAVE)
-    model = wrap(model, mods, SAVE_PLAN)
-    opt = optimizer(model.parameters())
+def train(model, mods, opt):
+    """The steps before the save (REFREEZE flips requires_grad after the first)."""
     for i in range(STEPS):
         step(model, opt, i)
         if i == 0 and REFREEZE:
@@ -159,6 +166,19 @@ def save(path):
                 if f"{path_}.{name}".lstrip(".") in REFREEZE:
                     p = getattr(mods[path_], name)
                     p.requires_grad_(not p.requires_grad)
+
+
+def with_state(names):
+    """Parameter names, each tie as one (its first name)."""
+    canon = {n: group[0] for group in TIED for n in group}
+    return sorted({canon.get(n, n) for n in names})
+
+
+def save(path):
+    model, mods = build(FROZEN_AT_SAVE)
+    model = wrap(model, mods, SAVE_PLAN)
+    opt = optimizer(model.parameters())
+    train(model, mods, opt)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "ckpt"))
     opts = StateDictOptions(full_state_dict=True)
@@ -166,6 +186,12 @@ def save(path):
     if dist.get_rank() == 0:
         torch.save(saved, os.path.join(path, "saved.pt"))
     show("optimizer state saved for", sorted(saved["optim"]["state"]))
+    ref, ref_mods = build(FROZEN_AT_SAVE)  # single-process training: which parameters the optimizer gave state
+    ref_opt = optimizer(ref.parameters())
+    train(ref, ref_mods, ref_opt)
+    want = with_state(n for n, p in ref.named_parameters() if ref_opt.state.get(p))
+    if with_state(saved["optim"]["state"]) != want:
+        WRONG.append(f"[rank {dist.get_rank()}] optimizer state saved for {with_state(saved['optim']['state'])}; single-process training gave state to {want}")
     dist.barrier()
 
 
@@ -200,7 +226,7 @@ def first_failure(e):
     starts with the ranks and their tracebacks)."""
     failures = getattr(e, "failures", None) or {}
     if not failures:
-        return str(e).splitlines()[0] if str(e) else ""
+        return " ".join(str(e).split())[:300]  # load_state_dict says what is missing on its second line
     rank = min(failures)
     inner = failures[rank][0] if isinstance(failures[rank], tuple) else getattr(failures[rank], "exc", failures[rank])
     return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
@@ -217,11 +243,28 @@ def note_world(phase):
 
 
 WRONG = []  # what differs from the spec, on this rank
+STAGE = ["start"]  # what the case is doing now, for a raise
+
+
+def agree(err):
+    """Every rank says whether it raised (``err``); where one did, all finish."""
+    errs = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    if any(errs):
+        WRONG.extend([err] if err else [])
+        done()
 
 
 def main():
     init()
-    run_case()
+    try:
+        run_case()
+    except Exception as e:  # a raise is a deviation too (the suite's kind:raised), said on every rank that raised
+        WRONG.append(f"[rank {dist.get_rank()}] the {STAGE[0]} raised {type(e).__name__}: {first_failure(e)}")
+    done()
+
+
+def done():
     finish("; ".join(WRONG) or None, {"full": "the full state dict has the unwrapped model's keys and values",
                                       "ties": "the tied names still share one Parameter after the load"}.get(PHASE, "the load restored the saved model and optimizer state"))
 
@@ -229,16 +272,21 @@ def main():
 def run_case():
     note_world(None if PHASE != "roundtrip" else (sys.argv[1] if len(sys.argv) > 2 else "both"))
     if PHASE == "full":
+        STAGE[0] = "full state dict"
         full_state_dict()
     elif PHASE == "ties":
+        STAGE[0] = "load (ties)"
         ties_kept()
     elif len(sys.argv) > 2:  # save DIR | load DIR: one phase, this world size
+        STAGE[0] = sys.argv[1]
         (save if sys.argv[1] == "save" else load)(sys.argv[2])
     else:  # both phases in this world size
         path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(path)
         try:
+            STAGE[0] = "save"
             save(path[0])
+            STAGE[0] = "load"
             load(path[0])
         finally:
             dist.barrier()
