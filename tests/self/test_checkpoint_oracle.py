@@ -213,6 +213,19 @@ def test_fsdp1_optim_state_conversion_error_tags(error, tags):
 
 
 @pytest.mark.parametrize("error,tags", [
+    # an unsharded parameter FSDP2 freed, read in backward (fsdp2-frozen-list-group-freed-in-backward, two ops' words)
+    ("RuntimeError: setStorage: sizes [9], strides [1], storage offset 0, and itemsize 4 requiring a storage size of 36 are "
+     "out of bounds for storage of size 0", {"cause:freed-storage"}),
+    ("RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet.", {"cause:data-not-allocated"}),
+    ("RuntimeError: The tensor has a non-zero number of elements", set()),
+])
+def test_a_freed_parameter_read_in_backward(error, tags):
+    from conformance.areas.checkpoint.invariants import cause_tags
+
+    assert set(cause_tags(error)) == tags
+
+
+@pytest.mark.parametrize("error,tags", [
     # FSDP1 (use_orig_params=False) rekeying the param_groups of an FSDP2
     # checkpoint: the shared Parameter's first name is unknown to it
     ("KeyError: 'proj0.weight'", {"key:first-of-shared"}),

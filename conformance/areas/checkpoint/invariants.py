@@ -220,6 +220,8 @@ def cause_tags(error: str, aliases=frozenset(), firsts=frozenset()) -> tuple[str
     other names; ``firsts``: the first names of Parameters that have several)."""
     if "out of bounds for storage of size 0" in error:
         return ("cause:freed-storage",)  # a parameter read over its freed unsharded storage
+    if "its data is not allocated yet" in error:
+        return ("cause:data-not-allocated",)  # a freed (resized to 0) unsharded parameter used as it is
     if fsdp1_cause_tags(error):
         # FSDP1 re-registering a tied (shared) parameter whose primary was left a plain Tensor view
         return tuple(sorted(fsdp1_cause_tags(error)))
