@@ -231,7 +231,7 @@ def policy_imports(spec: CaseSpec) -> tuple[list[str], list[str]]:
 # The case's forward and helpers, as conformance/build.py defines them.
 FSDP2_RUNTIME = '''
 def read_attr(obj, path):
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         obj = getattr(obj, part)
     return obj
 
@@ -256,8 +256,10 @@ def call_child(child, x):
         n = inner.normalized_shape[0]
         return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
-        for c in inner._modules.values():
-            x = call_child(c, x)
+        skip = inner.__dict__.get("case_skip", ())  # the children a schedule's microbatch skips
+        for name, c in inner._modules.items():
+            if name not in skip:
+                x = call_child(c, x)
         return x
     return child(x)
 
@@ -267,7 +269,9 @@ def generic_forward(self, x):
         x = x + 0.5 * torch.tanh(getattr(self, name)).mean()
     for name in self.case_buffers:
         x = x + getattr(self, name).mean()
-    for child in self._modules.values():
-        x = call_child(child, x)
+    skip = self.__dict__.get("case_skip", ())
+    for name, child in self._modules.items():
+        if name not in skip:
+            x = call_child(child, x)
     return x
 '''

@@ -392,6 +392,12 @@ def _no_shard_units(spec: CaseSpec, world_size: int) -> list:
     return [u for u in predict_fsdp1(spec).units if u.managed and (world_size == 1 or unit_strategy(spec, u.path) == "NO_SHARD")]
 
 
+def _tied_no_shard_units(spec: CaseSpec, world_size: int) -> list:
+    """_no_shard_units holding a tied parameter (one with two names)."""
+    g = graph_of(spec)
+    return [u for u in _no_shard_units(spec, world_size) if any(len(g.aliases(g.resolve_param(f))) > 1 for f in u.managed)]
+
+
 def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, str]:
     """FSDP1, use_orig_params=True: the NO_SHARD units (unit_strategy; every
     unit on one rank, where FSDP1 runs FULL_SHARD as NO_SHARD) that some
@@ -458,10 +464,7 @@ def no_shard_frozen_tied_left_unsharded(spec: CaseSpec, world_size: int) -> bool
     pr = spec.schedule.precision
     if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params or (pr is not None and pr.param_dtype not in (None, "float32")):
         return False
-    g = graph_of(spec)
-    for u in _no_shard_units(spec, world_size):
-        if not any(len(g.aliases(g.resolve_param(f))) > 1 for f in u.managed):
-            continue
+    for u in _tied_no_shard_units(spec, world_size):
         for st in spec.schedule.steps:
             running = [mb for mb in st.microbatches if _runs(u.path, mb.skip)]
             if running and _leaves_unsharded(spec, u, set(st.frozen), running[-1].skip) == "frozen":
@@ -535,10 +538,7 @@ def no_shard_unsynced_tied_low_precision(spec: CaseSpec, world_size: int) -> boo
         return False
     if pr is None or pr.param_dtype in (None, "float32") or pr.keep_low_precision_grads:
         return False
-    g = graph_of(spec)
-    for u in _no_shard_units(spec, world_size):
-        if not any(len(g.aliases(g.resolve_param(f))) > 1 for f in u.managed):
-            continue
+    for u in _tied_no_shard_units(spec, world_size):
         for st in spec.schedule.steps:
             if st.sync_every:
                 continue

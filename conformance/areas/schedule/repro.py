@@ -11,50 +11,25 @@ import textwrap
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import shard_order
-from conformance.areas.common.repro import HARNESS, assemble, class_code, from_import, header, model_lines, policy_code, policy_imports
+from conformance.areas.common.repro import (
+    FSDP2_RUNTIME,
+    HARNESS,
+    assemble,
+    class_code,
+    from_import,
+    header,
+    model_lines,
+    policy_code,
+    policy_imports,
+)
 from conformance.areas.schedule.oracle import EPS, PIPELINE_SLACK, cast_paths, other_slack, predict_schedule, reuse_slack
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
 from conformance.case.tree import walk
 
-# The case's forward (conformance/build.py), with the microbatch's skips.
+# What a schedule adds to the harness and the case's forward (FSDP2_RUNTIME, whose call_child and
+# generic_forward honour a microbatch's case_skip).
 _RUNTIME = '''
-def read_attr(obj, path):
-    for part in path.split(".") if path else ():
-        obj = getattr(obj, part)
-    return obj
-
-
-def call_child(child, x):
-    inner = getattr(child, "module", child)  # an FSDP1 wrapper's module
-    if isinstance(inner, nn.Linear):
-        return child(x[:, None].expand(x.shape[0], inner.in_features)).mean(-1) + x
-    if isinstance(inner, nn.Embedding):
-        return child(torch.arange(x.shape[0], device=x.device) % inner.num_embeddings).mean(-1) + x
-    if isinstance(inner, nn.LayerNorm):
-        n = inner.normalized_shape[0]
-        return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
-    if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
-        skip = inner.__dict__.get("case_skip", ())
-        for name, c in inner._modules.items():
-            if name not in skip:
-                x = call_child(c, x)
-        return x
-    return child(x)
-
-
-def generic_forward(self, x):
-    for name in self.case_params:
-        x = x + 0.5 * torch.tanh(getattr(self, name)).mean()
-    for name in self.case_buffers:
-        x = x + getattr(self, name).mean()
-    skip = self.__dict__.get("case_skip", ())
-    for name, child in self._modules.items():
-        if name not in skip:
-            x = call_child(child, x)
-    return x
-
-
 def encode(self, x):  # the registered method a schedule may call first
     return self.forward(x)
 
@@ -365,7 +340,7 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
         fsdp_names = [*fsdp_names, "ShardingStrategy"]
     # the standard library's imports in ruff's order (a policy may add functools)
     imports = sorted(["import contextlib", "import copy", "import os", "import socket", *(i for i in pol_imports if not i.startswith("from"))])
-    imports += ["", "import torch", "import torch.distributed as dist", "import torch.nn as nn"]
+    imports += ["", "import torch", "import torch.distributed as dist", "import torch.nn as nn", "import torch.nn.functional as F"]
     pr = s.precision
     if api == "fsdp1":
         names = ["FullyShardedDataParallel as FSDP", *(["MixedPrecision"] if pr is not None else []), *fsdp_names]
@@ -460,4 +435,4 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
     if s.first >= 0:
         root_cls = spec.tree.cls
         classes = classes.replace(f"class {root_cls}(", f"class {root_cls}(", 1) + f"\n\n{root_cls}.encode = encode\n"
-    return assemble(doc, "\n".join(imports), [HARNESS, _RUNTIME, classes, build, wrap, consts, _MAIN])
+    return assemble(doc, "\n".join(imports), [HARNESS, FSDP2_RUNTIME, _RUNTIME, classes, build, wrap, consts, _MAIN])
