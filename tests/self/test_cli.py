@@ -74,7 +74,7 @@ def test_check_takes_the_world_size_run_gives_the_tier(tmp_path, cli_in_process,
     import conformance.cli.check as check_cli
 
     seen = []
-    monkeypatch.setattr(check_cli, "check_case_file", lambda spec, selected, backend, world_size: seen.append(world_size) or 0)
+    monkeypatch.setattr(check_cli, "check_case_file", lambda spec, selected, backend, world_size, **kw: seen.append(world_size) or 0)
     path = tmp_path / "case.json"
     path.write_text(lora_model(num_layers=1).to_json())
     proc = cli_in_process("check", path, *args)

@@ -205,8 +205,12 @@ def test_a_noise_gradient_above_the_suites_eps_is_judged_against_the_reference_n
     """Thorough seed 115 (FSDP2, gloo, Adam lr 0.05): the weights of four
     LayerNorms over one element, whose gradients are rounding noise, ended
     0.003-0.0096 from the fp32 reference, which is itself 0.011-0.022 from the
-    same training in float64: PARITY said FAIL. It passes now, and FSDP's run
-    is no further from the reference than the reference's own noise allows."""
+    same training in float64: PARITY said FAIL. It passes now, and where
+    FSDP's run differs from the reference at all, only those noise weights
+    do. How far they drift is the machine's: on an AVX-512 machine
+    (2026-12-06) every value equalled the reference's (max_diff 0), so this
+    case proves the PASS there, and the judgment against the reference's
+    noise is test_noise_floor_is_the_reference_own_rounding's."""
     from conformance.engine.pool import RankPool
 
     spec = CaseSpec.from_json((Path(__file__).parent / "data" / "parity-adam-noise-above-eps.json").read_text())
@@ -215,4 +219,4 @@ def test_a_noise_gradient_above_the_suites_eps_is_judged_against_the_reference_n
     res = evaluate("PARITY", spec, obs)
     assert res.verdict == PASS, res.describe()
     wide = {p.fqn for o in obs for p in o.params if p.max_diff > 1e-3}
-    assert wide and all(f.startswith("layers1.") and f.endswith(".weight") for f in wide), wide
+    assert all(f.startswith("layers1.") and f.endswith(".weight") for f in wide), wide
