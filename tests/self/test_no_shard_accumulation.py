@@ -162,3 +162,50 @@ def test_a_unit_trainable_at_the_step_counts_whatever_the_tree_says(invariant):
     frozen = dataclasses.replace(UNFROZEN, schedule=dataclasses.replace(UNFROZEN.schedule, steps=(steps[0], dataclasses.replace(steps[1], frozen=("0.weight",)))))
     assert "unit:unsynced-by-last-microbatch" not in _tags(frozen)
     assert _raised(frozen, invariant).verdict == "FAIL"
+
+
+def test_a_float32_re_reduction_is_not_the_synced_accumulation_finding():
+    """fsdp1-no-shard-synced-accumulation-in-reduce-dtype is reduce_dtype's
+    rounding: with float32 reduction its re-reduction stays within
+    MP-PIPELINE's tolerance. Thorough seed 539271 had a float32 NO_SHARD
+    case whose 0.494 gradient error read KNOWN as this finding; it was
+    fsdp1-no-shard-unused-unit-params-unregistered's dropped gradient (a
+    KNOWN that swallowed another mechanism)."""
+    fp32 = dataclasses.replace(SYNCED, schedule=dataclasses.replace(SYNCED.schedule, precision=None))
+    tags = _tags(fp32)
+    assert "unit:no-shard-synced-accumulation" in tags and "reduce-dtype-low" not in tags
+    assert "reduce-dtype-low" in _tags(SYNCED)
+    res = _grad_off(fp32, "MP-PIPELINE", "proj0.weight", err=0.0, emulated=0.494)
+    assert res.verdict == "FAIL", res.describe()
+
+
+def test_the_steps_after_an_unsynchronized_no_shard_unit_are_that_finding():
+    """fsdp1-no-sync-unit-unused-in-last-microbatch's NO_SHARD form leaves
+    each rank stepping its replica with its own gradient: the next
+    synchronized step's mean gradient is not the emulated pipeline's
+    (thorough seed 539271: the corpus case's step 1, 0.000621 on 0.weight).
+    Step 0 synchronizing every microbatch, or its last microbatch running
+    unit 0, is not that mechanism, and the same error is a FAIL."""
+    from conformance.run import corpus
+
+    (case,) = [c for c in corpus.load() if c.name == "fsdp1-no-sync-unit-unused-in-last-microbatch-pipeline"]
+    spec = case.spec
+    first, *later = spec.schedule.steps
+    assert not first.sync_every and first.microbatches[-1].skip == ("0",) and later
+
+    def step1_off(s):
+        mbs = tuple(MicrobatchSeen(si, k, st.sync_every or k == len(st.microbatches) - 1, (), "float32", 0.0, 0.0)
+                    for si, st in enumerate(s.schedule.steps) for k in range(len(st.microbatches)))
+        obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,),
+                                   microbatches=mbs, grads=(ValueSeen(1, "0.weight", "float32", False, False, 0.0, emulated_err=0.000621),))
+               for r in range(2)]
+        return evaluate("MP-PIPELINE", s, obs)
+
+    assert "unit:unsynced-no-shard" in _tags(spec)
+    res = step1_off(spec)
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp1-no-sync-unit-unused-in-last-microbatch"}, res.describe()
+    synced = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, steps=(dataclasses.replace(first, sync_every=True), *later)))
+    runs = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, steps=(dataclasses.replace(first, microbatches=first.microbatches[::-1]), *later)))
+    for other in (synced, runs):
+        assert "unit:unsynced-no-shard" not in _tags(other)
+        assert step1_off(other).verdict == "FAIL", other

@@ -273,6 +273,104 @@ def test_a_no_shard_unit_run_without_reading_its_parameters(invariant):
     assert no_shard_units_left_unsharded(read, 2) == {"1": "unused"}
 
 
+
+def _value_off(spec, invariant, kind, step, fqn, err):
+    """Both ranks: fqn's gradient ("grad") at ``step`` off by err against fp32
+    training and the emulated pipeline, or fqn frozen there with a gradient
+    ("frozen-grad"); everything else exact."""
+    from conformance.areas.schedule.observation import MicrobatchSeen, ValueSeen
+
+    seen = dict(dtype="float32", none=False, ref_none=kind == "frozen-grad", err=err, emulated_err=err)
+    mbs = tuple(MicrobatchSeen(si, k, st.sync_every or k == len(st.microbatches) - 1, (), "float32", 0.0, 0.0)
+                for si, st in enumerate(spec.schedule.steps) for k in range(len(st.microbatches)))
+    obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,) * 3,
+                               microbatches=mbs, grads=(ValueSeen(step, fqn, **seen),)) for r in range(2)]
+    return evaluate(invariant, spec, obs)
+
+
+def test_a_parameter_frozen_while_its_no_shard_unit_is_left_unsharded():
+    """fsdp1-no-shard-unused-unit-params-unregistered, frozen later (thorough
+    seed 539271): step 0 passes over Linear 0, leaving the NO_SHARD root
+    unit (0.weight its only parameter) holding plain-tensor views; step 1
+    freezes 0.weight through named_parameters(), which lacks it, and reads
+    it: the frozen 0.weight gets a gradient. Read in step 0, sharded, or
+    frozen from the start (frozen when the unit was left), it is not that
+    mechanism."""
+    from conformance.areas.schedule.oracle import no_shard_units_left_unsharded
+
+    spec = _case(f"{LEFT}-frozen-later")
+    first, later = spec.schedule.steps
+    assert first.microbatches[0].skip == ("0",) and later.frozen == ("0.weight",) and not first.frozen
+    assert no_shard_units_left_unsharded(spec, 2) == {"": "unused"}
+    res = _value_off(spec, "ACCUM", "frozen-grad", 1, "0.weight", 0.0)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {LEFT}, res.describe()
+    read = _steps(spec, dataclasses.replace(first, microbatches=(dataclasses.replace(first.microbatches[0], skip=()),)), later)
+    sharded = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, sharding_strategy="FULL_SHARD"))
+    frozen_throughout = _steps(spec, dataclasses.replace(first, frozen=later.frozen), later)
+    for other in (read, sharded, frozen_throughout):
+        assert not no_shard_units_left_unsharded(other, 2), other
+        assert _value_off(other, "ACCUM", "frozen-grad", 1, "0.weight", 0.0).verdict == "FAIL", other
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES", "MP-PIPELINE"])
+def test_the_step_end_summon_drops_a_gradient_given_before_the_unit_was_left_unsharded(invariant):
+    """fsdp1-no-shard-unused-unit-params-unregistered, read by the
+    summon_full_params(with_grads=True) the step ends with (thorough seed
+    539271): the first synchronized microbatch reads 0.weight, the second
+    passes over Linear 0 and leaves the root unit holding plain-tensor
+    views; the summon reads the gradient as zero and drops it. Under
+    no_sync() (that gradient never reduced: the no_sync() finding's), in
+    the other order (the existing rule: a later read), or with the second
+    microbatch reading 0.weight it is not this rule, and with every
+    microbatch reading it the same error is a FAIL."""
+    from conformance.areas.schedule.oracle import no_shard_units_left_unsharded
+
+    spec = _case(f"{LEFT}-summon")
+    (step,) = spec.schedule.steps
+    assert step.sync_every and [mb.skip for mb in step.microbatches] == [(), ("0",)]
+    assert no_shard_units_left_unsharded(spec, 2) == {"": "unused"}
+    res = _value_off(spec, invariant, "grad", 0, "0.weight", 0.494)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {LEFT}, res.describe()
+    unsynced = _steps(spec, dataclasses.replace(step, sync_every=False))
+    assert not no_shard_units_left_unsharded(unsynced, 2)
+    assert no_shard_units_left_unsharded(_steps(spec, dataclasses.replace(step, microbatches=step.microbatches[::-1])), 2) == {"": "unused"}
+    read_all = _steps(spec, dataclasses.replace(step, microbatches=(step.microbatches[0],) * 2))
+    assert not no_shard_units_left_unsharded(read_all, 2)
+    if invariant != "MP-PIPELINE":  # MP-PIPELINE does not compare a step with an unsynchronized microbatch
+        assert _value_off(read_all, invariant, "grad", 0, "0.weight", 0.494).verdict == "FAIL"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_tied_no_shard_unit_run_without_reading_its_parameters(invariant):
+    """The tied form of fsdp1-no-shard-unused-unit-params-unregistered
+    (thorough seed 539271): the BlockList unit holds blocklist0.1.weight
+    tied to blocklist0.0.weight; the only microbatch skips both Linears, so
+    the unit runs without reading its parameters, its input needing a
+    gradient, and the step-end summon asserts on the tied name
+    (unit:no-shard-tied-left-unsharded). Sharded, untied, in bfloat16, or
+    with a Linear read, it is not that mechanism, and the same raise is a
+    FAIL."""
+    from conformance.areas.schedule.oracle import no_shard_tied_left_unsharded
+    from conformance.case.spec import Precision
+
+    spec = _case(f"{LEFT}-tied")
+    (step,) = spec.schedule.steps
+    assert step.microbatches[0].skip == ("blocklist0.0", "blocklist0.1") and spec.ties
+    error = "AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>"
+    assert no_shard_tied_left_unsharded(spec, 2) == {"unused"}
+    tags = case_tags(spec, predict_schedule(spec))
+    assert "unit:no-shard-tied-left-unsharded" in tags and "unit:no-shard-frozen-tied-left-unsharded" not in tags
+    res = _raised(spec, invariant, "step 0 gradients", error)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {LEFT}, res.describe()
+    sharded = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, sharding_strategy="FULL_SHARD"))
+    untied = dataclasses.replace(spec, ties=())
+    bf16 = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=Precision("bfloat16")))
+    reads = _steps(spec, dataclasses.replace(step, microbatches=(dataclasses.replace(step.microbatches[0], skip=("blocklist0.1",)),)))
+    for other in (sharded, untied, bf16, reads):
+        assert not no_shard_tied_left_unsharded(other, 2), other
+        assert _raised(other, invariant, "step 0 gradients", error).verdict == "FAIL", other
+
+
 FROZEN_LEFT = "fsdp1-no-shard-frozen-unit-params-unregistered"
 
 
@@ -454,14 +552,14 @@ def test_a_frozen_tied_no_shard_unit_read_by_the_step_end_summon(invariant):
     (unit:no-shard-frozen-tied-left-unsharded). Sharded, untied, in
     bfloat16, or with the embedding trainable it is not that mechanism, and
     the same raise is a FAIL."""
-    from conformance.areas.schedule.oracle import no_shard_frozen_tied_left_unsharded
+    from conformance.areas.schedule.oracle import no_shard_tied_left_unsharded
     from conformance.case.spec import Precision
 
     spec = _case(f"{FROZEN_LEFT}-tied-schedule")
     (step,) = spec.schedule.steps
     assert spec.schedule.sharding_strategy == "NO_SHARD" and spec.ties and "embed0.weight" in step.frozen
     error = "AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>"
-    assert no_shard_frozen_tied_left_unsharded(spec, 2)
+    assert no_shard_tied_left_unsharded(spec, 2) == {"frozen"}
     assert "unit:no-shard-frozen-tied-left-unsharded" in case_tags(spec, predict_schedule(spec))
     res = _raised(spec, invariant, "step 0 gradients", error)
     assert res.verdict == "KNOWN" and {f for _, f in res.known} == {FROZEN_LEFT}, res.describe()
@@ -471,7 +569,7 @@ def test_a_frozen_tied_no_shard_unit_read_by_the_step_end_summon(invariant):
     bf16 = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, precision=Precision("bfloat16")))
     trains = _steps(spec, dataclasses.replace(step, frozen=tuple(f for f in step.frozen if f != "embed0.weight")))
     for other in (sharded, untied, bf16, trains):
-        assert not no_shard_frozen_tied_left_unsharded(other, 2), other
+        assert "frozen" not in no_shard_tied_left_unsharded(other, 2), other
         assert _raised(other, invariant, "step 0 gradients", error).verdict == "FAIL", other
     # a different raise at the same place is not this finding's
     assert _raised(spec, invariant, "step 0 gradients", "AssertionError: something else").verdict == "FAIL"

@@ -21,7 +21,7 @@ from conformance.areas.schedule.oracle import (
     group_mixes_accumulated_and_fresh,
     group_unrun_under_no_sync,
     no_shard_accumulates_synced,
-    no_shard_frozen_tied_left_unsharded,
+    no_shard_tied_left_unsharded,
     no_shard_unfrozen_stale_mask,
     no_shard_units_left_unsharded,
     no_shard_unsynced_tied_low_precision,
@@ -114,6 +114,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("tied")  # a real model's ties are in its graph
     if pred.compute_dtype != "float32":
         tags.add("param-dtype-low")
+    if pred.reduce_dtype != "float32":
+        tags.add("reduce-dtype-low")
 
     if any(frozen_unit_passes_input_through(spec, set(st.frozen), mb.skip) for st in s.steps for mb in st.microbatches):
         tags.add("unit:frozen-passthrough")  # fsdp1-frozen-unit-returning-its-input-fails-backward's mechanism
@@ -144,8 +146,11 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("unit:no-shard-left-unsharded")  # fsdp1-no-shard-unused-unit-params-unregistered's mechanism
     if "frozen" in left:
         tags.add("unit:no-shard-frozen-left-unsharded")  # fsdp1-no-shard-frozen-unit-params-unregistered's, trained later
-    if no_shard_frozen_tied_left_unsharded(spec, world_size):
+    tied_left = no_shard_tied_left_unsharded(spec, world_size)
+    if "frozen" in tied_left:
         tags.add("unit:no-shard-frozen-tied-left-unsharded")  # ... its tied form, read by the summon the step ends with
+    if "unused" in tied_left:
+        tags.add("unit:no-shard-tied-left-unsharded")  # fsdp1-no-shard-unused-unit-params-unregistered's tied form, likewise
     if no_shard_accumulates_synced(spec):
         tags.add("unit:no-shard-synced-accumulation")  # fsdp1-no-shard-synced-accumulation-in-reduce-dtype's mechanism
     if any(not used_params(spec, mb.skip) - set(st.frozen) for st in s.steps for mb in st.microbatches):

@@ -401,34 +401,57 @@ def _tied_no_shard_units(spec: CaseSpec, world_size: int) -> list:
 def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, str]:
     """FSDP1, use_orig_params=True: the NO_SHARD units (unit_strategy; every
     unit on one rank, where FSDP1 runs FULL_SHARD as NO_SHARD) that some
-    microbatch leaves holding plain-tensor views, read again with a
-    trainable parameter by a later microbatch: canonical path -> how the
-    first such microbatch left it. It runs the unit's forward, its output
-    needing a gradient, and its backward gives the unit's flat parameter
-    none: "unused", it reads none of the unit's trainable parameters;
-    "frozen", the unit is all frozen then and its input needs no gradient
-    (else FSDP registers its reshard-only hook on that input). The
-    pre-backward hook unshards the unit (the original parameters swapped
-    for plain tensor views); no post-backward hook runs, and
-    _catch_all_reshard takes NO_SHARD's flat parameter for already
-    resharded: named_parameters() lacks the views, and a later backward's
-    gradients land on them, not on the parameters the optimizer holds. A
-    low param_dtype unshards into a buffer of its own, which the check does
-    see (the unused form's corpus case with param_dtype bfloat16 passes on
-    gloo)."""
+    microbatch leaves holding plain-tensor views and that something then
+    reads: canonical path -> how the first such microbatch left it. It runs
+    the unit's forward, its output needing a gradient, and its backward
+    gives the unit's flat parameter none: "unused", it reads none of the
+    unit's trainable parameters; "frozen", the unit is all frozen then and
+    its input needs no gradient (else FSDP registers its reshard-only hook
+    on that input). The pre-backward hook unshards the unit (the original
+    parameters swapped for plain tensor views); no post-backward hook runs,
+    and _catch_all_reshard takes NO_SHARD's flat parameter for already
+    resharded: named_parameters() lacks the views. What reads it then:
+    - a later microbatch reading a parameter of the unit that is trainable
+      there: its gradient lands on the views, not on the parameter the
+      optimizer holds;
+    - a later microbatch reading a parameter trainable when the unit was
+      left and frozen since: the freeze (requires_grad_ on
+      named_parameters()) never reaches the unregistered parameter, which
+      gets a gradient (thorough seed 539271);
+    - the summon_full_params(with_grads=True) that reads the step's
+      gradients, where an earlier microbatch of the step gave the unit a
+      gradient: it finds no .grad on the registered view, reads the
+      gradient as zero and drops it from the flat gradient (thorough seed
+      539271: 0.weight's gradient 0, the optimizer then steps without it;
+      steps synchronizing every microbatch: an unsynchronized gradient left
+      so is fsdp1-no-sync-unit-unused-in-last-microbatch's).
+    A low param_dtype unshards into a buffer of its own, which the check
+    does see (the unused form's corpus case with param_dtype bfloat16
+    passes on gloo)."""
     pr = spec.schedule.precision
     if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params or (pr is not None and pr.param_dtype not in (None, "float32")):
         return {}
-    units = _no_shard_units(spec, world_size)
-    mbs = [(set(st.frozen), mb.skip) for st in spec.schedule.steps for mb in st.microbatches]
     out: dict[str, str] = {}
-    for u in units:
-        left = None
-        for frozen, skip in mbs:
-            if left and (set(u.managed) - frozen) & used_params(spec, skip):
-                out[u.path] = left
+    for u in _no_shard_units(spec, world_size):
+        managed = set(u.managed)
+        left, left_trainable = None, set()
+        for st in spec.schedule.steps:
+            frozen = set(st.frozen)
+            gradient = False  # a microbatch of this step gave the unit a gradient
+            for mb in st.microbatches:
+                read = managed & used_params(spec, mb.skip)
+                if left and (read - frozen or read & frozen & left_trainable):
+                    out[u.path] = left
+                    break
+                how = _leaves_unsharded(spec, u, frozen, mb.skip)
+                if how and gradient:
+                    out[u.path] = how
+                    break
+                if how and not left:
+                    left, left_trainable = how, managed - frozen
+                gradient = gradient or (st.sync_every and bool(read - frozen))  # a synchronized one: not the no_sync() finding's
+            if u.path in out:
                 break
-            left = left or _leaves_unsharded(spec, u, frozen, skip)
     return dict(sorted(out.items()))
 
 
@@ -447,29 +470,31 @@ def _leaves_unsharded(spec: CaseSpec, u, frozen: set[str], skip: tuple[str, ...]
     return None
 
 
-def no_shard_frozen_tied_left_unsharded(spec: CaseSpec, world_size: int) -> bool:
-    """FSDP1, use_orig_params=True: a NO_SHARD unit holding a tied parameter
-    (two names) that the last microbatch of a step running it leaves all
-    frozen and holding plain-tensor views ("frozen" in
+def no_shard_tied_left_unsharded(spec: CaseSpec, world_size: int) -> set[str]:
+    """FSDP1, use_orig_params=True: how NO_SHARD units holding a tied
+    parameter (two names) are left holding plain-tensor views by the last
+    microbatch of a step that runs them ("unused" or "frozen", as in
     no_shard_units_left_unsharded: no post-backward hook runs, and
     _catch_all_reshard takes the flat parameter for already resharded).
-    The next unshard is then the summon_full_params the step ends with
-    (the gradients' with_grads=True read, or the values'), outside forward
-    and backward: _use_unsharded_views(as_params=True) re-registers the
-    tied name from its primary, which is a plain tensor, and asserts
-    ("as_params=True type(prim_param)=<class 'torch.Tensor'>"). A low
-    param_dtype unshards into a buffer of its own, and the summon does not
-    assert (the corpus case with param_dtype bfloat16 trains, checked on
-    gloo)."""
+    The next unshard is then the summon_full_params the step ends with (the
+    gradients' with_grads=True read, or the values'), outside forward and
+    backward: _use_unsharded_views(as_params=True) re-registers the tied
+    name from its primary, which is a plain tensor, and asserts
+    ("as_params=True type(prim_param)=<class 'torch.Tensor'>"). "frozen":
+    ci seed 777123; "unused" (a BlockList unit whose microbatch skips both
+    its tied Linears): thorough seed 539271. A low param_dtype unshards
+    into a buffer of its own, and the summon does not assert (the corpus
+    case with param_dtype bfloat16 trains, checked on gloo)."""
     pr = spec.schedule.precision
     if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params or (pr is not None and pr.param_dtype not in (None, "float32")):
-        return False
+        return set()
+    out = set()
     for u in _tied_no_shard_units(spec, world_size):
         for st in spec.schedule.steps:
             running = [mb for mb in st.microbatches if _runs(u.path, mb.skip)]
-            if running and _leaves_unsharded(spec, u, set(st.frozen), running[-1].skip) == "frozen":
-                return True
-    return False
+            if running and (how := _leaves_unsharded(spec, u, set(st.frozen), running[-1].skip)):
+                out.add(how)
+    return out
 
 
 def no_shard_unfrozen_stale_mask(spec: CaseSpec, world_size: int) -> tuple[str, ...]:
