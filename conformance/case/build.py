@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -82,6 +83,13 @@ def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(inner, nn.LayerNorm):
         n = inner.normalized_shape[0]
         return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
+    if type(inner) is nn.Sequential and inner is not child:
+        # an FSDP1 unit that is torch's Sequential: a user's model calls it,
+        # so FSDP1's forward unshards it, its children running as the case's
+        # (thorough seed 539271: load_state_dict(assign=True) unties 0.1.weight
+        # from 0.0.weight, and a size-based policy then wraps the Sequential)
+        inner.__dict__["forward"] = functools.partial(_run_children, inner)
+        return child(x)
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
         # torch's own containers (no usable forward): run their children
         return _run_children(inner, x)

@@ -255,13 +255,20 @@ def call_child(child, x):
     if isinstance(inner, nn.LayerNorm):
         n = inner.normalized_shape[0]
         return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
+    if type(inner) is nn.Sequential and inner is not child:  # an FSDP1 unit: called, so FSDP1 unshards it
+        inner.forward = lambda y: run_children(inner, y)
+        return child(x)
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
-        skip = inner.__dict__.get("case_skip", ())  # the children a schedule's microbatch skips
-        for name, c in inner._modules.items():
-            if name not in skip:
-                x = call_child(c, x)
-        return x
+        return run_children(inner, x)
     return child(x)
+
+
+def run_children(module, x):
+    skip = module.__dict__.get("case_skip", ())  # the children a schedule's microbatch skips
+    for name, c in module._modules.items():
+        if name not in skip:
+            x = call_child(c, x)
+    return x
 
 
 def generic_forward(self, x):
