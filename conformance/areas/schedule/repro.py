@@ -25,7 +25,7 @@ from conformance.areas.common.repro import (
 from conformance.areas.schedule.oracle import EPS, PIPELINE_SLACK, cast_paths, other_slack, predict_schedule, reuse_slack
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec
-from conformance.case.tree import walk
+from conformance.case.tree import join, walk
 
 # What a schedule adds to the harness and the case's forward (FSDP2_RUNTIME, whose call_child and
 # generic_forward honour a microbatch's case_skip).
@@ -271,8 +271,14 @@ def main():
                 return finish(raised(rank, f"step {si} gradients", e), None)
         else:
             grads = {}
+        # whether a frozen parameter has a gradient: FSDP1's own views (summon_full_params may give zeros),
+        # else what was read (a parameter named_parameters() lacks)
+        own = ({k.replace("_fsdp_wrapped_module.", ""): p.grad is None for k, p in inner.named_parameters(remove_duplicate=False)}
+               if API == "fsdp1" else {})
         for n in names:
             r = read_attr(ref, n)
+            if n in grads and n in frozen and not own.get(n, grads[n] is None):
+                wrong.append(f"[rank {rank}] step {si}: the frozen {n} has a gradient")
             if n in grads and n not in frozen:
                 g = grads[n]
                 if g is not None and str(g.dtype) != GRAD_DTYPE:
@@ -356,9 +362,13 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
     # suite saw (rounding errors and tolerances depend on them)
     lines.append("gen = torch.Generator().manual_seed(SEED)")
     lines.append("with torch.no_grad():")
+    tied = {(t.module, t.name) for t in spec.ties}  # the suite draws their values before tying them
     for path, m in walk(spec.tree):
         for p in m.params:
-            lines.append(f"    {var[path]}.{p.name}.copy_(torch.randn({tuple(p.shape)!r}, generator=gen) * 0.5)")
+            if (path, p.name) in tied:
+                lines.append(f"    torch.randn({tuple(p.shape)!r}, generator=gen)  # {join(path, p.name)}'s draw: the tie replaced it")
+            else:
+                lines.append(f"    {var[path]}.{p.name}.copy_(torch.randn({tuple(p.shape)!r}, generator=gen) * 0.5)")
         for b in m.buffers:
             lines.append(f"    {var[path]}.{b.name}.copy_(torch.randn({tuple(b.shape)!r}, generator=gen))")
     lines.append("    pass")
