@@ -88,7 +88,7 @@ def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # so FSDP1's forward unshards it, its children running as the case's
         # (thorough seed 539271: load_state_dict(assign=True) unties 0.1.weight
         # from 0.0.weight, and a size-based policy then wraps the Sequential)
-        inner.__dict__["forward"] = functools.partial(_run_children, inner)
+        inner.__dict__.setdefault("forward", functools.partial(_run_children, inner))  # once per module
         return child(x)
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
         # torch's own containers (no usable forward): run their children
