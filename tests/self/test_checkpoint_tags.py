@@ -62,3 +62,32 @@ def test_a_group_that_keeps_its_parameters_unsharded_after_forward_is_tagged():
     extra = {"kind:raised", "phase:load", "error:RuntimeError", "cause:copy-into-unsharded"}
     assert finding.matches(Violation("TIES-KEPT", error, frozenset(case_tags(spec) | extra)), "2.13.0")
     assert not finding.matches(Violation("TIES-KEPT", error, frozenset(case_tags(resharding) | extra)), "2.13.0")
+
+
+def test_a_list_group_completed_by_an_embedding_refrozen_before_the_save_is_the_save_s_own_training():
+    """The save's steps after the first run under the mask its refreeze
+    leaves: an FSDP2 list group whose Embedding that mask freezes is
+    fsdp2-frozen-list-group-freed-in-backward's in the training phase (ci
+    seed 9177: "train raised RuntimeError: setStorage ... storage of size 0"
+    at step 1); without the refreeze, with one step, or with the group kept
+    unsharded after forward, the save's training runs (checked on 2 gloo
+    ranks) and the tag is not there."""
+    from conformance.areas.checkpoint.oracle import predict_ckpt
+    from conformance.run import corpus
+
+    def case_tags_(spec):
+        return case_tags(spec, predict_ckpt(spec))
+
+    spec = next(c.spec for c in corpus.load() if c.name == "fsdp2-frozen-list-group-freed-in-backward-ckpt-refreeze")
+    assert "group:multi-frozen-embedding" in case_tags_(spec)
+    ck = spec.ckpt
+    kept = dataclasses.replace(spec.plan.groups[0], reshard_after_forward=False)
+    for control in (dataclasses.replace(spec, ckpt=dataclasses.replace(ck, refreeze=())),
+                    dataclasses.replace(spec, ckpt=dataclasses.replace(ck, steps=1)),
+                    dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, groups=(kept,)))):
+        assert "group:multi-frozen-embedding" not in case_tags_(control)
+    v = Violation("CKPT-RESHARD", "rank 0: train raised RuntimeError: setStorage: sizes [1, 1], strides [1, 1], storage offset 0, "
+                  "and itemsize 4 requiring a storage size of 4 are out of bounds for storage of size 0",
+                  frozenset(case_tags_(spec) | {"kind:raised", "phase:train", "error:RuntimeError", "cause:freed-storage"}))
+    finding = next(k for k in known.load() if k.id == "fsdp2-frozen-list-group-freed-in-backward")
+    assert finding.matches(v, "2.13.0+cpu")

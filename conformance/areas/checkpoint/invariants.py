@@ -80,6 +80,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("optim-empty-at-save")
         if not is_model_case(spec) and _list_group_completed_by_embedding_frozen_at_load(spec, pred):
             tags.add("group:multi-frozen-embedding-after-load")
+        if not is_model_case(spec) and _list_group_completed_by_embedding_refrozen_before_save(spec, pred):
+            tags.add("group:multi-frozen-embedding")
         if pred.nothing_trains_first:
             tags.add("nothing-trains-first")
             if spec.plan.api == "fsdp2" and _refreeze_in_unsharded_group(spec):
@@ -195,6 +197,22 @@ def _list_group_completed_by_embedding_frozen_at_load(spec: CaseSpec, pred: Ckpt
     plans = {p for p in (spec.plan, spec.ckpt.load_plan or spec.plan) if p.api == "fsdp2"}  # one when the load keeps the plan
     cases = [dataclasses.replace(spec, plan=plan) for plan in plans]
     return any(list_group_completed_by_frozen_embedding(case, predict_fsdp2(case, torch.__version__).groups, frozen) for case in cases)
+
+
+def _list_group_completed_by_embedding_refrozen_before_save(spec: CaseSpec, pred: CkptPrediction) -> bool:
+    """The save's own training after its first step, under the mask the
+    plan's refreeze leaves (the mask at the save): an FSDP2 list group
+    completed by an Embedding frozen then (fsdp2-frozen-list-group-freed-in-
+    backward's mechanism, as group:multi-frozen-embedding names it for the
+    case's own mask; ci seed 9177: fully_shard([proj2, embed3]) with
+    embed3.weight tied to proj2.weight, refrozen after step 0, "train raised
+    RuntimeError: setStorage ... storage of size 0" at step 1)."""
+    from conformance.areas.common.fsdp2_oracle import list_group_completed_by_frozen_embedding
+
+    if spec.plan.api != "fsdp2" or not spec.ckpt.refreeze or spec.ckpt.steps < 2:
+        return False
+    groups = predict_fsdp2(spec, torch.__version__).groups
+    return list_group_completed_by_frozen_embedding(spec, groups, set(pred.frozen_at_save))
 
 
 def _refreeze_in_unsharded_group(spec: CaseSpec) -> bool:
