@@ -12,6 +12,7 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.fsdp1_oracle import fsdp1_case_tags, predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS
+from conformance.areas.common.training_oracle import ITERATED_CONTAINERS
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import OPTIMIZERS, CaseSpec, TrainPlan
 from conformance.strategies._common import check_bool, check_int
@@ -65,12 +66,19 @@ def training_specs(
     return _training_specs(cases, train_plans(max_steps=max_steps, reductions=reductions))
 
 
-def fsdp1_trainable(spec: CaseSpec) -> bool:
-
+def fsdp1_trainable(spec: CaseSpec, *, sequential_units: bool = True) -> bool:
+    """An FSDP1 case the training areas can run: no tie split between units,
+    no module under two names (recorded findings that corrupt FSDP1's
+    collectives, so that ranks hang), and no unit that is torch's ModuleList
+    or ModuleDict: the case iterates those rather than calling them, so FSDP1
+    never all-gathers for them (outside what FSDP promises; the ranks then
+    fail on their own shards and hang). A unit that is torch's Sequential is
+    called through its FSDP1 wrapper (conformance.case.build.call_child), as
+    a user's model calls it; ``sequential_units=False`` leaves it out too,
+    for an oracle that does not model that call."""
+    check_bool(sequential_units, "sequential_units")
     pred = predict_fsdp1(spec)
-    # A unit that is torch's own container: the case iterates its children
-    # rather than calling it, so FSDP never all-gathers for it (outside what
-    # FSDP promises; the ranks then fail on their own shards and hang).
     g = ModelGraph(spec)
-    containers = any(g.is_torch(g.resolve_module(u.path), TORCH_CONTAINERS, exact=True) for u in pred.units)
+    iterated = ITERATED_CONTAINERS if sequential_units else TORCH_CONTAINERS
+    containers = any(g.is_torch(g.resolve_module(u.path), iterated, exact=True) for u in pred.units)
     return "tie:cross-unit" not in fsdp1_case_tags(spec, pred) and not pred.shared_modules and not containers

@@ -282,6 +282,26 @@ def fsdp1_unit_given_a_view_of_its_input():
     return mock.patch.object(fsdp_mod, "_pre_forward", pre_forward)
 
 
+@fault("fsdp1-sequential-unit-kept-after-forward")
+def fsdp1_sequential_unit_kept_after_forward():
+    """FSDP1 takes a unit that is torch's Sequential for a container and
+    skips its post-forward reshard: it stays unsharded into backward, which
+    then gathers nothing for it."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import _runtime_utils as ru
+    from torch.distributed.fsdp import fully_sharded_data_parallel as fsdp_module
+
+    orig = ru._post_forward_reshard
+
+    def post_forward_reshard(state, handle):
+        if handle is not None and type(handle._fully_sharded_module) is nn.Sequential:
+            return None
+        return orig(state, handle)
+
+    return _both(mock.patch.object(ru, "_post_forward_reshard", post_forward_reshard),
+                 mock.patch.object(fsdp_module, "_post_forward_reshard", post_forward_reshard))
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.comm import adapter

@@ -292,6 +292,29 @@ def full_tensor_raises():
     return stack
 
 
+@fault("fsdp1-sequential-unit-not-unsharded")
+def fsdp1_sequential_unit_not_unsharded():
+    """FSDP1 takes a unit that is torch's Sequential for a container it only
+    iterates and skips its pre-forward unshard: its children then run on the
+    rank's own shard."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import _runtime_utils as rt
+    from torch.distributed.fsdp import fully_sharded_data_parallel as fsdp1
+
+    orig = rt._pre_forward_unshard
+
+    def skipping(state, handle):
+        if handle is not None and type(handle._fully_sharded_module) is nn.Sequential:
+            handle._needs_pre_forward_unshard = False
+            return None
+        return orig(state, handle)
+
+    stack = contextlib.ExitStack()
+    for mod in (fsdp1, rt):  # FullyShardedDataParallel.forward's own import, and the composable path's
+        stack.enter_context(mock.patch.object(mod, "_pre_forward_unshard", skipping))
+    return stack
+
+
 # ---- test-only scenarios: the fault applied inside each rank ----------------
 
 
@@ -310,7 +333,7 @@ def _faulty(name: str, kind: str):
 
 
 for _name in ("register-drops-kwargs", "gradients-doubled", "summon-does-nothing", "frozen-made-trainable", "register-on-fsdp-class",
-              "sum-reduction-not-divided", "registered-output-noise", "full-tensor-raises"):
+              "sum-reduction-not-divided", "registered-output-noise", "full-tensor-raises", "fsdp1-sequential-unit-not-unsharded"):
     for _kind in ("fsdp2", "fsdp1-methods", "train"):
         _fn = _faulty(_name, _kind)
         globals()[_fn.__name__] = _fn

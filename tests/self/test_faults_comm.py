@@ -45,6 +45,18 @@ def fsdp2(raf=None, root=None) -> WrapPlan:
 FSDP1 = WrapPlan(api="fsdp1", policy=CustomWrap(LAYERS))
 BF16_FP32 = dict(param_dtype="bfloat16", reduce_dtype="float32")
 
+def sequential_unit(comm: CommPlan) -> CaseSpec:
+    """root (scale) -> body: torch's Sequential of two Linears 5x3 (uneven
+    over the ranks), its own FSDP1 unit, called through its wrapper as a
+    user's model calls a Sequential -> head (Linear 3x5)."""
+    body = ModuleSpec("body", "Sequential", children=tuple(
+        ModuleSpec(str(i), "Linear", (ParamSpec("weight", (5, 3)), ParamSpec("bias", (5,)))) for i in range(2)))
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), children=(
+        body, ModuleSpec("head", "Linear", (ParamSpec("weight", (3, 5)),))))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp1", policy=CustomWrap(("body", "head"))),
+                    comm=comm, seed=3)
+
+
 CASES = {
     "fsdp2-default": lambda: model(fsdp2(), CommPlan(iterations=2)),
     "fsdp2-no-reshard": lambda: model(fsdp2(False, False), CommPlan()),
@@ -55,6 +67,7 @@ CASES = {
     "fsdp2-explicit": lambda: model(fsdp2(), CommPlan(forward_prefetch=(("layers.0", ("layers.1", "layers.2")),),
                                                      backward_prefetch=(("layers.2", ("layers.1", "layers.0")),))),
     "fsdp1-full": lambda: model(FSDP1, CommPlan(iterations=2)),
+    "fsdp1-sequential": lambda: sequential_unit(CommPlan(iterations=2)),
     "fsdp1-mp": lambda: model(FSDP1, CommPlan(**BF16_FP32)),
     "fsdp1-post": lambda: model(FSDP1, CommPlan(fsdp1_backward_prefetch="BACKWARD_POST")),
     "fsdp1-prefetch": lambda: model(FSDP1, CommPlan(iterations=2, fsdp1_forward_prefetch=True, limit_all_gathers=False)),
@@ -75,6 +88,7 @@ FAULTS = [
     ("COMM-ORDER", "fsdp2-default", "fsdp2-root-reshards-by-default", "kind:reshard-forward"),
     ("COMM-COUNTS", "fsdp2-default", "fsdp2-root-reshards-by-default", "kind:extra"),
     ("COMM-FSDP1-COUNTS", "fsdp1-full", "fsdp1-root-reshards-after-forward", "kind:extra"),
+    ("COMM-FSDP1-COUNTS", "fsdp1-sequential", "fsdp1-sequential-unit-kept-after-forward", "kind:missing"),
     ("COMM-FSDP1-COUNTS", "fsdp1-mp", "fsdp1-reduce-in-param-dtype", "kind:dtype"),
     ("COMM-FSDP1-PREFETCH", "fsdp1-full", "fsdp1-backward-prefetch-ignored", "kind:not-prefetched"),
     ("COMM-FSDP1-PREFETCH", "fsdp1-full", "fsdp1-backward-prefetch-off-by-one", "kind:order"),

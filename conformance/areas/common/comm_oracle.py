@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
 from conformance.case.spec import CaseSpec, CommPlan, ModuleSpec
-from conformance.case.tree import join
+from conformance.case.tree import join, walk
 
 ANY_TORCH = "2.13.0"  # the group structure (not version-dependent for the cases this area draws)
 
@@ -133,8 +133,10 @@ def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> 
         count[0] += 1
         return count[0]
 
+    called = fsdp1_called_containers(spec)
+
     def call(m: ModuleSpec, path: str, x: bool, t: int) -> tuple[bool, int]:
-        if m.cls in TORCH_CONTAINERS:  # torch's own containers are iterated, never called
+        if m.cls in TORCH_CONTAINERS and path not in called:  # torch's own containers are iterated, never called
             for c in m.children:
                 x, t = call(c, join(path, c.name), x, t)
             return x, t
@@ -159,6 +161,21 @@ def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> 
 
     loss, _ = call(spec.tree, "", input_grad, 0)
     return tuple(steps), loss
+
+
+def fsdp1_called_containers(spec: CaseSpec) -> frozenset[str]:
+    """FSDP1 units that are torch's Sequential: the case calls them through
+    their FSDP1 wrapper, as a user's model calls a Sequential
+    (conformance.case.build.call_child), so they are entered and exited like
+    any module (no parameters of their own); the other torch containers are
+    only iterated."""
+    if spec.plan.api != "fsdp1":
+        return frozenset()
+    pred = predict_fsdp1(spec)
+    if pred.error is not None:
+        return frozenset()
+    kinds = {path: m.cls for path, m in walk(spec.tree)}
+    return frozenset(u.path for u in pred.units if u.path and kinds.get(u.path) == "Sequential")
 
 
 def backward_order(steps: tuple[Step, ...]) -> list[Step]:

@@ -9,8 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from conformance.areas.common.fsdp1_oracle import FSDP1Prediction, predict_fsdp1
-from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, FSDP2Prediction, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import FSDP2Prediction, predict_fsdp2
 from conformance.case.target import graph_of
+
+# torch's containers that a model iterates rather than calls (they have no
+# forward of their own): an FSDP1 unit that is one is never unsharded by its
+# forward. torch's Sequential is called (conformance.case.build.call_child),
+# so an FSDP1 unit may be one.
+ITERATED_CONTAINERS = ("ModuleList", "ModuleDict")
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ def predict_training(spec) -> TrainingPrediction:
         for u in p1.units:
             nid = g.resolve_module(u.path)
             cls = g.nodes[nid].cls
-            if g.is_torch(nid, TORCH_CONTAINERS, exact=True) and not why:
+            if g.is_torch(nid, ITERATED_CONTAINERS, exact=True) and not why:
                 # FSDP1 warns that it will not all-gather for a container the
                 # case iterates rather than calls
                 why = f"unit {u.path} is torch's {cls}, whose forward never runs"
