@@ -16,7 +16,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
-from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import ITERATED_CONTAINERS, predict_fsdp2
 from conformance.case.spec import FSDP1_BACKWARD_PREFETCH, FSDP1_STRATEGIES, CaseSpec, CommPlan, CustomWrap, ShardGroup, WrapPlan
 from conformance.strategies._common import ANY_TORCH, TreeIndex, check_int, ints, maybe, pick, pick_subset
 from conformance.strategies.cases import case_specs
@@ -30,7 +30,7 @@ PRECISIONS = ((None, None), ("bfloat16", None), ("bfloat16", "float32"), ("float
 
 
 def _shardable(index: TreeIndex, path: str) -> bool:
-    return path != "" and index.modules[path].cls not in TORCH_CONTAINERS
+    return path != "" and index.modules[path].cls not in ITERATED_CONTAINERS
 
 
 def draw_groups(draw: Any, spec: CaseSpec, choices: tuple, max_groups: int) -> CaseSpec:

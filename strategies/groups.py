@@ -11,7 +11,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import ITERATED_CONTAINERS, predict_fsdp2
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, ShardGroup, WrapPlan
 from conformance.strategies._common import ANY_TORCH, TreeIndex, check_bool, check_int, maybe, pick, pick_subset
@@ -22,9 +22,10 @@ RESHARD = (None, True, False)  # simplest (torch's default) first
 
 
 def _shardable(index: TreeIndex, path: str) -> bool:
-    """fully_shard may take it and the case calls it as a module (torch's own
-    containers are iterated, not called)."""
-    return path != "" and index.modules[path].cls not in TORCH_CONTAINERS
+    """fully_shard may take it and the case calls it as a module: not the
+    root, not torch's ModuleList or ModuleDict (iterated, never called);
+    torch's Sequential given to fully_shard is called (conformance.case.build.call_child)."""
+    return path != "" and index.modules[path].cls not in ITERATED_CONTAINERS
 
 
 def draw_groups(draw: Any, spec: CaseSpec, *, max_groups: int, split_ties: bool) -> tuple[ShardGroup, ...]:

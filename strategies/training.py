@@ -11,8 +11,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.fsdp1_oracle import fsdp1_case_tags, predict_fsdp1
-from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS
-from conformance.areas.common.training_oracle import ITERATED_CONTAINERS
+from conformance.areas.common.fsdp2_oracle import ITERATED_CONTAINERS, TORCH_CONTAINERS
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import OPTIMIZERS, CaseSpec, TrainPlan
 from conformance.strategies._common import check_bool, check_int

@@ -72,6 +72,13 @@ def _run_children(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def is_torch_sequential(m: nn.Module) -> bool:
+    """torch's own Sequential, or the class fully_shard gives one
+    (FSDPSequential: FSDPModule and nn.Sequential its bases); not a
+    subclass with a forward of its own."""
+    return type(m) is nn.Sequential or (isinstance(m, nn.Sequential) and nn.Sequential in type(m).__bases__)
+
+
 def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Run ``child`` on the running activation ``x`` (shape (BATCH,))."""
     inner = getattr(child, "module", child)  # an FSDP1 wrapper's wrapped module
@@ -83,11 +90,13 @@ def call_child(child: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(inner, nn.LayerNorm):
         n = inner.normalized_shape[0]
         return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
-    if type(inner) is nn.Sequential and inner is not child:
-        # an FSDP1 unit that is torch's Sequential: a user's model calls it,
-        # so FSDP1's forward unshards it, its children running as the case's
-        # (thorough seed 539271: load_state_dict(assign=True) unties 0.1.weight
-        # from 0.0.weight, and a size-based policy then wraps the Sequential)
+    if is_torch_sequential(inner) and (inner is not child or type(inner) is not nn.Sequential):
+        # torch's Sequential as an FSDP1 unit (its wrapper) or given to
+        # fully_shard (FSDP2 gives it a class of its own): a user's model
+        # calls it, so FSDP's forward hooks unshard it, its children running
+        # as the case's (thorough seed 539271: load_state_dict(assign=True)
+        # unties 0.1.weight from 0.0.weight, and a size-based policy then
+        # wraps the Sequential)
         inner.__dict__.setdefault("forward", functools.partial(_run_children, inner))  # once per module
         return child(x)
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):

@@ -302,6 +302,24 @@ def fsdp1_sequential_unit_kept_after_forward():
                  mock.patch.object(fsdp_module, "_post_forward_reshard", post_forward_reshard))
 
 
+@fault("fsdp2-sequential-group-never-resharded")
+def fsdp2_sequential_group_never_resharded():
+    """fully_shard takes a group of torch's Sequential for a container and
+    never reshards it: it stays unsharded, so neither its backward nor the
+    next forward gathers for it."""
+    from conformance.case.build import is_torch_sequential
+
+    cls = _group_cls()
+    orig = cls.reshard
+
+    def reshard(self, *args, **kwargs):
+        if self.modules and all(is_torch_sequential(m) for m in self.modules):
+            return None
+        return orig(self, *args, **kwargs)
+
+    return mock.patch.object(cls, "reshard", reshard)
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.comm import adapter

@@ -315,6 +315,24 @@ def fsdp1_sequential_unit_not_unsharded():
     return stack
 
 
+@fault("fsdp2-sequential-group-not-unsharded")
+def fsdp2_sequential_group_not_unsharded():
+    """fully_shard takes a group of torch's Sequential for a container it
+    only iterates and never unshards it: its children run on the rank's
+    shards."""
+    from conformance.case.build import is_torch_sequential
+
+    _, _, group, *_ = _fsdp()
+    orig = group.FSDPParamGroup.unshard
+
+    def unshard(self, *args, **kwargs):
+        if self.modules and all(is_torch_sequential(m) for m in self.modules):
+            return None
+        return orig(self, *args, **kwargs)
+
+    return mock.patch.object(group.FSDPParamGroup, "unshard", unshard)
+
+
 # ---- test-only scenarios: the fault applied inside each rank ----------------
 
 
@@ -333,7 +351,8 @@ def _faulty(name: str, kind: str):
 
 
 for _name in ("register-drops-kwargs", "gradients-doubled", "summon-does-nothing", "frozen-made-trainable", "register-on-fsdp-class",
-              "sum-reduction-not-divided", "registered-output-noise", "full-tensor-raises", "fsdp1-sequential-unit-not-unsharded"):
+              "sum-reduction-not-divided", "registered-output-noise", "full-tensor-raises", "fsdp1-sequential-unit-not-unsharded",
+              "fsdp2-sequential-group-not-unsharded"):
     for _kind in ("fsdp2", "fsdp1-methods", "train"):
         _fn = _faulty(_name, _kind)
         globals()[_fn.__name__] = _fn

@@ -45,16 +45,18 @@ def fsdp2(raf=None, root=None) -> WrapPlan:
 FSDP1 = WrapPlan(api="fsdp1", policy=CustomWrap(LAYERS))
 BF16_FP32 = dict(param_dtype="bfloat16", reduce_dtype="float32")
 
-def sequential_unit(comm: CommPlan) -> CaseSpec:
+def sequential_unit(comm: CommPlan, api: str = "fsdp1") -> CaseSpec:
     """root (scale) -> body: torch's Sequential of two Linears 5x3 (uneven
     over the ranks), its own FSDP1 unit, called through its wrapper as a
-    user's model calls a Sequential -> head (Linear 3x5)."""
+    user's model calls a Sequential (or given to fully_shard, ``api``
+    "fsdp2") -> head (Linear 3x5)."""
     body = ModuleSpec("body", "Sequential", children=tuple(
         ModuleSpec(str(i), "Linear", (ParamSpec("weight", (5, 3)), ParamSpec("bias", (5,)))) for i in range(2)))
     tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), children=(
         body, ModuleSpec("head", "Linear", (ParamSpec("weight", (3, 5)),))))
-    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=WrapPlan(api="fsdp1", policy=CustomWrap(("body", "head"))),
-                    comm=comm, seed=3)
+    plan = (WrapPlan(api="fsdp1", policy=CustomWrap(("body", "head"))) if api == "fsdp1"
+            else WrapPlan(api="fsdp2", groups=(ShardGroup(("body",)), ShardGroup(("head",)))))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=plan, comm=comm, seed=3)
 
 
 CASES = {
@@ -66,6 +68,7 @@ CASES = {
     "fsdp2-int": lambda: model(fsdp2(2), CommPlan(iterations=2)),
     "fsdp2-explicit": lambda: model(fsdp2(), CommPlan(forward_prefetch=(("layers.0", ("layers.1", "layers.2")),),
                                                      backward_prefetch=(("layers.2", ("layers.1", "layers.0")),))),
+    "fsdp2-sequential": lambda: sequential_unit(CommPlan(iterations=2), "fsdp2"),
     "fsdp1-full": lambda: model(FSDP1, CommPlan(iterations=2)),
     "fsdp1-sequential": lambda: sequential_unit(CommPlan(iterations=2)),
     "fsdp1-mp": lambda: model(FSDP1, CommPlan(**BF16_FP32)),
@@ -78,6 +81,7 @@ CASES = {
 
 FAULTS = [
     ("COMM-COUNTS", "fsdp2-no-reshard", "fsdp2-unshard-ignores-unsharded", "kind:extra"),
+    ("COMM-COUNTS", "fsdp2-sequential", "fsdp2-sequential-group-never-resharded", "kind:missing"),
     ("COMM-COUNTS", "fsdp2-frozen", "fsdp2-frozen-reduced", "kind:extra"),
     ("COMM-COUNTS", "fsdp2-frozen", "fsdp2-frozen-reduced", "kind:numel"),
     ("COMM-COUNTS", "fsdp2-mp", "fsdp2-reduce-in-param-dtype", "kind:dtype"),

@@ -133,7 +133,7 @@ def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> 
         count[0] += 1
         return count[0]
 
-    called = fsdp1_called_containers(spec)
+    called = called_containers(spec)
 
     def call(m: ModuleSpec, path: str, x: bool, t: int) -> tuple[bool, int]:
         if m.cls in TORCH_CONTAINERS and path not in called:  # torch's own containers are iterated, never called
@@ -163,19 +163,20 @@ def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> 
     return tuple(steps), loss
 
 
-def fsdp1_called_containers(spec: CaseSpec) -> frozenset[str]:
-    """FSDP1 units that are torch's Sequential: the case calls them through
-    their FSDP1 wrapper, as a user's model calls a Sequential
-    (conformance.case.build.call_child), so they are entered and exited like
-    any module (no parameters of their own); the other torch containers are
-    only iterated."""
-    if spec.plan.api != "fsdp1":
-        return frozenset()
-    pred = predict_fsdp1(spec)
-    if pred.error is not None:
-        return frozenset()
+def called_containers(spec: CaseSpec) -> frozenset[str]:
+    """torch's Sequential modules that the case calls: FSDP1 units (called
+    through their wrapper) and modules given to fully_shard (FSDP2's hooks
+    on them), as a user's model calls a Sequential
+    (conformance.case.build.call_child). They are entered and exited like
+    any module (no parameters of their own); every other torch container
+    is only iterated."""
     kinds = {path: m.cls for path, m in walk(spec.tree)}
-    return frozenset(u.path for u in pred.units if u.path and kinds.get(u.path) == "Sequential")
+    if spec.plan.api == "fsdp2":
+        paths = {m for grp in spec.plan.groups for m in grp.modules}
+    else:
+        pred = predict_fsdp1(spec)
+        paths = {u.path for u in pred.units} if pred.error is None else set()
+    return frozenset(p for p in paths if p and kinds.get(p) == "Sequential")
 
 
 def backward_order(steps: tuple[Step, ...]) -> list[Step]:

@@ -26,6 +26,11 @@ from conformance.case.tree import class_ancestry, join
 # that torch rejects at the first forward.
 TIE_CHECK_SINCE = (2, 12)
 TORCH_CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
+# The torch containers a model iterates rather than calls (no forward of
+# their own). torch's Sequential is called where FSDP wraps or shards it (the
+# case calls it then, as a user's model does: conformance.case.build.call_child),
+# else walked; a ModuleList or ModuleDict is always walked.
+ITERATED_CONTAINERS = ("ModuleList", "ModuleDict")
 # fully_shard([a, b]) (one group for several modules) is public from 2.6.
 LIST_FORM_SINCE = (2, 6)
 
@@ -132,8 +137,8 @@ def _unsupported(methods, calls, g: ModelGraph, order: list[ShardGroup]) -> str:
                     return f"fully_shard([...]) with {b} inside {a or '<root>'}: the list form is for disjoint modules"
         for m in grp.modules:
             cls = g.nodes[m].cls
-            if g.is_torch(m, TORCH_CONTAINERS, exact=True):
-                return f"fully_shard on torch's own {cls} at {m or '<root>'}: its forward is not how the case calls it"
+            if g.is_torch(m, ITERATED_CONTAINERS, exact=True):
+                return f"fully_shard on torch's own {cls} at {m or '<root>'}: a model iterates it, never calls its forward"
             if m in g.not_called:
                 return f"fully_shard on {m}, whose forward the model's forward never runs (its parameters are read without calling it)"
     first = calls[0]
@@ -333,7 +338,7 @@ class _Sim:
     def call_child(self, nid: str) -> None:
         if nid in self.member:
             self.nested = True
-        if self.g.is_torch(nid, TORCH_CONTAINERS, exact=True):
+        if self.g.is_torch(nid, ITERATED_CONTAINERS if nid in self.member else TORCH_CONTAINERS, exact=True):
             for _, c in self.g.nodes[nid].children:  # build.call_child runs their children
                 self.call_child(c)
         else:
@@ -561,23 +566,31 @@ def _frozen_embedding(spec: CaseSpec, path: str, frozen: set[str] | None = None)
     return all(g.param_fqn[pid] in frozen for _, pid in node.params)
 
 
+def sharded_modules(spec, g) -> frozenset[str]:
+    """Node ids of the modules the FSDP2 plan gives fully_shard (a CaseSpec's)."""
+    if getattr(spec, "tree", None) is None or spec.plan.api != "fsdp2":
+        return frozenset()
+    return frozenset(g.resolve_module(m) for grp in spec.plan.groups for m in grp.modules)
+
+
 def forward_calls(spec: CaseSpec, skip: tuple[str, ...] = (), *, completed: bool = False) -> list[str]:
     """Node ids of the modules whose forward (and so whose FSDP hooks) the
     case's generic forward runs, in order, with multiplicity: a module
     registered under two parents runs once per parent; torch's own containers
-    are walked, not called (conformance.case.build.call_child). ``skip``: spec paths
+    are walked, not called, except a Sequential given to fully_shard
+    (conformance.case.build.call_child). ``skip``: spec paths
     a microbatch passes over (as conformance.areas.schedule.oracle.used_params).
     ``completed``: in the order the forwards finish (a module after the
     children it runs: its post-forward hooks' order), not the order they start."""
 
     g = graph_of(spec)
-    containers = ("ModuleList", "ModuleDict", "Sequential")
+    sharded = sharded_modules(spec, g)  # a Sequential among them is called
     skipped, out = set(skip), []
 
     def visit(nid: str, stack: tuple[str, ...]) -> None:
         if nid in stack:
             return  # a module that holds itself: never built
-        called = not g.is_torch(nid, containers, exact=True)
+        called = not g.is_torch(nid, ITERATED_CONTAINERS if nid in sharded else TORCH_CONTAINERS, exact=True)
         if called and not completed:
             out.append(nid)
         for name, child in g.nodes[nid].children:

@@ -255,7 +255,8 @@ def call_child(child, x):
     if isinstance(inner, nn.LayerNorm):
         n = inner.normalized_shape[0]
         return child(x[:, None] + torch.arange(n, dtype=x.dtype, device=x.device)).mean(-1) + x
-    if type(inner) is nn.Sequential and inner is not child:  # an FSDP1 unit: called, so FSDP1 unshards it
+    torch_seq = type(inner) is nn.Sequential or (isinstance(inner, nn.Sequential) and nn.Sequential in type(inner).__bases__)
+    if torch_seq and (inner is not child or type(inner) is not nn.Sequential):  # an FSDP1 unit or fully_shard's: called, so FSDP unshards it
         inner.forward = lambda y: run_children(inner, y)
         return child(x)
     if type(inner) in (nn.ModuleList, nn.ModuleDict, nn.Sequential):

@@ -9,14 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from conformance.areas.common.fsdp1_oracle import FSDP1Prediction, predict_fsdp1
-from conformance.areas.common.fsdp2_oracle import FSDP2Prediction, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import ITERATED_CONTAINERS, FSDP2Prediction, predict_fsdp2
 from conformance.case.target import graph_of
-
-# torch's containers that a model iterates rather than calls (they have no
-# forward of their own): an FSDP1 unit that is one is never unsharded by its
-# forward. torch's Sequential is called (conformance.case.build.call_child),
-# so an FSDP1 unit may be one.
-ITERATED_CONTAINERS = ("ModuleList", "ModuleDict")
 
 
 @dataclass(frozen=True)
