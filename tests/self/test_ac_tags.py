@@ -56,3 +56,31 @@ def test_the_finding_explains_the_wrap_error_only_where_torch_has_the_bug():
     # another error at wrap time on the container case: not this finding's either
     for v in _violations(CASE, "RuntimeError: something else went wrong"):
         assert not FINDING.matches(v, "2.8.0+cu128"), v
+
+
+def test_recompute_is_not_judged_against_a_run_whose_units_the_wrapper_changes():
+    """A checkpoint_wrapper that FSDP1's size policy may make a unit where
+    its ModuleDict could not be one: the run without AC has other units, so
+    what the target saved there is no basis for kind:not-recomputed
+    (thorough seed 1976322998: without AC modeldict0's frozen weight is a
+    view of the root's mixed flat parameter and requires grad; with AC its
+    own unit is all frozen and nothing needs recomputing). The forward-count
+    checks still run; a target the policy cannot restructure is still held
+    to the recompute."""
+    from conformance.areas.activation_checkpointing.invariants import check_recompute
+    from conformance.areas.activation_checkpointing.oracle import wrappers_that_may_be_units
+    from conformance.case.spec import CustomWrap
+    from conformance.run import corpus
+
+    spec = next(c.spec for c in corpus.load() if c.name == "suite-ac-recompute-size-policy-wrapper-unit")
+    assert wrappers_that_may_be_units(spec) == {"modeldict0"}
+    obs = ACObservation(api="fsdp1", rank=0, world_size=2, backend="gloo", torch_version="2.13.0",
+                        calls=((0, "modeldict0", 1, 0, 0),), plain_calls=((0, "modeldict0", 1, 0, 1),))
+    assert check_recompute(spec, predict_ac(spec), obs) == []
+    extra = dataclasses.replace(obs, calls=((0, "modeldict0", 1, 2, 0),))
+    assert ["kind:extra-recompute" in v.tags for v in check_recompute(spec, predict_ac(spec), extra)] == [True]
+    # the same observation where the units do not change: the policy is not size-based, or no wrapper is used
+    for control in (dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, policy=CustomWrap(("modeldict1",)))),
+                    dataclasses.replace(spec, activation_checkpoint=dataclasses.replace(spec.activation_checkpoint, kind="utils-checkpoint"))):
+        assert not wrappers_that_may_be_units(control)
+        assert [v for v in check_recompute(control, predict_ac(control), obs) if "kind:not-recomputed" in v.tags]

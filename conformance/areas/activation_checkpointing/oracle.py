@@ -85,16 +85,25 @@ def _expect(spec: CaseSpec, world: int) -> Expected:
     if isinstance(policy, CustomWrap) and any(k == "sharding_strategy" and v != "FULL_SHARD" for _, kw in policy.kwargs for k, v in kw):
         # the comm oracle models one sharding strategy for every unit
         return Expected(why="a unit with its own sharding strategy (CustomPolicy kwargs): the comm oracle models one strategy for all units")
-    plan = spec.activation_checkpoint or ActivationCheckpointPlan()
-    if isinstance(policy, SizeBasedWrap) and plan.kind in WRAPPERS:
-        g = graph_of(spec)
-        if any(g.is_torch(g.resolve_module(t), SIZE_EXCLUDE_WRAP) for t in plan.targets):
-            # size_based_auto_wrap_policy never wraps a ModuleList / ModuleDict,
-            # but may wrap the CheckpointWrapper around one: units the tree
-            # without the wrapper does not have
-            return Expected(why="checkpoint_wrapper around a ModuleList / ModuleDict under the size-based policy (the wrapper may become a unit the module could not)")
+    if wrappers_that_may_be_units(spec):
+        # size_based_auto_wrap_policy never wraps a ModuleList / ModuleDict,
+        # but may wrap the CheckpointWrapper around one: units the tree
+        # without the wrapper does not have
+        return Expected(why="checkpoint_wrapper around a ModuleList / ModuleDict under the size-based policy (the wrapper may become a unit the module could not)")
     # FSDP1's defaults: FULL_SHARD, BACKWARD_PRE, no forward prefetch, limit_all_gathers
     return simulate_fsdp1(spec, world, CommPlan(iterations=steps), input_grad=True)
+
+
+def wrappers_that_may_be_units(spec: CaseSpec) -> frozenset[str]:
+    """The targets whose checkpoint_wrapper FSDP1's size-based policy may
+    make a unit where the module itself could not be one (it never wraps a
+    ModuleList / ModuleDict, subclasses included): with AC, the case's units
+    are not those of the same run without AC."""
+    plan = spec.activation_checkpoint or ActivationCheckpointPlan()
+    if spec.plan.api != "fsdp1" or not isinstance(spec.plan.policy, SizeBasedWrap) or plan.kind not in WRAPPERS:
+        return frozenset()
+    g = graph_of(spec)
+    return frozenset(t for t in plan.targets if g.is_torch(g.resolve_module(t), SIZE_EXCLUDE_WRAP))
 
 
 def _tie_reads_below_wrapper_unit(spec: CaseSpec, plan: ActivationCheckpointPlan) -> frozenset[str]:
