@@ -199,7 +199,7 @@ DOC_RECOMPUTE = ("torch.utils.checkpoint.checkpoint docstring ('the unsaved tens
     group="activation_checkpointing",
     api="fsdp1|fsdp2",
     scenario="activation-checkpointing",
-    statement="Checkpointing under FSDP recomputes what it promises: in every step, a checkpointed module whose forward saved tensors for backward (measured on the same FSDP run without AC) runs its forward again during that step's backward, none runs in backward more often than it ran in forward, and checkpointing changes how often none runs in forward. Counts need no values: both tiers.",
+    statement="Checkpointing under FSDP recomputes what it promises: in every step, a checkpointed module whose forward saved tensors for backward (measured on the same FSDP run without AC, where AC leaves the units as they are: not a checkpoint_wrapper that FSDP1's size policy may make a unit) runs its forward again during that step's backward, none runs in backward more often than it ran in forward, and checkpointing changes how often none runs in forward. Counts need no values: both tiers.",
     source=DOC_RECOMPUTE,
 )
 def check_recompute(spec: CaseSpec, pred: ACPrediction, obs: ACObservation) -> list[Violation] | NotChecked:
