@@ -134,6 +134,12 @@ class ReportPlugin:
         sess = getattr(self, "_pytest_session", None)
         if sess is not None:
             sess.shouldstop = "interrupted by SIGTERM"
+        if self.session is not None:
+            # the next example raises it again: a KeyboardInterrupt raised
+            # where Python swallows it (a gc callback, a __del__) would
+            # otherwise leave the test's remaining examples running
+            # (ci/test.sh, test_sigterm_...: the run went on for minutes)
+            self.session.interrupted = "SIGTERM"
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
         raise KeyboardInterrupt("SIGTERM")
 

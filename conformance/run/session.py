@@ -194,6 +194,7 @@ class Session:
         self.tallies: dict[tuple[str, str, str, str], Tally] = {}  # (invariant, tier, api, model)
         self.repro_dir = repro_dir
         self.on_change: Callable[[], None] | None = None  # called after every example (reports throttle it)
+        self.interrupted: str | None = None  # a signal that ended the run: every later example raises KeyboardInterrupt
         self.corpus: dict[tuple[str, str, str], dict] = {}  # (case, invariant, tier) -> outcome of a corpus case
         # a corpus case by its spec: CaseSpec is a frozen dataclass, so equal
         # specs hash alike (cheaper than digesting every example's JSON)
@@ -298,6 +299,8 @@ class Session:
         InvariantFailed per broken invariant (an ExceptionGroup of them for
         several: Hypothesis keeps each distinct failure apart and shrinks it
         on its own), with the case as Python and the repro path as notes."""
+        if self.interrupted:
+            raise KeyboardInterrupt(self.interrupted)
         invariants = [i for i in invariants if self.selected is None or i in self.selected]
         if not invariants:
             pytest.skip("no invariant of this test is selected")

@@ -172,3 +172,25 @@ def test_selecting_an_invariant_of_one_api_still_runs_its_area_test(tmp_path):
     report = data.load(tmp_path / "report.json")
     rows = [r for r in report["results"] if r["invariant"] == "MP-PIPELINE" and r["tier"] == "gloo"]
     assert proc.returncode == 0 and rows and all(r.get("checked", 0) > 0 for r in rows), proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_a_sigterm_whose_keyboardinterrupt_is_swallowed_still_stops_the_next_example():
+    """The SIGTERM handler raises KeyboardInterrupt where the signal lands;
+    Python swallows it inside a gc callback or a __del__, and the test's
+    remaining examples then ran on (ci/test.sh: the run above went on for
+    minutes after its SIGTERM, its ranks alive). The handler also marks the
+    session, and every later example raises it again."""
+    from conformance.plugin.report import ReportPlugin
+    from conformance.run.session import Session
+
+    plugin = ReportPlugin.__new__(ReportPlugin)
+    plugin.session = Session()
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            plugin._on_sigterm(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert plugin.session.interrupted == "SIGTERM"
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        plugin.session.check_example(["WRAP-UNITS"], None, None, "fake")
