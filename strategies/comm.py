@@ -16,10 +16,11 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
-from conformance.areas.common.fsdp2_oracle import ITERATED_CONTAINERS, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.case.spec import FSDP1_BACKWARD_PREFETCH, FSDP1_STRATEGIES, CaseSpec, CommPlan, CustomWrap, ShardGroup, WrapPlan
 from conformance.strategies._common import ANY_TORCH, TreeIndex, check_int, ints, maybe, pick, pick_subset
 from conformance.strategies.cases import case_specs
+from conformance.strategies.groups import shardable
 from conformance.strategies.training import fsdp1_trainable
 
 # reshard_after_forward per group: torch's default first; 2 reshards to
@@ -29,17 +30,13 @@ RESHARD = (None, True, False, 2)
 PRECISIONS = ((None, None), ("bfloat16", None), ("bfloat16", "float32"), ("float16", "float32"), (None, "bfloat16"))
 
 
-def _shardable(index: TreeIndex, path: str) -> bool:
-    return path != "" and index.modules[path].cls not in ITERATED_CONTAINERS
-
-
 def draw_groups(draw: Any, spec: CaseSpec, choices: tuple, max_groups: int) -> CaseSpec:
     """Up to ``max_groups`` single-module FSDP2 groups, reshard_after_forward
     from ``choices`` each, sometimes the root's own setting; groups FSDP2
     does not promise to run (a torch container, a module never called) dropped."""
     index = TreeIndex(spec.tree, spec.classes)
     groups = [ShardGroup((p,), pick(draw, choices)) for p in
-              pick_subset(draw, [p for p in index.paths if _shardable(index, p)], min_size=0, max_size=max_groups)]
+              pick_subset(draw, [p for p in index.paths if shardable(index, p)], min_size=0, max_size=max_groups)]
     if maybe(draw, 2):
         groups.append(ShardGroup(("",), pick(draw, choices[1:])))
     spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp2", groups=tuple(groups)))

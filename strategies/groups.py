@@ -21,7 +21,7 @@ from conformance.strategies.methods import draw_calls, draw_methods, draw_siblin
 RESHARD = (None, True, False)  # simplest (torch's default) first
 
 
-def _shardable(index: TreeIndex, path: str) -> bool:
+def shardable(index: TreeIndex, path: str) -> bool:
     """fully_shard may take it and the case calls it as a module: not the
     root, not torch's ModuleList or ModuleDict (iterated, never called);
     torch's Sequential given to fully_shard is called (conformance.case.build.call_child)."""
@@ -31,14 +31,14 @@ def _shardable(index: TreeIndex, path: str) -> bool:
 def draw_groups(draw: Any, spec: CaseSpec, *, max_groups: int, split_ties: bool) -> tuple[ShardGroup, ...]:
     index = TreeIndex(spec.tree, spec.classes)
     graph = ModelGraph(spec)
-    candidates = [p for p in index.paths if _shardable(index, p)]
+    candidates = [p for p in index.paths if shardable(index, p)]
     groups: list[ShardGroup] = []
     used: set[str] = set()
     # the multi-module form for a tie between two modules neither of which
     # holds the other: fully_shard([a, b])
     for t in spec.ties:
         a, b = index.param_owner[t.source], t.module
-        if a == b or a in used or b in used or not (_shardable(index, a) and _shardable(index, b)):
+        if a == b or a in used or b in used or not (shardable(index, a) and shardable(index, b)):
             continue
         if b in graph.subtree(a) or a in graph.subtree(b) or not maybe(draw, 1):
             continue
