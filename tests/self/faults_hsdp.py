@@ -10,6 +10,7 @@ from unittest import mock
 
 from conformance.case.spec import CaseSpec
 from conformance.engine.scenarios import scenario
+from tests.self import faults_init_order
 
 FAULTS = {}
 
@@ -158,6 +159,12 @@ def _both(*patches):
         for p in patches:
             stack.enter_context(p)
         yield
+
+
+# FSDP1's sync_module_states with its GPU check off, whole or syncing each
+# unit's own buffers only (tests/self/faults_init_order.py)
+FAULTS["fsdp1-sync-allowed-on-cpu"] = faults_init_order.fsdp1_sync_allowed_on_cpu
+FAULTS["fsdp1-sync-own-buffers-only"] = faults_init_order.fsdp1_sync_own_buffers_only
 
 
 def _faulty(name: str):

@@ -71,6 +71,64 @@ def fsdp1_param_init_fn_not_called():
     return mock.patch.object(_init_utils, "_materialize_with_param_init_fn", materialize)
 
 
+@fault("fsdp1-materialize-loses-buffers")
+def fsdp1_materialize_loses_buffers():
+    """FSDP1 materialises the meta modules with the user's param_init_fn,
+    then allocates their buffers afresh (as a to_empty after it would; here
+    filled with 0.5, deterministic and not the seed's): the parameters are
+    right, every buffer is not."""
+    import torch
+    from torch.distributed.fsdp import _init_utils
+
+    orig = _init_utils._materialize_with_param_init_fn
+
+    def materialize(root_module, param_init_fn, ignored_modules):
+        orig(root_module, param_init_fn, ignored_modules)
+        for module in _init_utils._get_modules_to_materialize(root_module, ignored_modules):
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = torch.full_like(b, 0.5)
+
+    return mock.patch.object(_init_utils, "_materialize_with_param_init_fn", materialize)
+
+
+@fault("fsdp1-sync-allowed-on-cpu")
+def fsdp1_sync_allowed_on_cpu():
+    """Not a fault: FSDP1's sync_module_states without its check that the
+    module is on a GPU (finding fsdp1-sync-module-states-rejects-cpu), so
+    that the sync itself runs over gloo, as it does on a GPU."""
+    from torch.distributed.fsdp import _init_utils
+
+    return mock.patch.object(_init_utils, "_check_module_states_for_sync_module_states", lambda states: None)
+
+
+@fault("fsdp1-sync-own-buffers-only")
+def fsdp1_sync_own_buffers_only():
+    """As fsdp1-sync-allowed-on-cpu, and each unit's sync broadcasts its own
+    module's buffers only (buffers(recurse=False), the mutant
+    fsdp1-sync-module-states-own-buffers-only): the buffers of the non-unit
+    modules under a unit keep each rank's values."""
+    import contextlib
+
+    from torch.distributed.fsdp import _init_utils
+
+    def sync(module, params, process_group):
+        states = []
+        for b in module.buffers(recurse=False):
+            if not getattr(b, _init_utils.FSDP_SYNCED, False):
+                setattr(b, _init_utils.FSDP_SYNCED, True)
+                states.append(b.detach())
+        states += [p.detach() for p in params]
+        _init_utils._sync_params_and_buffers(process_group, states, _init_utils.PARAM_BROADCAST_BUCKET_SIZE, src=0)
+
+    @contextlib.contextmanager
+    def both():
+        with fsdp1_sync_allowed_on_cpu(), mock.patch.object(_init_utils, "_sync_module_params_and_buffers", sync):
+            yield
+
+    return both()
+
+
 @fault("dcp-broadcast-skipped")
 def dcp_broadcast_skipped():
     """set_model_state_dict(broadcast_from_rank0=True) broadcasts nothing:

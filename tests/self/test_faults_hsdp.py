@@ -100,6 +100,22 @@ def test_fault_is_caught_inside_the_ranks(invariant, case, fault, kind, pool):
     assert any(kind in v.tags for v in res.violations), res.describe()
 
 
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", ["fsdp1-mesh-2x2", "fsdp1-pg-2x2-zero2"])
+def test_fsdp1_sync_reaches_the_buffers_of_the_modules_under_a_unit(case, pool):
+    """With FSDP1's GPU check off (on CPU its sync raises: the recorded
+    finding), the hybrid sync holds; syncing each unit's own buffers only
+    leaves those of head (under the root unit) and block.proj (under
+    block's) as each rank seeded them, and HSDP-SYNC names them."""
+    spec = CASES[case]()
+    res = run("HSDP-SYNC", spec, pool, "fault:hsdp:fsdp1-sync-allowed-on-cpu")
+    assert res.verdict == PASS, res.describe()
+    res = run("HSDP-SYNC", spec, pool, "fault:hsdp:fsdp1-sync-own-buffers-only")
+    assert res.verdict == FAIL and all("kind:not-synced" in v.tags for v in res.violations), res.describe()
+    for name in ("head.hsdp_sync_persistent", "block.proj.hsdp_sync_persistent", "block.proj.hsdp_sync_non_persistent"):
+        assert name in res.describe(), res.describe()
+
+
 def test_local_shape_is_torch_chunk():
     import torch
 

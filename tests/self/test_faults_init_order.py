@@ -68,6 +68,8 @@ FAULTS = [
     ("INIT-ORDER", "fsdp2-float64", "reset-sharded-param-noop", "kind:raised"),
     ("INIT-ORDER", "fsdp2-meta", "reset-sharded-param-noop", "kind:loss"),
     ("INIT-META", "fsdp1-meta", "fsdp1-param-init-fn-not-called", "kind:meta-value"),
+    # the buffer of block, a unit: named block._fsdp_wrapped_module.running by named_buffers()
+    ("INIT-META", "fsdp1-meta", "fsdp1-materialize-loses-buffers", "kind:meta-value"),
     ("INIT-SYNC", "fsdp2-sync", "dcp-broadcast-skipped", "kind:not-synced"),
     ("INIT-DIVERGENT", "fsdp1-divergent-partly-used", "fsdp1-reduce-scatter-not-reduced", "kind:param"),
     # reading the materialised model's full values raises: the observation says so (at:init), not the scenario
@@ -107,6 +109,29 @@ def test_fault_is_caught_inside_the_ranks(invariant, case, fault, kind, pool):
     res = run(invariant, CASES[case](), pool, f"fault:init:{fault}", [])
     assert res.verdict == FAIL, res.describe()
     assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+@pytest.mark.gloo
+def test_fsdp1_sync_reaches_the_buffers_of_the_modules_under_a_unit(pool):
+    """FSDP1's sync_module_states broadcasts each unit's buffers with
+    module.buffers(): those of head (under the root unit) and block.proj
+    (under block's) too. On CPU the sync raises (finding
+    fsdp1-sync-module-states-rejects-cpu); with that check off, as on a GPU,
+    it runs over gloo and INIT-SYNC holds. Each rank seeds a buffer pair on
+    every module; a sync of each unit's own buffers only leaves those below
+    it as each rank built them, and INIT-SYNC names them."""
+    spec = model(FSDP1, InitPlan(sync=True))
+    assert run("INIT-SYNC", spec, pool, known_failures=[]).verdict == FAIL  # the recorded finding, unmodified
+    res = run("INIT-SYNC", spec, pool, "fault:init:fsdp1-sync-allowed-on-cpu", [])
+    assert res.verdict == PASS, res.describe()
+    res = run("INIT-SYNC", spec, pool, "fault:init:fsdp1-sync-own-buffers-only", [])
+    assert res.verdict == FAIL, res.describe()
+    text = res.describe()
+    assert all("kind:not-synced" in v.tags for v in res.violations), text
+    for name in ("head.init_persistent", "block.proj.init_persistent", "block.proj.init_non_persistent"):
+        assert name in text, text
+    for name in ("scale", "block.w", "block.running", "block.init_persistent"):  # the units' own: synced
+        assert f"{name} " not in text and f"{name}:" not in text, text
 
 
 @pytest.mark.gloo

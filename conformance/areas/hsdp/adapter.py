@@ -26,7 +26,7 @@ from conformance.areas.common.comm_adapter import Recorder
 from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensor, load_cause
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.ranks import any_rank_failed
-from conformance.areas.common.support import fsdp2_mesh, placed, rank_device
+from conformance.areas.common.support import add_rank_buffers, case_buffers, fsdp2_mesh, placed, rank_device
 from conformance.areas.common.training import make_optimizer, reference_loss, reference_noise, stable, train_close
 from conformance.areas.hsdp.observation import HsdpObservation, LocalSeen, StepSeen, ValueSeen
 from conformance.case.build import build, is_sharded, read_attr
@@ -287,19 +287,17 @@ def _dcp_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[str, ...]:
 
 # ---- sync from rank 0 -----------------------------------------------------------------
 
-# Buffers the sync adds to the root (the drawn trees hold few): one the state
-# dict carries, one it does not; built from each rank's own seed.
+# Buffers the sync adds to every module of the case (the drawn trees hold
+# few): one the state dict carries, one it does not; built from each rank's
+# own seed. Below the root too: FSDP1 syncs a unit's buffers with
+# module.buffers(), its non-unit submodules' included.
 SYNC_BUFFERS = (("hsdp_sync_persistent", True), ("hsdp_sync_non_persistent", False))
-
-
-def _sync_buffer(seed: int, i: int) -> torch.Tensor:
-    return torch.randn(3, generator=torch.Generator().manual_seed(7_919 * (i + 1) + seed))
+SYNC_SALT = 7_919
 
 
 def _rank_seeded(spec: CaseSpec, seed: int):
     built = placed(build(dataclasses.replace(spec, seed=seed)))
-    for i, (name, persistent) in enumerate(SYNC_BUFFERS):
-        built.model.register_buffer(name, _sync_buffer(seed, i).to(rank_device()), persistent=persistent)
+    add_rank_buffers(built, seed, SYNC_BUFFERS, SYNC_SALT)
     return built
 
 
@@ -341,11 +339,11 @@ def sync_from_rank0(spec: CaseSpec) -> tuple[str | None, tuple[str, ...], tuple[
     differs = [f for f, v in got.items() if not same(v, ref[f].detach())]
     checked = list(got)
     persistent = set(want.model.state_dict())
-    ref_bufs = dict(want.model.named_buffers())
-    for f, b in own.model.named_buffers():
+    ref_bufs = {f: m._buffers[n] for f, m, n in case_buffers(want)}
+    for f, m, n in case_buffers(own):  # by the spec's paths: FSDP1's wrapped names would match none
         if f in ref_bufs and (fsdp1 or f in persistent):
             checked.append(f)
-            if not same(b.detach(), ref_bufs[f].detach()):
+            if not same(m._buffers[n].detach(), ref_bufs[f].detach()):
                 differs.append(f)
     return None, tuple(sorted(checked)), tuple(sorted(differs))
 

@@ -365,7 +365,7 @@ DOC_SYNC = ("FullyShardedDataParallel docstring (sync_module_states: 'each FSDP 
     api="fsdp1|fsdp2",
     scenario="hsdp",
     all_ranks=True,
-    statement="Every rank built from its own seed, the HSDP layout synced from rank 0 (FSDP2: set_model_state_dict of rank 0's full state dict with broadcast_from_rank0=True on the 2-D mesh; FSDP1: sync_module_states=True) leaves every rank of every replica with rank 0's parameters and persistent buffers, bit for bit; FSDP1 with rank 0's non-persistent buffers too; FSDP2's non-persistent buffers are outside a state dict and not compared.",
+    statement="Every rank built from its own seed, the HSDP layout synced from rank 0 (FSDP2: set_model_state_dict of rank 0's full state dict with broadcast_from_rank0=True on the 2-D mesh; FSDP1: sync_module_states=True) leaves every rank of every replica with rank 0's parameters and persistent buffers (every module's: the root's, a unit's and the modules' under a unit), bit for bit; FSDP1 with rank 0's non-persistent buffers too; FSDP2's non-persistent buffers are outside a state dict and not compared.",
     source=f"{DOC_SYNC}; {DOC_FULLY_SHARD}; {DOC_STRATEGY}",
 )
 def check_sync(spec: CaseSpec, pred: HsdpPrediction, obs: list[HsdpObservation]) -> list[Violation] | NotChecked:

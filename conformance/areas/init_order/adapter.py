@@ -26,7 +26,7 @@ from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common import stall
 from conformance.areas.common.fsdp2_adapter import error_line, full_tensor, load_cause
 from conformance.areas.common.ranks import any_rank_failed
-from conformance.areas.common.support import placed, rank_device
+from conformance.areas.common.support import add_rank_buffers, case_buffers, placed, rank_device
 from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, make_optimizer, noise, reference_loss, stable
 from conformance.areas.init_order.observation import InitObservation, ValueCheck
 from conformance.case.build import Built, build, is_sharded, read_attr
@@ -34,10 +34,14 @@ from conformance.case.spec import CaseSpec, InitPlan
 from conformance.engine.fake import forget_meshes
 
 LR = 0.05
-# The buffers the sync cases add to the root (the drawn trees hold few
-# buffers, and none non-persistent): one persistent, one not, each
-# different on every rank before the sync.
+# The buffers the sync cases add to every module of the case (the drawn
+# trees hold few buffers, and none non-persistent): one persistent, one not,
+# each different on every rank and module before the sync. On every module,
+# not the root alone: FSDP1 syncs a unit's buffers with module.buffers(),
+# those of the non-unit modules under it included, which only a buffer below
+# the root shows (a root unit's own would be synced even by buffers(recurse=False)).
 SYNC_BUFFERS = (("init_persistent", True), ("init_non_persistent", False))
+SYNC_SALT = 1_000_003
 # A rank-divergent case runs FSDP on a group of its own, watched by a
 # StallGuard (conformance.areas.common.stall): once every rank has slept in
 # a collective for a second without CPU, the guard closes the group and each
@@ -47,15 +51,6 @@ SYNC_BUFFERS = (("init_persistent", True), ("init_non_persistent", False))
 # loaded machine (2 cores, the suite's other worker and its ranks) does not
 # time out a collective that would complete (3 s did, on a mutant run's machine)
 DIVERGENT_TIMEOUT = 8.0
-
-
-def _rank_buffer(seed: int, i: int) -> torch.Tensor:
-    return torch.randn(3, generator=torch.Generator().manual_seed(1_000_003 * (i + 1) + seed))
-
-
-def _add_sync_buffers(model: nn.Module, seed: int) -> None:
-    for i, (name, persistent) in enumerate(SYNC_BUFFERS):
-        model.register_buffer(name, _rank_buffer(seed, i).to(rank_device()), persistent=persistent)
 
 
 def _batches(x0: torch.Tensor, world: int) -> list[torch.Tensor]:
@@ -86,7 +81,7 @@ def _checks(names_values, want: dict[str, torch.Tensor], kind: str, exact: bool,
     out = []
     floors = None
     for name, got in names_values:
-        w = want[name].to(got.dtype)
+        w = want[name].to(device=got.device, dtype=got.dtype)
         diff = float((got - w).abs().max()) if got.numel() and got.shape == w.shape else (0.0 if got.shape == w.shape else math.inf)
         if exact:
             eq = got.shape == w.shape and bool(torch.equal(got, w))
@@ -244,7 +239,7 @@ def _observe(spec: CaseSpec, made: list) -> InitObservation:
     else:
         built = placed(build(dataclasses.replace(spec, seed=seed)))
     if plan.sync:
-        _add_sync_buffers(built.model, seed)
+        add_rank_buffers(built, seed, SYNC_BUFFERS, SYNC_SALT)
     aliases = a1.Aliases(built.model)
     names = list(aliases.param_canon)
     frozen_or_not = [p for p in built.model.parameters()]
@@ -341,19 +336,21 @@ def _observe(spec: CaseSpec, made: list) -> InitObservation:
                                    failed=True, seconds=time.perf_counter() - t_start)
         canon = [(f, values[f]) for f in names if aliases.param_canon[f] == f]
         checks = _checks(canon, src_values, "param", exact=True)
+        src_bufs = {f: m._buffers[n] for f, m, n in case_buffers(src)}
         if plan.meta:
-            bufs = dict(src.model.named_buffers())
-            checks += _checks([(f, b.detach()) for f, b in built.model.named_buffers() if f in bufs], bufs, "buffer", exact=True)
+            checks += _checks([(f, m._buffers[n].detach()) for f, m, n in case_buffers(built) if f in src_bufs], src_bufs, "buffer",
+                              exact=True)
             obs["meta_values"] = tuple(checks)
         else:
-            want = {name: _rank_buffer(spec.seed, i) for i, (name, _) in enumerate(SYNC_BUFFERS)}
-            tree_bufs = dict(src.model.named_buffers())
-            for f, b in built.model.named_buffers():
-                if f in want:
-                    kind = "buffer" if dict(SYNC_BUFFERS)[f] else "non-persistent-buffer"
-                    checks += _checks([(f, b.detach())], want, kind, exact=True)
-                elif f in tree_bufs:
-                    checks += _checks([(f, b.detach())], tree_bufs, "buffer", exact=True)
+            # rank 0's values: what its seed gives (every rank can make them)
+            want = add_rank_buffers(src, spec.seed, SYNC_BUFFERS, SYNC_SALT)
+            persistent = dict(SYNC_BUFFERS)
+            for f, m, n in case_buffers(built):
+                if n in persistent and f in want:
+                    kind = "buffer" if persistent[n] else "non-persistent-buffer"
+                    checks += _checks([(f, m._buffers[n].detach())], want, kind, exact=True)
+                elif f in src_bufs:
+                    checks += _checks([(f, m._buffers[n].detach())], src_bufs, "buffer", exact=True)
             obs["sync_values"] = tuple(checks)
 
     # the optimizer (unless it comes after the first step's backward) while

@@ -119,7 +119,7 @@ def check_order(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation]
     api="fsdp1|fsdp2",
     scenario="init_order",
     all_ranks=True,
-    statement="A model built on torch.device('meta'), wrapped, then materialised (FSDP2: fully_shard, to_empty(device), the user's reset of every module's own parameters and buffers through the DTensor API; FSDP1: param_init_fn doing to_empty(recurse=False) and that reset) has, on every rank, each parameter sharded as fully_shard promises (Shard(0), the dim-0 chunk of this rank, empty where dim 0 is smaller than the world) and full values equal to the non-meta model built from the same seed, even, uneven and empty shards alike; a tied Parameter stays one (its names agree after training).",
+    statement="A model built on torch.device('meta'), wrapped, then materialised (FSDP2: fully_shard, to_empty(device), the user's reset of every module's own parameters and buffers through the DTensor API; FSDP1: param_init_fn doing to_empty(recurse=False) and that reset) has, on every rank, each parameter sharded as fully_shard promises (Shard(0), the dim-0 chunk of this rank, empty where dim 0 is smaller than the world) and full values, and every module's buffers, equal to the non-meta model built from the same seed, even, uneven and empty shards alike; a tied Parameter stays one (its names agree after training).",
     source=DOC_META,
 )
 def check_meta(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation]) -> list[Violation] | NotChecked:
@@ -153,7 +153,7 @@ def check_meta(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation])
     api="fsdp1|fsdp2",
     scenario="init_order",
     all_ranks=True,
-    statement="Every rank built from its own seed, FSDP1 with sync_module_states=True and FSDP2 with set_model_state_dict(rank 0's full state dict, full_state_dict=True, broadcast_from_rank0=True) leave every rank with rank 0's parameters and persistent buffers; FSDP1 with rank 0's non-persistent buffers too (its docstring says buffers, all of them); FSDP2's non-persistent buffers are outside a state dict and not compared.",
+    statement="Every rank built from its own seed, FSDP1 with sync_module_states=True and FSDP2 with set_model_state_dict(rank 0's full state dict, full_state_dict=True, broadcast_from_rank0=True) leave every rank with rank 0's parameters and persistent buffers, those of every module (the root's, a unit's and the modules' under a unit); FSDP1 with rank 0's non-persistent buffers too (its docstring says buffers, all of them); FSDP2's non-persistent buffers are outside a state dict and not compared.",
     source=DOC_SYNC,
 )
 def check_sync(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation]) -> list[Violation] | NotChecked:
