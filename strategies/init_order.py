@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
-from conformance.case.spec import INIT_ACTIONS, INIT_DTYPES, INIT_OPTIMIZERS, CaseSpec, InitPlan
+from conformance.case.spec import INIT_ACTIONS, INIT_DTYPES, INIT_OPTIMIZERS, CaseSpec, InitPlan, replaced_parameter
 from conformance.case.tree import walk
 from conformance.strategies._common import maybe, pick
 from conformance.strategies.cases import case_specs
@@ -40,6 +40,7 @@ def _init_specs(draw: Any, cases: SearchStrategy, api: str, kind: str) -> CaseSp
     before = tuple(draw(st.lists(st.sampled_from(actions), max_size=3), label="actions before the first forward"))
     after_forward = draw(st.booleans(), label="optimizer after the first forward")
     dtype = draw(st.sampled_from(INIT_DTYPES), label="to(dtype)") if api == "fsdp2" and maybe(draw, 1) else None
+    replace = api == "fsdp2" and draw(st.booleans(), label="a parameter registered anew before lazy init")
     spec = draw(cases)
     # a model without parameters trains nothing: its trajectory compares
     # nothing (and DCP refuses its empty state dict: seed 12, "model
@@ -47,8 +48,10 @@ def _init_specs(draw: Any, cases: SearchStrategy, api: str, kind: str) -> CaseSp
     assume(any(m.params for _, m in walk(spec.tree)))
     if api == "fsdp1" and not spec.plan.use_orig_params:
         after_forward = False  # FSDP1's flat parameters are built at wrap time: no later optimizer to draw
+    if replace and replaced_parameter(spec) is None:
+        replace = False  # every parameter tied, shared or empty: none to replace
     plan = InitPlan(before=before, optimizer_after_forward=after_forward, dtype=dtype, meta=init == "meta", sync=init == "sync",
-                    optimizer=optimizer)
+                    optimizer=optimizer, replace=replace)
     return dataclasses.replace(spec, init=plan, methods=(), calls=())
 
 
@@ -57,7 +60,8 @@ def init_specs(*, api: str = "fsdp2", kind: str = "order", max_modules: int = 8,
     actions before the first forward (state_dict, get_model_state_dict; FSDP2
     also unshard() and unshard(async_op=True).wait()), the optimizer built
     before or after the first forward (FSDP1: after only with
-    use_orig_params=True), FSDP2 sometimes model.to(float64) after sharding,
+    use_orig_params=True), FSDP2 sometimes model.to(float64) after sharding
+    and sometimes a parameter registered anew before lazy init (InitPlan.replace),
     and the model built plainly, on the meta device (materialised after
     wrapping) or from a seed per rank (synchronised from rank 0).
     ``kind="divergent"``: one non-root module rank 1's forward passes over

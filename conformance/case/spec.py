@@ -352,7 +352,14 @@ class InitPlan:
     builds the model from its own seed (seed + rank) and FSDP makes them
     rank 0's (FSDP1 sync_module_states=True; FSDP2 set_model_state_dict of
     rank 0's full state dict with broadcast_from_rank0); ``skip``: the path
-    of a module rank 1's forward passes over (the others call it)."""
+    of a module rank 1's forward passes over (the others call it);
+    ``replace`` (FSDP2): after sharding (and materialising or syncing),
+    before the optimizer and every action, one parameter
+    (replaced_parameter) is registered anew as an nn.Parameter computed
+    from it, as DoRA initialises its magnitudes from the loaded weights:
+    fully_shard re-reads the modules' parameters at lazy init
+    (FSDPParamGroup.lazy_init: "Users may change or register parameters
+    after construction time")."""
 
     before: tuple[str, ...] = ()
     optimizer_after_forward: bool = False
@@ -362,6 +369,25 @@ class InitPlan:
     skip: str | None = None
     optimizer: str = "SGD"
     steps: int = 2
+    replace: bool = False
+
+
+# The value a replaced parameter gets (InitPlan.replace): new = old * SCALE + SHIFT
+REPLACE_SCALE, REPLACE_SHIFT = -0.5, 0.125
+
+
+def replaced_parameter(spec: "CaseSpec") -> str | None:
+    """The parameter InitPlan.replace registers anew: the first, in
+    named_parameters() order, that no other name reaches (no tie, no
+    shared module: a replacement through one name would untie the others)
+    and that holds some elements (an empty one's value shows nowhere)."""
+    from conformance.case.graph import ModelGraph
+
+    g = ModelGraph(spec)
+    for fqn, pid in g.named_parameters():
+        if len(g.aliases(pid)) == 1 and g.numel(pid) > 0:
+            return fqn
+    return None
 
 
 def validate_init(spec: "CaseSpec") -> None:
@@ -379,6 +405,11 @@ def validate_init(spec: "CaseSpec") -> None:
             raise SpecError(f"init plan {p!r}: FSDP1 keeps the original parameters (optimizer after forward) only with use_orig_params=True")
     if p.meta and p.sync:
         raise SpecError(f"init plan {p!r}: meta-device init and rank-seeded sync are separate cases")
+    if p.replace:
+        if spec.plan.api != "fsdp2" or p.skip is not None:
+            raise SpecError(f"init plan {p!r}: a replaced parameter is an FSDP2 case without a skipped module")
+        if replaced_parameter(spec) is None:
+            raise SpecError(f"init plan {p!r}: no parameter to replace (every one tied, shared or empty)")
     if p.skip is not None:
         paths = {path for path, _ in walk(spec.tree)}
         if p.skip == "" or p.skip not in paths:

@@ -46,6 +46,23 @@ def lazy_init_replaces_sharded_params():
     return mock.patch.object(FSDPParamGroup, "lazy_init", lazy_init)
 
 
+@fault("lazy-init-skips-reset")
+def lazy_init_skips_reset():
+    """FSDPParamGroup.lazy_init no longer re-reads the modules' parameters
+    (the mutant fsdp2-lazy-init-skips-reset-sharded-param): a parameter
+    registered anew after fully_shard is not the one FSDP all-gathers and
+    trains."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    orig = FSDPParamGroup.lazy_init
+
+    def lazy_init(self, *args, **kwargs):
+        self._reset_sharded_params = True
+        return orig(self, *args, **kwargs)
+
+    return mock.patch.object(FSDPParamGroup, "lazy_init", lazy_init)
+
+
 @fault("reset-sharded-param-noop")
 def reset_sharded_param_noop():
     """FSDPParam.reset_sharded_param does nothing: after model.to() or

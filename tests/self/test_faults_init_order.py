@@ -57,6 +57,9 @@ CASES = {
     "fsdp2-float64": lambda: model(FSDP2, InitPlan(before=("state_dict",), dtype="float64", optimizer="AdamW")),
     "fsdp2-meta": lambda: model(FSDP2, InitPlan(meta=True)),
     "fsdp2-sync": lambda: model(FSDP2, InitPlan(sync=True)),
+    # scale (the root's own) registered anew, then an unshard: lazy init after the replacement
+    "fsdp2-replace": lambda: model(FSDP2, InitPlan(replace=True, before=("unshard",), optimizer="Adam")),
+    "fsdp2-meta-replace": lambda: model(FSDP2, InitPlan(meta=True, replace=True)),
     "fsdp1-actions": lambda: model(FSDP1, InitPlan(before=("get_model_state_dict", "state_dict"), optimizer_after_forward=True)),
     "fsdp1-meta": lambda: model(FSDP1_FLAT, InitPlan(meta=True, optimizer="Adam")),
     "fsdp1-divergent-partly-used": lambda: model(FSDP1, InitPlan(skip="head")),
@@ -67,6 +70,9 @@ FAULTS = [
     ("INIT-ORDER", "fsdp2-state-dicts", "lazy-init-replaces-sharded-params", "kind:loss"),
     ("INIT-ORDER", "fsdp2-float64", "reset-sharded-param-noop", "kind:raised"),
     ("INIT-ORDER", "fsdp2-meta", "reset-sharded-param-noop", "kind:loss"),
+    # the mutant fsdp2-lazy-init-skips-reset-sharded-param: the replaced scale is never all-gathered
+    ("INIT-ORDER", "fsdp2-replace", "lazy-init-skips-reset", "kind:loss"),
+    ("INIT-ORDER", "fsdp2-meta-replace", "lazy-init-skips-reset", "kind:loss"),
     ("INIT-META", "fsdp1-meta", "fsdp1-param-init-fn-not-called", "kind:meta-value"),
     # the buffer of block, a unit: named block._fsdp_wrapped_module.running by named_buffers()
     ("INIT-META", "fsdp1-meta", "fsdp1-materialize-loses-buffers", "kind:meta-value"),
@@ -78,7 +84,8 @@ FAULTS = [
 
 HOLDS = {  # the invariants each case compares something for
     "fsdp2-actions": ("INIT-ORDER",), "fsdp2-state-dicts": ("INIT-ORDER",), "fsdp2-optim-after": ("INIT-ORDER",), "fsdp2-float64": ("INIT-ORDER",),
-    "fsdp2-meta": ("INIT-ORDER", "INIT-META"), "fsdp2-sync": ("INIT-ORDER", "INIT-SYNC"), "fsdp1-actions": ("INIT-ORDER",),
+    "fsdp2-meta": ("INIT-ORDER", "INIT-META"), "fsdp2-sync": ("INIT-ORDER", "INIT-SYNC"), "fsdp2-replace": ("INIT-ORDER",),
+    "fsdp2-meta-replace": ("INIT-ORDER", "INIT-META"), "fsdp1-actions": ("INIT-ORDER",),
     "fsdp1-meta": ("INIT-ORDER", "INIT-META"), "fsdp1-divergent-partly-used": ("INIT-DIVERGENT",),
 }
 
@@ -253,3 +260,13 @@ def test_trained_values_are_judged_within_the_reference_noise():
     assert judged(noisy) == {"w": True, "norm.weight": True} and calls == [1]
     assert judged({"w": want["w"] * 2, "norm.weight": want["norm.weight"]})["w"] is False  # a sum for a mean
     assert judged({"w": want["w"], "norm.weight": want["norm.weight"] + 2 * NOISE_FACTOR * 1e-3})["norm.weight"] is False
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", ["fsdp2-actions", "fsdp2-meta"])
+def test_lazy_init_without_its_reset_passes_where_no_parameter_was_registered_anew(case, pool):
+    """The fault lazy-init-skips-reset is caught through InitPlan.replace
+    alone: without a replaced parameter (the same actions; meta init, whose
+    to_empty goes through FSDPModule._apply) it changes nothing."""
+    res = run("INIT-ORDER", CASES[case](), pool, "fault:init:lazy-init-skips-reset", [])
+    assert res.verdict == PASS, res.describe()

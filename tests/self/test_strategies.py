@@ -580,3 +580,46 @@ def test_several_mixed_units_aims_only_at_modules_with_a_disjoint_partner():
 
     check()
     assert seen == {("blk.a", "blk.b")}
+
+
+def test_init_specs_register_a_parameter_anew_only_under_fsdp2():
+    """InitPlan.replace: FSDP2 draws it (on a parameter no other name
+    reaches), FSDP1 never; validation refuses it where there is none."""
+    import dataclasses
+
+    from hypothesis.errors import NoSuchExample
+
+    from conformance.case.spec import (
+        ClassSpec,
+        InitPlan,
+        ModuleSpec,
+        ParamSpec,
+        ShardGroup,
+        SpecError,
+        TiedParam,
+        WrapPlan,
+        replaced_parameter,
+    )
+    from conformance.strategies.init_order import init_specs
+
+    spec = find(init_specs(api="fsdp2"), lambda s: s.init.replace, settings=_settings(500), random=random.Random(0))
+    fqn = replaced_parameter(spec)
+    assert fqn is not None and sum(1 for f, _ in _aliases(spec) if f == fqn) == 1
+    with pytest.raises(NoSuchExample):
+        find(init_specs(api="fsdp1"), lambda s: s.init.replace, settings=_settings(300), random=random.Random(0))
+    tree = ModuleSpec("", "Model", (ParamSpec("a", (2,)),), children=(ModuleSpec("b", "Block", (ParamSpec("w", (2,)),)),))
+    base = dataclasses.replace(spec, tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), shared=(), ties=(),
+                               plan=WrapPlan(api="fsdp2", groups=(ShardGroup(("b",)),)), init=InitPlan(replace=True))
+    assert replaced_parameter(base) == "a"
+    tied = dataclasses.replace(base, init=None, ties=(TiedParam("b", "w", "a"),))
+    assert replaced_parameter(tied) is None
+    with pytest.raises(SpecError, match="no parameter to replace"):
+        dataclasses.replace(tied, init=InitPlan(replace=True))
+    with pytest.raises(SpecError, match="FSDP2 case"):
+        dataclasses.replace(base, plan=WrapPlan(api="fsdp1"))
+
+def _aliases(spec):
+    from conformance.case.graph import ModelGraph
+
+    g = ModelGraph(spec)
+    return [(f, pid) for f, pid in g.named_parameters(remove_duplicate=False)]

@@ -30,7 +30,7 @@ from conformance.areas.common.support import add_rank_buffers, case_buffers, pla
 from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, make_optimizer, noise, reference_loss, stable
 from conformance.areas.init_order.observation import InitObservation, ValueCheck
 from conformance.case.build import Built, build, is_sharded, read_attr
-from conformance.case.spec import CaseSpec, InitPlan
+from conformance.case.spec import REPLACE_SCALE, REPLACE_SHIFT, CaseSpec, InitPlan, replaced_parameter
 from conformance.engine.fake import forget_meshes
 
 LR = 0.05
@@ -51,6 +51,18 @@ SYNC_SALT = 1_000_003
 # loaded machine (2 cores, the suite's other worker and its ranks) does not
 # time out a collective that would complete (3 s did, on a mutant run's machine)
 DIVERGENT_TIMEOUT = 8.0
+
+
+def _replace(built: Built, fqn: str) -> None:
+    """Register the parameter ``fqn`` anew, computed from its value (a
+    DTensor of the same layout where fully_shard sharded it), as DoRA
+    initialises its magnitudes: module.<name> = nn.Parameter(...)."""
+    path, _, name = fqn.rpartition(".")
+    module = built.modules[path]
+    old = getattr(module, name)
+    with torch.no_grad():
+        new = old.detach() * REPLACE_SCALE + REPLACE_SHIFT
+    setattr(module, name, nn.Parameter(new, requires_grad=old.requires_grad))
 
 
 def _batches(x0: torch.Tensor, world: int) -> list[torch.Tensor]:
@@ -181,6 +193,8 @@ def _reference(spec: CaseSpec, plan: InitPlan, world: int, dtype, train: bool = 
     ``train``: only the batches (the fake tier, whose collectives carry no
     data, compares no values)."""
     ref = placed(build(spec))
+    if plan.replace:
+        _replace(ref, replaced_parameter(spec))
     if dtype is not None:
         ref.model.to(dtype)
     xs = _batches(ref.example_input().to(dtype or torch.float32), world)
@@ -323,6 +337,7 @@ def _observe(spec: CaseSpec, made: list) -> InitObservation:
                                empty_shard=empty, skipped_params=skipped, seconds=time.perf_counter() - t_start)
 
     obs = dict(common, bad_shards=bad_shards, empty_shard=empty, skipped_params=skipped, untied_at_init=untied_at_init)
+    action_error = None
     if plan.meta or plan.sync:
         # the initialised / synced model's full values: FSDP's work too (summon_full_params, full_tensor)
         read_error = None
@@ -353,12 +368,20 @@ def _observe(spec: CaseSpec, made: list) -> InitObservation:
                     checks += _checks([(f, m._buffers[n].detach())], src_bufs, "buffer", exact=True)
             obs["sync_values"] = tuple(checks)
 
+    if plan.replace:  # before the optimizer (it takes the new Parameter) and before lazy init
+        try:
+            _replace(built, replaced_parameter(spec))
+        except Exception as e:
+            action_error = f"replacing {replaced_parameter(spec)}: {error_line(e)}"
+        if any_rank_failed(action_error is not None):
+            return InitObservation(**obs, action_error=action_error or "another rank's replacement raised", failed=True,
+                                   seconds=time.perf_counter() - t_start)
+
     # the optimizer (unless it comes after the first step's backward) while
     # the registered parameters are the sharded ones (FSDPModule.unshard /
     # reshard swap them), then the actions before the first forward, then training
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(plan.optimizer, params, LR) if params and not plan.optimizer_after_forward else None
-    action_error = None
     try:
         for a in plan.before:
             try:

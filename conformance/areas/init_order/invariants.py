@@ -90,7 +90,7 @@ def _trajectory(inv: str, pred: InitPrediction, obs: list[InitObservation], tags
     api="fsdp1|fsdp2",
     scenario="init_order",
     all_ranks=True,
-    statement="Whatever the order of the user's actions around FSDP's lazy initialisation (the optimizer built before or after the first forward; model.state_dict() or get_model_state_dict before any forward; FSDP2's unshard() or unshard(async_op=True).wait() before the first forward; FSDP2's model.to(float64) after fully_shard, the parameters staying DTensors of the new dtype), after meta-device init or a sync from rank 0, nothing raises and the losses and final parameters of a few optimizer steps equal single-process training's.",
+    statement="Whatever the order of the user's actions around FSDP's lazy initialisation (the optimizer built before or after the first forward; model.state_dict() or get_model_state_dict before any forward; FSDP2's unshard() or unshard(async_op=True).wait() before the first forward; FSDP2's model.to(float64) after fully_shard, the parameters staying DTensors of the new dtype; FSDP2's parameter registered anew between fully_shard and lazy init as an nn.Parameter computed from it, as DoRA does, which FSDP2 then trains), after meta-device init or a sync from rank 0, nothing raises and the losses and final parameters of a few optimizer steps equal single-process training's.",
     source=DOC_ORDER,
 )
 def check_order(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation]) -> list[Violation] | NotChecked:

@@ -9,7 +9,9 @@ broadcasts "module parameters and buffers" (all of them: the docstring
 names no exception, _sync_module_params_and_buffers reads module.buffers());
 FSDP2's set_model_state_dict(broadcast_from_rank0=True) loads the state
 dict (persistent buffers, not the non-persistent ones a state dict does not
-hold)."""
+hold); a parameter registered anew between fully_shard and lazy init is the
+one FSDP2 trains (FSDPParamGroup.lazy_init: "Users may change or register
+parameters after construction time. For example, DoRA ...")."""
 
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
         tags.add("init:meta")
     if plan.sync:
         tags.add("init:sync")
+    if plan.replace:
+        tags.add("init:replace")
     if training.frozen:
         tags.add("frozen")
     if spec.shared:
