@@ -2,8 +2,8 @@
 parameters under FSDP2 groups (reshard_after_forward None / True / False /
 an int, for the root too; explicit forward and backward prefetching) or
 FSDP1 units (sharding strategy, backward_prefetch, forward_prefetch,
-limit_all_gathers, iterations inside no_sync()), mixed precision, one to three iterations, and sometimes
-a one-rank mesh (FSDP2)."""
+limit_all_gathers, iterations inside no_sync()), mixed precision, one to three iterations, parameters
+frozen or unfrozen after the first (FSDP2; FSDP1 with use_orig_params=True), and sometimes a one-rank mesh (FSDP2)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,17 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
-from conformance.case.spec import FSDP1_BACKWARD_PREFETCH, FSDP1_STRATEGIES, CaseSpec, CommPlan, CustomWrap, ShardGroup, WrapPlan
+from conformance.case.spec import (
+    FSDP1_BACKWARD_PREFETCH,
+    FSDP1_STRATEGIES,
+    CaseSpec,
+    CommPlan,
+    CustomWrap,
+    ShardGroup,
+    WrapPlan,
+    param_fqns,
+)
+from conformance.case.tree import join, walk
 from conformance.strategies._common import ANY_TORCH, TreeIndex, check_int, ints, maybe, pick, pick_subset
 from conformance.strategies.cases import case_specs
 from conformance.strategies.groups import shardable
@@ -45,6 +55,26 @@ def draw_groups(draw: Any, spec: CaseSpec, choices: tuple, max_groups: int) -> C
     return spec
 
 
+def _draw_refreeze(draw: Any, spec: CaseSpec, iterations: int) -> tuple[str, ...]:
+    """Parameters whose requires_grad flips after the first iteration: none
+    (about a quarter of the time), a module's subtree frozen (its trainable
+    parameters) or unfrozen (its frozen ones), as a user freezes or unfreezes
+    a block, or one or two parameters anywhere."""
+    fqns = param_fqns(spec.tree)
+    if iterations < 2 or not any(p.requires_grad for _, m in walk(spec.tree) for p in m.params) or not maybe(draw, 3):
+        return ()  # nothing trainable: no backward first, after which a refreeze is not promised (comm_oracle.NO_BACKWARD_FIRST)
+    how = pick(draw, ("freeze", "unfreeze", "parameters"))
+    if how != "parameters":
+        root = pick(draw, [p for p, _ in walk(spec.tree)])
+        trainable = {join(path, p.name): p.requires_grad for path, m in walk(spec.tree) for p in m.params}
+        out = tuple(f for f in fqns if (not root or f.startswith(root + ".")) and trainable[f] == (how == "freeze"))
+        if out:
+            event(f"comm: {how} a subtree")
+            return out
+    event("comm: refreeze parameters")
+    return tuple(pick_subset(draw, fqns, min_size=1, max_size=2))
+
+
 def _draw_prefetch(draw: Any, modules: list[str], label: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     out = []
     if len(modules) < 2 or not maybe(draw, 2):
@@ -65,8 +95,9 @@ def _fsdp2_comm_specs(draw: Any, base: SearchStrategy, max_groups: int, max_iter
     fwd = _draw_prefetch(draw, modules, "forward")
     bwd = _draw_prefetch(draw, modules, "backward")
     param, reduce = pick(draw, PRECISIONS)
-    plan = CommPlan(iterations=1 + draw(ints(max_iterations - 1)), world=world, param_dtype=param, reduce_dtype=reduce,
-                    forward_prefetch=fwd, backward_prefetch=bwd)
+    iterations = 1 + draw(ints(max_iterations - 1))
+    plan = CommPlan(iterations=iterations, world=world, param_dtype=param, reduce_dtype=reduce,
+                    forward_prefetch=fwd, backward_prefetch=bwd, refreeze=_draw_refreeze(draw, spec, iterations))
     event(f"comm: fsdp2, {len(spec.plan.groups)} groups, world {'1' if world else 'all'}")
     return dataclasses.replace(spec, comm=plan)
 
@@ -91,6 +122,9 @@ def _fsdp1_comm_specs(draw: Any, base: SearchStrategy, max_iterations: int) -> C
         sharding_strategy=pick(draw, FSDP1_STRATEGIES), fsdp1_backward_prefetch=pick(draw, ("BACKWARD_PRE",) + tuple(x for x in FSDP1_BACKWARD_PREFETCH if x != "BACKWARD_PRE")),
         fsdp1_forward_prefetch=maybe(draw, 2), limit_all_gathers=not maybe(draw, 2), fsdp1_no_sync=no_sync if any(no_sync) else (),
     )
+    if spec.plan.use_orig_params and not (plan.fsdp1_no_sync and plan.fsdp1_no_sync[0]):
+        # the flat parameters follow their original parameters' requires_grad with use_orig_params=True only
+        plan = dataclasses.replace(plan, refreeze=_draw_refreeze(draw, spec, iterations))
     event(f"comm: fsdp1 {plan.sharding_strategy}, backward_prefetch {plan.fsdp1_backward_prefetch}")
     if plan.fsdp1_no_sync:
         event(f"comm: fsdp1 no_sync, {plan.sharding_strategy}")

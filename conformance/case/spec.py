@@ -798,7 +798,11 @@ class CommPlan:
     ``sharding_strategy``, ``backward_prefetch`` (a BackwardPrefetch
     member's name or None), ``forward_prefetch``, ``limit_all_gathers``;
     ``fsdp1_no_sync``, per iteration, whether it runs inside the root's
-    no_sync() (empty: none does), its gradients then kept for the next."""
+    no_sync() (empty: none does), its gradients then kept for the next.
+    ``refreeze``: parameters whose requires_grad flips after the first
+    iteration, for all the later ones (progressive freezing, or unfreezing:
+    FSDP2; FSDP1 with use_orig_params=True, whose flat parameters follow
+    their original parameters' requires_grad at the root's pre-forward)."""
 
     iterations: int = 1
     world: int = 0
@@ -811,6 +815,20 @@ class CommPlan:
     fsdp1_forward_prefetch: bool = False
     limit_all_gathers: bool = True
     fsdp1_no_sync: tuple[bool, ...] = ()
+    refreeze: tuple[str, ...] = ()
+
+
+def flip_requires_grad(spec: "CaseSpec", fqns) -> "CaseSpec":
+    """The spec with the parameters ``fqns`` (their spec FQNs) frozen where
+    they were trainable and trainable where they were frozen."""
+    fqns = set(fqns)
+
+    def flip(m: ModuleSpec, path: str) -> ModuleSpec:
+        params = tuple(dataclasses.replace(p, requires_grad=not p.requires_grad) if join(path, p.name) in fqns else p
+                       for p in m.params)
+        return dataclasses.replace(m, params=params, children=tuple(flip(c, join(path, c.name)) for c in m.children))
+
+    return dataclasses.replace(spec, tree=flip(spec.tree, ""))
 
 
 def validate_comm(spec: "CaseSpec") -> None:
@@ -835,6 +853,11 @@ def validate_comm(spec: "CaseSpec") -> None:
     if c.fsdp1_no_sync and (api != "fsdp1" or len(c.fsdp1_no_sync) != c.iterations
                             or not all(isinstance(b, bool) for b in c.fsdp1_no_sync)):
         raise SpecError("comm: fsdp1_no_sync is FSDP1's, one bool per iteration")
+    if c.refreeze:
+        if c.iterations < 2 or len(set(c.refreeze)) != len(c.refreeze) or not set(c.refreeze) <= set(param_fqns(spec.tree)):
+            raise SpecError("comm: refreeze names distinct parameters of the tree, with at least two iterations")
+        if api == "fsdp1" and (not spec.plan.use_orig_params or (c.fsdp1_no_sync and c.fsdp1_no_sync[0])):
+            raise SpecError("comm: FSDP1 flips requires_grad with use_orig_params=True only, after a synced first iteration")
 
 
 # ---- FSDP2's schedule APIs, per microbatch (MB-*) ------------------------------

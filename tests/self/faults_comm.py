@@ -320,6 +320,34 @@ def fsdp2_sequential_group_never_resharded():
     return mock.patch.object(cls, "reshard", reshard)
 
 
+@fault("fsdp1-flat-param-keeps-requires-grad")
+def fsdp1_flat_param_keeps_requires_grad():
+    """use_orig_params=True: a FlatParameter that once required grad keeps
+    requiring it after its unit's original parameters were all frozen (the
+    mutant fsdp1-flat-param-requires-grad-not-reset): the frozen unit's
+    gradient is still computed and reduce-scattered."""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    orig = FlatParamHandle._reset_flat_param_grad_info_if_needed
+
+    def reset(self):
+        was = self.flat_param.requires_grad
+        orig(self)
+        self.flat_param.requires_grad = self.flat_param.requires_grad or was
+
+    return mock.patch.object(FlatParamHandle, "_reset_flat_param_grad_info_if_needed", reset)
+
+
+@fault("fsdp2-unsharded-param-keeps-requires-grad")
+def fsdp2_unsharded_param_keeps_requires_grad():
+    """FSDP2's all-gather no longer copies the sharded parameter's
+    requires_grad to the unsharded one: a parameter frozen between
+    iterations still gets a gradient, reduce-scattered with its group."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return mock.patch.object(_fsdp_param, "set_requires_grad_if_needed", lambda src, dst: None)
+
+
 def _faulty(name: str):
     def run(spec: CaseSpec) -> dict:
         from conformance.areas.comm import adapter

@@ -43,6 +43,8 @@ def fsdp2(raf=None, root=None) -> WrapPlan:
 
 
 FSDP1 = WrapPlan(api="fsdp1", policy=CustomWrap(LAYERS))
+UOP = WrapPlan(api="fsdp1", policy=CustomWrap(LAYERS), use_orig_params=True)
+REFREEZE = ("layers.0.w", "layers.1.w", "layers.1.proj.weight", "layers.1.proj.bias")
 BF16_FP32 = dict(param_dtype="bfloat16", reduce_dtype="float32")
 
 def sequential_unit(comm: CommPlan, api: str = "fsdp1") -> CaseSpec:
@@ -77,6 +79,10 @@ CASES = {
     # two iterations inside no_sync, then a synced one (upstream test_fsdp_comm.py's pattern)
     "fsdp1-no-sync-zero2": lambda: model(FSDP1, CommPlan(iterations=3, sharding_strategy="SHARD_GRAD_OP", fsdp1_no_sync=(True, True, False))),
     "fsdp1-no-sync-full": lambda: model(FSDP1, CommPlan(iterations=3, fsdp1_no_sync=(True, False, True), **BF16_FP32)),
+    # after the first iteration, layers.1 frozen whole (no reduce-scatter for it then) and
+    # layers.0.w unfrozen (its unit's reduce-scatter unchanged under FSDP1, larger under FSDP2)
+    "fsdp1-refreeze": lambda: model(UOP, CommPlan(iterations=3, refreeze=REFREEZE), frozen=("layers.0.w",)),
+    "fsdp2-refreeze": lambda: model(fsdp2(), CommPlan(iterations=3, refreeze=REFREEZE), frozen=("layers.0.w",)),
 }
 
 FAULTS = [
@@ -102,6 +108,9 @@ FAULTS = [
     ("COMM-FSDP1-COUNTS", "fsdp1-no-sync-zero2", "fsdp1-no-sync-frees-unsharded", "kind:extra"),
     ("COMM-FSDP1-COUNTS", "fsdp1-no-sync-zero2", "fsdp1-no-sync-ignored", "kind:extra"),
     ("COMM-FSDP1-COUNTS", "fsdp1-no-sync-full", "fsdp1-no-sync-ignored", "kind:extra"),
+    # a unit frozen whole between iterations still reduce-scatters
+    ("COMM-FSDP1-COUNTS", "fsdp1-refreeze", "fsdp1-flat-param-keeps-requires-grad", "kind:extra"),
+    ("COMM-COUNTS", "fsdp2-refreeze", "fsdp2-unsharded-param-keeps-requires-grad", "kind:extra"),
 ]
 
 
@@ -141,6 +150,31 @@ def test_fault_is_caught_inside_the_pool_ranks(invariant, case, fault, kind, poo
     res = run(invariant, spec, pool, f"fault:comm:{fault}")
     assert res.verdict == FAIL, res.describe()
     assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+def test_a_refreeze_changes_what_the_oracle_promises_from_the_second_iteration():
+    """layers.1 frozen whole after the first iteration: no reduce-scatter for
+    it in the later ones; layers.0.w unfrozen: FSDP1's unit reduce-scatters
+    its whole flat parameter either way, FSDP2's group more elements."""
+    from conformance.areas.comm.oracle import predict_comm
+
+    for case, rs in (("fsdp1-refreeze", "layers.1"), ("fsdp2-refreeze", "layers.1")):
+        exp = predict_comm(CASES[case]()).expect(2)
+        reduced = [[c.group for c in it.collectives if c.op == "reduce_scatter"] for it in exp.iterations]
+        assert rs in reduced[0] and all(rs not in r for r in reduced[1:]), (case, reduced)
+        numel = [{c.group: c.numel for c in it.collectives if c.op == "reduce_scatter"} for it in exp.iterations]
+        grew = numel[1]["layers.0"] > numel[0]["layers.0"]
+        assert grew == (case == "fsdp2-refreeze"), (case, numel)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case,invariant,fault", [("fsdp1-refreeze", "COMM-FSDP1-COUNTS", "fsdp1-flat-param-keeps-requires-grad"),
+                                                 ("fsdp2-refreeze", "COMM-COUNTS", "fsdp2-unsharded-param-keeps-requires-grad")])
+def test_a_refreeze_holds_and_its_fault_is_caught_inside_the_pool_ranks(case, invariant, fault, pool):
+    spec = CASES[case]()
+    assert run(invariant, spec, pool).verdict == PASS
+    res = run(invariant, spec, pool, f"fault:comm:{fault}")
+    assert res.verdict == FAIL and any("kind:extra" in v.tags for v in res.violations), res.describe()
 
 
 def test_backward_post_from_a_frozen_unit_is_not_promised(fake_engine):

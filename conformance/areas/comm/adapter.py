@@ -9,6 +9,7 @@ the duration of one observation)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from unittest import mock
 
@@ -23,7 +24,7 @@ from conformance.areas.common.comm_adapter import Recorder, dtype_of, fsdp2_patc
 from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.support import fsdp2_mesh, on_rank_device, placed, rank_device
-from conformance.case.build import build
+from conformance.case.build import build, read_attr
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
 
@@ -147,8 +148,14 @@ def observe(spec: CaseSpec) -> CommObservation:
                 if not no_sync:  # gradients accumulate across no_sync iterations, as in a training loop
                     for p in model.parameters():
                         p.grad = None
+                if i == 0 and c.refreeze:  # requires_grad flips for the later iterations
+                    for f in c.refreeze:
+                        p = read_attr(built.model, f)
+                        p.requires_grad_(not p.requires_grad)
             except Exception as e:
-                error = f"iteration {i}: {error_line(e)}"
+                # without object addresses (FSDP1's hook-state assertion prints
+                # one), which would make the ranks' identical errors disagree
+                error = re.sub(r" at 0x[0-9a-f]+", "", f"iteration {i}: {error_line(e)}")
                 iterations.append(rec.take(True))
                 break
     return CommObservation(**base, error=error, iterations=tuple(iterations), seconds=time.perf_counter() - t0)

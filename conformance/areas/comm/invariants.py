@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conformance.areas.comm.observation import CommObservation
-from conformance.areas.comm.oracle import CommPrediction, Expected
+from conformance.areas.comm.oracle import CommPrediction, Expected, refreeze_tags
 from conformance.areas.common.catalog import Catalog, NotChecked
 from conformance.areas.common.comm_checks import collective_key, compare_collectives, compare_events
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard
@@ -45,7 +45,14 @@ def case_tags(spec: CaseSpec, obs: CommObservation) -> set[str]:
             tags.add("forward_prefetch")
         if c.fsdp1_no_sync:
             tags.add("no_sync")
+    tags |= refreeze_tags(spec)
     return tags
+
+
+# what FSDP raised, as the tags the recorded findings name
+ERRORS = {
+    "attempting to assign a gradient with dtype": "error:grad-dtype-mismatch",
+}
 
 
 def _expected(pred: CommPrediction, obs: CommObservation) -> Expected | NotChecked:
@@ -56,7 +63,9 @@ def _expected(pred: CommPrediction, obs: CommObservation) -> Expected | NotCheck
 
 
 def _raised(inv: str, obs: CommObservation, tags: set[str]) -> list[Violation]:
-    return [violation(inv, f"FSDP raised ({obs.error})", tags, "kind:raised")] if obs.error else []
+    if not obs.error:
+        return []
+    return [violation(inv, f"FSDP raised ({obs.error})", tags, "kind:raised", *(t for frag, t in ERRORS.items() if frag in obs.error))]
 
 
 def _check_counts(inv: str, spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> list[Violation] | NotChecked:
@@ -72,7 +81,7 @@ def _check_counts(inv: str, spec: CaseSpec, pred: CommPrediction, obs: CommObser
     group="comm",
     api="fsdp2",
     scenario="comm",
-    statement="Each iteration, every FSDP2 parameter group issues exactly the oracle's collectives: one all-gather in forward, one in backward where reshard_after_forward reshards (over the int's ranks for an int), one reduce-scatter of its trainable parameters only (none for a frozen group), no all-reduce; each with the promised numel, ranks and dtype (param_dtype for all-gathers, reduce_dtype for reductions); a one-rank mesh issues none.",
+    statement="Each iteration, every FSDP2 parameter group issues exactly the oracle's collectives: one all-gather in forward, one in backward where reshard_after_forward reshards (over the int's ranks for an int), one reduce-scatter of its trainable parameters only (none for a frozen group; trainable as requires_grad says in that iteration, after a freeze or unfreeze following an iteration that ran a backward), no all-reduce; each with the promised numel, ranks and dtype (param_dtype for all-gathers, reduce_dtype for reductions); a one-rank mesh issues none.",
     source=f"{DOC_RESHARD}; {DOC_MP}; {UPSTREAM} (test_fully_shard_communication_count, test_set_reshard_after_forward); test_fully_shard_frozen.py (reduce-scatter numel = trainable numel)",
 )
 def check_counts(spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> list[Violation] | NotChecked:
@@ -104,7 +113,7 @@ def check_order(spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> l
     group="comm",
     api="fsdp1",
     scenario="comm",
-    statement="Each iteration, every FSDP1 unit issues exactly the oracle's collectives whatever backward_prefetch, forward_prefetch and limit_all_gathers say: an all-gather in forward (sharded strategies), one in backward where FULL_SHARD freed the parameters after forward (never the root's), a reduce-scatter of its flat parameter (an all-reduce under NO_SHARD) when it has a trainable parameter, none inside no_sync(), where SHARD_GRAD_OP also keeps the unsharded parameters after backward (the next forward gathers nothing); numel the padded flat parameter, dtypes param_dtype and reduce_dtype.",
+    statement="Each iteration, every FSDP1 unit issues exactly the oracle's collectives whatever backward_prefetch, forward_prefetch and limit_all_gathers say: an all-gather in forward (sharded strategies), one in backward where FULL_SHARD freed the parameters after forward (never the root's), a reduce-scatter of its flat parameter (an all-reduce under NO_SHARD) when it has a trainable parameter in that iteration (use_orig_params=True: after a freeze or unfreeze following an iteration that ran a backward, as requires_grad then says; a unit frozen whole sends none), none inside no_sync(), where SHARD_GRAD_OP also keeps the unsharded parameters after backward (the next forward gathers nothing); numel the padded flat parameter, dtypes param_dtype and reduce_dtype.",
     source=f"{DOC_FSDP1}; FullyShardedDataParallel.no_sync docstring (gradients accumulate and are synchronized in the first forward-backward after it); MixedPrecision docstring; test/distributed/fsdp/test_fsdp_comm.py (upstream: communication counts per sharding strategy, with and without no_sync)",
 )
 def check_fsdp1_counts(spec: CaseSpec, pred: CommPrediction, obs: CommObservation) -> list[Violation] | NotChecked:

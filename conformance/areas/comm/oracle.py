@@ -8,8 +8,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from conformance.areas.common.comm_oracle import Expected, FSDP2Comm, Knobs, simulate_fsdp1, simulate_fsdp2
-from conformance.case.spec import CaseSpec
+from conformance.areas.common.comm_oracle import ANY_TORCH, Expected, FSDP2Comm, Knobs, simulate_fsdp1, simulate_fsdp2
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+from conformance.case.spec import CaseSpec, flip_requires_grad
 
 
 @dataclass(frozen=True)
@@ -29,5 +30,23 @@ def _expect(spec: CaseSpec, world: int) -> Expected:
     c = spec.comm
     if spec.plan.api == "fsdp2":
         return simulate_fsdp2(spec, world, FSDP2Comm((Knobs(),) * c.iterations, c.param_dtype, c.reduce_dtype,
-                                                     c.forward_prefetch, c.backward_prefetch))
+                                                     c.forward_prefetch, c.backward_prefetch, refreeze=c.refreeze))
     return simulate_fsdp1(spec, world, c)
+
+
+@functools.lru_cache(maxsize=512)
+def refreeze_tags(spec: CaseSpec) -> frozenset[str]:
+    """``refreeze``: requires_grad flips between iterations; FSDP2
+    ``group-trainable-later``: a group all frozen in the first iteration has
+    a trainable parameter after it (fsdp2-unfreeze-frozen-group-mixed-precision's
+    mechanism)."""
+    c = spec.comm
+    if c is None or not c.refreeze:
+        return frozenset()
+    out = {"refreeze"}
+    if spec.plan.api == "fsdp2":
+        before, later = predict_fsdp2(spec, ANY_TORCH), predict_fsdp2(flip_requires_grad(spec, c.refreeze), ANY_TORCH)
+        trainable_later = {g.modules[0] for g in later.groups if g.trainable}
+        if any(g.managed and not g.trainable and g.modules[0] in trainable_later for g in before.groups):
+            out.add("group-trainable-later")
+    return frozenset(out)

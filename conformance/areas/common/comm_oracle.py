@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
-from conformance.case.spec import CaseSpec, CommPlan, ModuleSpec
+from conformance.case.spec import CaseSpec, CommPlan, ModuleSpec, flip_requires_grad
 from conformance.case.tree import join, walk
 
 ANY_TORCH = "2.13.0"  # the group structure (not version-dependent for the cases this area draws)
@@ -248,6 +248,14 @@ class FSDP2Comm:
     forward_prefetch: tuple[tuple[str, tuple[str, ...]], ...] = ()
     backward_prefetch: tuple[tuple[str, tuple[str, ...]], ...] = ()
     shard_dim1: tuple[str, ...] = ()
+    # parameters whose requires_grad flips after the first iteration (CommPlan.refreeze)
+    refreeze: tuple[str, ...] = ()
+
+
+NO_BACKWARD_FIRST = ("requires_grad flipped after a first iteration with no backward (its loss needed no gradient): its forward left "
+                     "parameters unsharded (FSDP2's root, reshard_after_forward False or an int; FSDP1's SHARD_GRAD_OP and NO_SHARD), "
+                     "and fully_shard's docstring has the registered parameters be the sharded ones to be modified (reshard() first); "
+                     "FSDP1 FULL_SHARD's form is the finding fsdp1-unfreeze-frozen-unit-orig-params, which the schedule area checks")
 
 
 # ---- FSDP2 -----------------------------------------------------------------
@@ -274,6 +282,20 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
         groups[g.modules[0]] = (", ".join(g.modules), g.managed, g.trainable, raf)
     states = {g.modules[0] for g in pred.groups}  # every module given to fully_shard, with parameters or not
     steps, loss = timeline(spec, frozenset(f for f, (_, rg) in params.items() if rg), input_grad)
+    # after a refreeze: the same groups, other trainable parameters (FSDP2
+    # sets each unsharded parameter's requires_grad from the sharded one's at
+    # every all-gather, and reduce-scatters the gradients there are)
+    later = None
+    if c.refreeze:
+        if not loss:
+            return Expected(why=NO_BACKWARD_FIRST)
+        after = flip_requires_grad(spec, c.refreeze)
+        after_pred = predict_fsdp2(after, ANY_TORCH)
+        if after_pred.supported:
+            return Expected(why=f"after the refreeze: {after_pred.supported}")
+        trainable = {g.modules[0]: g.trainable for g in after_pred.groups}
+        after_params = param_shapes(after)
+        later = (*timeline(after, frozenset(f for f, (_, rg) in after_params.items() if rg), input_grad), trainable)
     order = [s.path for s in steps if s.kind == "enter" and s.path in groups]  # pre-order: all_states' order
     fwd_prefetch = {m: [t for t in ts if t in groups] for m, ts in c.forward_prefetch}
     bwd_prefetch = {m: [t for t in ts if t in groups] for m, ts in c.backward_prefetch}
@@ -301,6 +323,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
         notes.add("int-reshard-of-shard-dim1")  # a Shard(1) matrix resharded to the int world after forward
     full = {m: sum(numel(m, f) for f in groups[m][1]) for m in groups}
     grads = {m: sum(numel(m, f) for f in groups[m][2]) for m in groups}
+    has_grads = {m: bool(groups[m][2]) for m in groups}
     state = {m: "sharded" for m in groups}  # sharded | unsharded | post (resharded to the int world)
     post_ranks = {m: world for m in groups}  # the world a "post" group is sharded over
     pending = {m: False for m in groups}  # an all-gather issued, not yet waited for
@@ -308,7 +331,11 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
     post_order: list[str] = []  # cleared by the last backward's final callback
     indices: dict[str, list[int]] = {m: [] for m in groups}
     out = []
-    for k in c.knobs:
+    for it, k in enumerate(c.knobs):
+        if it == 1 and later is not None:
+            steps, loss, trainable = later
+            grads = {m: sum(numel(m, f) for f in trainable[m]) for m in groups}
+            has_grads = {m: bool(trainable[m]) for m in groups}
         events: list[Event] = []
         colls: list[Collective] = []
         training = {m: "IDLE" for m in groups}
@@ -354,7 +381,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
             training[m] = "POST_BACKWARD"
             if k.reshard_after_backward:
                 reshard(m, "POST_BACKWARD")
-            if k.sync and groups[m][2] and world > 1:  # with gradients accumulated since the last sync
+            if k.sync and has_grads[m] and world > 1:  # with gradients accumulated since the last sync
                 colls.append(Collective("backward", "reduce_scatter", groups[m][0], grads[m], world, rs_dtype))
             events.append(Event("post_backward", groups[m][0], "POST_BACKWARD"))
 
@@ -441,6 +468,20 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
     # instead of <trainable> numel before sharding via reduce-scatter)")
     grad = frozenset(f for u in pred.units if u.trainable for f in u.managed)
     steps, loss = timeline(spec, grad, input_grad)
+    # after a refreeze (use_orig_params=True): the same units; at the root's
+    # pre-forward each flat parameter requires grad as any of its original
+    # parameters does (FlatParamHandle._reset_flat_param_grad_info_if_needed:
+    # "As long as one parameter requires gradient, then the flat parameter
+    # must require gradient")
+    later = None
+    if c.refreeze:
+        if not loss:
+            return Expected(why=NO_BACKWARD_FIRST)
+        after = predict_fsdp1(flip_requires_grad(spec, c.refreeze))
+        trainable = {u.path: bool(u.trainable) for u in after.units}
+        after_grad = frozenset(f for u in after.units if u.trainable for f in u.managed)
+        later = (*timeline(flip_requires_grad(spec, c.refreeze), after_grad, input_grad),
+                 {p: (n, trainable[p]) for p, (n, _) in units.items()})
     # "kept": resharded to its shard, the unsharded flat parameter still
     # allocated (the next unshard gathers nothing)
     state = {p: "sharded" if sharded else "unsharded" for p in units}
@@ -448,6 +489,8 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
     late: dict[str, str] = {}  # units resharded by the final callback, and how they got there
     out = []
     for it in range(c.iterations):
+        if it == 1 and later is not None:
+            steps, loss, units = later
         # inside no_sync(): no reduction (FSDP1's no_sync docstring), and a
         # strategy that does not reshard after forward (SHARD_GRAD_OP) keeps
         # the unsharded parameters after backward, so the next forward
