@@ -376,6 +376,7 @@ class InitPlan:
 REPLACE_SCALE, REPLACE_SHIFT = -0.5, 0.125
 
 
+@functools.lru_cache(maxsize=1024)  # validation, the strategy, the oracle and each rank ask it of one spec
 def replaced_parameter(spec: "CaseSpec") -> str | None:
     """The parameter InitPlan.replace registers anew: the first, in
     named_parameters() order, that no other name reaches (no tie, no
