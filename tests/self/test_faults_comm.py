@@ -333,3 +333,24 @@ def test_a_prefetch_missing_before_a_nested_unit_is_not_prefetched():
     assert not _not_prefetched(want, [ag("0.block2", "post_backward 1"), ag("0", "pre_backward 0")])  # off by one
     assert not _not_prefetched(want, [ag("0.block2", "pre_backward 0.block2")])  # 0 never gathers: not this
     assert not _not_prefetched(ag("0", "pre_backward 0"), seen[1:])  # its own hook promised: no prefetch to miss
+
+
+@pytest.mark.gloo
+def test_the_unfrozen_groups_float32_reduce_scatter_is_known_and_no_other_groups(pool):
+    """layers.1 frozen whole in the first iteration, unfrozen after it, under
+    reduce_dtype=bfloat16: torch 2.13 reduce-scatters it in float32
+    (fsdp2-unfreeze-frozen-group-mixed-precision). The oracle's reason on
+    that group's reduce-scatter is what makes it KNOWN; with every group
+    reducing in float32 (the fault), the other groups' dtype violations carry
+    no such reason and the example FAILs."""
+    from conformance.run import known
+
+    layer1 = ("layers.1.w", "layers.1.proj.weight", "layers.1.proj.bias")
+    spec = model(fsdp2(), CommPlan(iterations=2, reduce_dtype="bfloat16", refreeze=layer1), frozen=layer1)
+    obs = observations(pool, spec, "comm", CommObservation.from_dict)
+    res = evaluate("COMM-COUNTS", spec, obs, known=known.load())
+    assert res.verdict == "KNOWN", res.describe()
+    assert all("reason:trainable-later" in v.tags for v in res.violations), res.describe()
+    faulty = observations(pool, spec, "fault:comm:fsdp2-reduce-in-param-dtype", CommObservation.from_dict)
+    res = evaluate("COMM-COUNTS", spec, faulty, known=known.load())
+    assert res.verdict == FAIL, res.describe()

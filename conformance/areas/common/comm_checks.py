@@ -32,22 +32,23 @@ def compare_collectives(inv: str, exp: Expected, obs, tags: set[str]) -> list[Vi
             where = f"iteration {i} {phase}: group {group or '<root>'}"
             if raised_here and g[key] <= w[key]:
                 continue
+            # the oracle's reasons for these collectives: mechanisms a finding may name
+            why = tags | {f"reason:{c.reason}" for c in want.collectives if collective_key(c) == key and c.reason}
             if w[key] != g[key]:
                 kind = "kind:extra" if g[key] > w[key] else "kind:missing"
-                why = {f"reason:{c.reason}" for c in want.collectives if collective_key(c) == key and c.reason}
-                out.append(violation(inv, f"{where}: {g[key]} {op} where {w[key]} are promised", tags | why, kind, f"op:{op}", f"phase:{phase}"))
+                out.append(violation(inv, f"{where}: {g[key]} {op} where {w[key]} are promised", why, kind, f"op:{op}", f"phase:{phase}"))
                 continue
             ws = sorted((c.numel, c.ranks, c.dtype) for c in want.collectives if collective_key(c) == key)
             gs = sorted((c.numel, c.ranks, c.dtype) for c in got.collectives if collective_key(c) == key)
             for (wn, wr, wd), (gn, gr, gd) in zip(ws, gs):
                 if wd != gd:
-                    out.append(violation(inv, f"{where}: {op} in {gd}, promised {wd}", tags, "kind:dtype", f"op:{op}", f"phase:{phase}"))
+                    out.append(violation(inv, f"{where}: {op} in {gd}, promised {wd}", why, "kind:dtype", f"op:{op}", f"phase:{phase}"))
                 if wr != gr:
-                    out.append(violation(inv, f"{where}: {op} over {gr} ranks, promised {wr}", tags, "kind:ranks", f"op:{op}", f"phase:{phase}"))
+                    out.append(violation(inv, f"{where}: {op} over {gr} ranks, promised {wr}", why, "kind:ranks", f"op:{op}", f"phase:{phase}"))
                 numel_ok = gn == wn if exp.exact_numel else (gn >= wn and gn % max(gr, 1) == 0)
                 if not numel_ok:
                     out.append(violation(inv, f"{where}: {op} of {gn} elements, promised {wn}{'' if exp.exact_numel else ' (at least, a multiple of the ranks)'}",
-                                         tags, "kind:numel", f"op:{op}", f"phase:{phase}"))
+                                         why, "kind:numel", f"op:{op}", f"phase:{phase}"))
     if len(obs.iterations) < len(exp.iterations) and not obs.error:
         out.append(violation(inv, f"{len(obs.iterations)} iterations observed of {len(exp.iterations)}", tags, "kind:missing-iteration"))
     return out

@@ -286,6 +286,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
     # sets each unsharded parameter's requires_grad from the sharded one's at
     # every all-gather, and reduce-scatters the gradients there are)
     later = None
+    trainable_later: set[str] = set()  # groups frozen in the first iteration, trainable after the refreeze
     if c.refreeze:
         if not loss:
             return Expected(why=NO_BACKWARD_FIRST)
@@ -294,6 +295,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
         if after_pred.supported:
             return Expected(why=f"after the refreeze: {after_pred.supported}")
         trainable = {g.modules[0]: g.trainable for g in after_pred.groups}
+        trainable_later = {m for m in groups if not groups[m][2] and trainable.get(m)}
         after_params = param_shapes(after)
         later = (*timeline(after, frozenset(f for f, (_, rg) in after_params.items() if rg), input_grad), trainable)
     order = [s.path for s in steps if s.kind == "enter" and s.path in groups]  # pre-order: all_states' order
@@ -382,7 +384,10 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
             if k.reshard_after_backward:
                 reshard(m, "POST_BACKWARD")
             if k.sync and has_grads[m] and world > 1:  # with gradients accumulated since the last sync
-                colls.append(Collective("backward", "reduce_scatter", groups[m][0], grads[m], world, rs_dtype))
+                # a group frozen at lazy init takes its dtypes then (the finding
+                # fsdp2-unfreeze-frozen-group-mixed-precision names this reason)
+                colls.append(Collective("backward", "reduce_scatter", groups[m][0], grads[m], world, rs_dtype,
+                                        reason="trainable-later" if m in trainable_later else ""))
             events.append(Event("post_backward", groups[m][0], "POST_BACKWARD"))
 
         if k.unshard is not None and k.unshard in groups:  # the module's unshard(), waited for
@@ -477,11 +482,11 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
     if c.refreeze:
         if not loss:
             return Expected(why=NO_BACKWARD_FIRST)
-        after = predict_fsdp1(flip_requires_grad(spec, c.refreeze))
+        after_spec = flip_requires_grad(spec, c.refreeze)
+        after = predict_fsdp1(after_spec)
         trainable = {u.path: bool(u.trainable) for u in after.units}
         after_grad = frozenset(f for u in after.units if u.trainable for f in u.managed)
-        later = (*timeline(flip_requires_grad(spec, c.refreeze), after_grad, input_grad),
-                 {p: (n, trainable[p]) for p, (n, _) in units.items()})
+        later = (*timeline(after_spec, after_grad, input_grad), {p: (n, trainable[p]) for p, (n, _) in units.items()})
     # "kept": resharded to its shard, the unsharded flat parameter still
     # allocated (the next unshard gathers nothing)
     state = {p: "sharded" if sharded else "unsharded" for p in units}

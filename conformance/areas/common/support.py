@@ -127,6 +127,16 @@ def unchanged(after: torch.Tensor, before: torch.Tensor) -> bool:
     return bool(((after == before) | (after.isnan() & before.isnan())).all())
 
 
+def _distinct_modules(built):
+    """(index, spec path, module) of each module of the case once (a shared
+    module at its source path)."""
+    seen = set()
+    for k, (path, m) in enumerate(built.modules.items()):
+        if id(m) not in seen:
+            seen.add(id(m))
+            yield k, path, m
+
+
 def case_buffers(built) -> list[tuple[str, nn.Module, str]]:
     """(FQN, module, name) of every buffer of the case's own modules, the FQN
     by the spec's paths (a shared module's by its source path). Read from
@@ -134,13 +144,8 @@ def case_buffers(built) -> list[tuple[str, nn.Module, str]]:
     names under it hold ``_fsdp_wrapped_module`` (FSDP's own named_buffers
     too), and a check that looked them up by the unwrapped model's names
     compared none of them."""
-    out, seen = [], set()
-    for path, m in built.modules.items():
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        out += [(f"{path}.{name}" if path else name, m, name) for name, b in m._buffers.items() if b is not None]
-    return out
+    return [(f"{path}.{name}" if path else name, m, name)
+            for _, path, m in _distinct_modules(built) for name, b in m._buffers.items() if b is not None]
 
 
 def add_rank_buffers(built, seed: int, names: tuple[tuple[str, bool], ...], salt: int) -> dict[str, torch.Tensor]:
@@ -148,17 +153,10 @@ def add_rank_buffers(built, seed: int, names: tuple[tuple[str, bool], ...], salt
     module of the case, each of 3 values drawn from ``seed``, the module
     and the name (so that every rank's seed gives its own values, and no two
     buffers agree by chance). Returns {FQN: value} (case_buffers' FQNs)."""
-    out, seen = {}, set()
-    for k, (path, m) in enumerate(built.modules.items()):
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
+    out = {}
+    for k, path, m in _distinct_modules(built):
         for i, (name, persistent) in enumerate(names):
-            value = rank_buffer(seed, salt * (i + 1) + 7_919 * k)
+            value = torch.randn(3, generator=torch.Generator().manual_seed(salt * (i + 1) + 7_919 * k + seed))
             m.register_buffer(name, value.to(rank_device()), persistent=persistent)
             out[f"{path}.{name}" if path else name] = value
     return out
-
-
-def rank_buffer(seed: int, offset: int) -> torch.Tensor:
-    return torch.randn(3, generator=torch.Generator().manual_seed(offset + seed))
