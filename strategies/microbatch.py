@@ -5,7 +5,10 @@ for groups whose matrices allow it, and 1..N microbatches each with its own
 gradient sync, all-reduce, reshard-after-backward, is_last_backward and
 reshard_after_forward settings, explicit unshard() (sync or async, waited
 on) and reshard() of a group; the last microbatch syncs, reshards and is
-the last backward (what the APIs' documented use of them requires)."""
+the last backward (what the APIs' documented use of them requires); in a
+quarter of the cases an iteration aborted by an exception (in forward or
+backward, at any module whose forward runs) and recovered with
+reset_iter_state() before the sequence restarts."""
 
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.comm_oracle import param_shapes, timeline
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
-from conformance.case.spec import CaseSpec, MicrobatchPlan, MicrobatchStep, ModuleSpec
-from conformance.strategies._common import ANY_TORCH, check_bool, check_int, maybe, pick
+from conformance.case.spec import ABORT_PHASES, CONTAINER_BASES, CaseSpec, MicrobatchAbort, MicrobatchPlan, MicrobatchStep, ModuleSpec
+from conformance.strategies._common import ANY_TORCH, check_bool, check_int, ints, maybe, pick
 from conformance.strategies.cases import case_specs
 from conformance.strategies.comm import RESHARD, draw_groups
 
@@ -60,7 +63,15 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
     if shard_dim1:
         event("microbatch: Shard(1)")
     event(f"microbatch: {n} microbatches")
-    return dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload))
+    abort = None
+    # the aborted microbatch and those before it set no reshard_after_forward
+    # (reset_iter_state restores no setting); at a module whose forward runs
+    last = next((k for k, s in enumerate(steps) if s.reshard_after_forward is not None), n) - 1
+    if last >= 0 and draw(ints(3)) == 3:  # a quarter of the cases; shrinks to none
+        called = [p for p, m in _walk(spec.tree) if m.cls not in CONTAINER_BASES]
+        abort = MicrobatchAbort(before=draw(ints(last)) if last else 0, at=pick(draw, called), phase=pick(draw, ABORT_PHASES))
+        event(f"microbatch: aborted in {abort.phase}, reset_iter_state")
+    return dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort))
 
 
 def _trainable(m: ModuleSpec) -> ModuleSpec:

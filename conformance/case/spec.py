@@ -886,16 +886,39 @@ class MicrobatchStep:
     reshard: bool = False
 
 
+ABORT_PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class MicrobatchAbort:
+    """An iteration aborted by an exception, then recovered (FSDP2's
+    reset_iter_state): after microbatches 0..``before``-1 ran as drawn, one
+    more forward with microbatch ``before``'s settings and data raises (``phase``
+    "forward": when the module at ``at`` returns, before FSDP's own
+    post-forward; "backward": the module's output carries a node whose
+    backward raises, so the modules after it have run their backward);
+    every rank catches it, calls reset_iter_state() on the root, sets every
+    gradient to None and restarts the microbatch sequence from 0 (the
+    docstring's recovery: the failed iteration's gradients are lost, no_sync
+    accumulation included, and the sequence is to be restarted)."""
+
+    before: int = 0
+    at: str = ""
+    phase: str = "forward"
+
+
 @dataclass(frozen=True)
 class MicrobatchPlan:
     """Microbatches accumulating one step's gradients (data differs by rank and
     microbatch; loss (model(x) ** 2).sum()). ``shard_dim1``: groups whose
     fully_shard gets shard_placement_fn = Shard(1) for matrices;
-    ``cpu_offload``: every group gets CPUOffloadPolicy()."""
+    ``cpu_offload``: every group gets CPUOffloadPolicy(); ``abort``: an
+    aborted iteration and its recovery before the sequence (MicrobatchAbort)."""
 
     microbatches: tuple[MicrobatchStep, ...] = (MicrobatchStep(),)
     shard_dim1: tuple[str, ...] = ()
     cpu_offload: bool = False
+    abort: MicrobatchAbort | None = None
 
 
 def validate_microbatch(spec: "CaseSpec") -> None:
@@ -917,6 +940,20 @@ def validate_microbatch(spec: "CaseSpec") -> None:
         raise SpecError("microbatch: an explicit unshard comes after the first forward (lazy init runs in it)")
     if not set(mb.shard_dim1) <= group_modules:
         raise SpecError("microbatch: shard_dim1 names modules given to fully_shard")
+    a = mb.abort
+    if a is not None:
+        if not 0 <= a.before < len(mb.microbatches) or a.phase not in ABORT_PHASES:
+            raise SpecError(f"microbatch: abort {a!r}: before indexes a microbatch, phase one of {ABORT_PHASES}")
+        if a.at not in {p for p, _ in walk(spec.tree)}:
+            raise SpecError(f"microbatch: abort at {a.at!r}, not a module of the tree")
+        if module_at(spec.tree, a.at).cls in CONTAINER_BASES:
+            # the generic forward runs a torch container's children itself: no hook of its fires
+            raise SpecError(f"microbatch: abort at {a.at!r}, a torch container whose forward the case never calls")
+        if any(s.reshard_after_forward is not None for s in mb.microbatches[: a.before + 1]):
+            # reset_iter_state restores no setting: the restarted sequence
+            # would start from the one made before the abort (the aborted
+            # microbatch makes its own too)
+            raise SpecError("microbatch: a microbatch up to the aborted one sets reshard_after_forward")
 
 
 # ---- tree queries (pure) ---------------------------------------------------
@@ -1261,7 +1298,7 @@ _TYPES = {
         ParamSpec, BufferSpec, ModuleSpec, ClassSpec, SharedModule, TiedParam,
         WrapPlan, CaseSpec, *POLICY_TYPES, ShardGroup, MethodStep, ForwardMethod, MethodCall, TrainPlan,
         CheckpointPlan,
-        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan, MicrobatchStep, MicrobatchPlan, ActivationCheckpointPlan,
+        Precision, Microbatch, ScheduleStep, Schedule, ClipPlan, CommPlan, MicrobatchStep, MicrobatchAbort, MicrobatchPlan, ActivationCheckpointPlan,
         InitPlan,
         HsdpPlan,
         TpPlan,

@@ -2,12 +2,14 @@
 microbatch (set_requires_gradient_sync, set_requires_all_reduce,
 set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward,
 explicit unshard() / reshard(), reshard_after_forward as an int,
-shard_placement_fn Shard(1)) against the oracle's collectives and the large
-batch's gradients. Collectives and placements are structure (the fake tier
+shard_placement_fn Shard(1), an iteration aborted by an exception and
+recovered with reset_iter_state()) against the oracle's collectives and the
+large batch's gradients. Collectives and placements are structure (the fake tier
 checks them too); gradients need real ranks. CPUOffloadPolicy has a test
 of its own: it needs an accelerator, and is a SKIP with that reason here.
 
-Spec: the FSDPModule and fully_shard docstrings (conformance/areas/microbatch/invariants.py).
+Spec: the FSDPModule (reset_iter_state included) and fully_shard docstrings
+(conformance/areas/microbatch/invariants.py).
 """
 
 from hypothesis import given, settings

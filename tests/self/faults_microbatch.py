@@ -106,6 +106,23 @@ def unsynced_grads_dropped():
     return mock.patch.object(cls, "post_backward", post_backward)
 
 
+@fault("reset-iter-state-skipped")
+def reset_iter_state_skipped():
+    """reset_iter_state() does nothing: the groups an aborted iteration left
+    mid-forward or mid-backward keep their training state and their
+    unsharded parameters."""
+    return mock.patch.object(_module_cls(), "reset_iter_state", lambda self: None)
+
+
+@fault("reset-leaves-groups-unsharded")
+def reset_leaves_groups_unsharded():
+    """reset_iter_state() clears the per-iteration trackers but reshards no
+    group: a group the aborted forward all-gathered stays unsharded, so the
+    restarted sequence's first forward all-gathers nothing for it."""
+    cls = _group_cls()
+    return mock.patch.object(cls, "_reset_iter_state", lambda self: setattr(self, "_training_state", type(self._training_state).IDLE))
+
+
 def _grad_element_nan():
     """One element of every reduced gradient comes out NaN (the training
     faults' fsdp2-grad-element-nan): MB-GRADS must count it as an infinite

@@ -14,8 +14,20 @@ from __future__ import annotations
 import pytest
 
 from conformance.areas.microbatch.observation import MicrobatchObservation
-from conformance.case.spec import CaseSpec, ClassSpec, MicrobatchPlan, MicrobatchStep, ModuleSpec, ParamSpec, ShardGroup, WrapPlan
-from conformance.run.runner import FAIL, PASS, evaluate, observations
+from conformance.areas.microbatch.oracle import stale_at_reset
+from conformance.case.spec import (
+    CaseSpec,
+    ClassSpec,
+    MicrobatchAbort,
+    MicrobatchPlan,
+    MicrobatchStep,
+    ModuleSpec,
+    ParamSpec,
+    ShardGroup,
+    WrapPlan,
+)
+from conformance.run import known
+from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from tests.self import faults_microbatch  # noqa: F401  (registers the fault scenarios in the driver)
 
 pytestmark = pytest.mark.selfcheck
@@ -42,6 +54,10 @@ CASES = {
                                              MicrobatchStep(unshard="layers.2", reshard=True)))),
     "shard-dim1": lambda: model(MicrobatchPlan((NO_SYNC, MicrobatchStep()), shard_dim1=("layers.0", "layers.2"))),
     "int-reshard": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep(reshard_after_forward=False))), raf=2),
+    # an iteration aborted (after a synced microbatch: nothing accumulated) and reset_iter_state()
+    "abort-forward": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep()), abort=MicrobatchAbort(1, "layers.1", "forward"))),
+    "abort-backward": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep()),
+                                                   abort=MicrobatchAbort(1, "layers.1.proj", "backward"))),
 }
 
 FAULTS = [
@@ -50,6 +66,8 @@ FAULTS = [
     ("MB-COMMS", "unshard", "explicit-unshard-ignored", "kind:unshard-forward"),
     ("MB-COMMS", "shard-dim1", "shard-placement-fn-ignored", "kind:numel"),
     ("MB-SHARDED", "no-sync", "reshard-after-backward-sticks", "kind:unsharded-param"),
+    ("MB-COMMS", "abort-forward", "reset-leaves-groups-unsharded", "kind:missing"),
+    ("MB-COMMS", "abort-backward", "reset-iter-state-skipped", "kind:missing"),
 ]
 GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
@@ -57,6 +75,8 @@ GLOO_FAULTS = [
     ("MB-COMMS", "no-sync", "gradient-sync-ignored", "kind:extra"),
     # the read of the gradients' full values raising: MB-GRADS' verdict, not the scenario's own error
     ("MB-GRADS", "no-sync", "full-tensor-raises", "at:read"),
+    ("MB-GRADS", "abort-forward", "reset-iter-state-skipped", "kind:grad"),
+    ("MB-SHARDED", "abort-backward", "reset-iter-state-skipped", "kind:unsharded-param"),
 ]
 
 
@@ -111,3 +131,38 @@ def test_a_raise_reading_the_parameters_is_mb_shardeds_verdict():
         res = evaluate(invariant, spec, obs, known=[])
         assert res.verdict == FAIL, res.describe()
         assert all({"at:read", "kind:raised", "raised:AttributeError"} <= v.tags for v in res.violations), res.describe()
+
+
+UNSYNCED = MicrobatchStep(sync=False)
+LAYER2 = {"layers.2.w", "layers.2.proj.weight", "layers.2.proj.bias"}
+STALE_CASES = [
+    # the microbatches, the abort, the parameters FSDP2 still holds an unsharded gradient of at the reset
+    ((UNSYNCED, MicrobatchStep()), MicrobatchAbort(0, "layers.1.proj", "backward"), LAYER2),
+    ((MicrobatchStep(), UNSYNCED, MicrobatchStep()), MicrobatchAbort(2, "layers.0", "forward"), "all"),
+    # the aborted, synced backward reduces layers.2's accumulated gradients with its own
+    ((MicrobatchStep(), UNSYNCED, MicrobatchStep()), MicrobatchAbort(2, "layers.1.proj", "backward"), "all but layers.2"),
+]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("steps,abort,stale", STALE_CASES, ids=["backward-unsynced", "forward-after-unsynced", "backward-synced-reduces"])
+def test_the_gradients_reset_iter_state_keeps_are_the_oracles_and_known_only_there(steps, abort, stale, pool):
+    """fsdp2-reset-iter-state-keeps-unsynced-grads: the parameters whose
+    gradients come out off after the reset and the restart are exactly the
+    oracle's stale_at_reset (unsynced accumulation before the abort, and
+    what an aborted backward computed and did not reduce), and those
+    violations alone are KNOWN: the same case with one element of every
+    reduced gradient NaN still FAILs on the others."""
+    spec = model(MicrobatchPlan(steps, abort=abort))
+    every = {"scale"} | {f"{b}.{n}" for b in LAYERS for n in ("w", "proj.weight", "proj.bias")}
+    want = every if stale == "all" else every - LAYER2 if stale == "all but layers.2" else stale
+    assert stale_at_reset(spec) == want
+    res = run("MB-GRADS", spec, pool)
+    assert res.verdict == FAIL and {v.message.split(":")[0] for v in res.violations} == want, res.describe()
+    assert all("grad:stale-at-reset" in v.tags for v in res.violations), res.describe()
+    res = evaluate("MB-GRADS", spec, observations(pool, spec, "microbatch", MicrobatchObservation.from_dict), known=known.load())
+    assert res.verdict == KNOWN, res.describe()
+    if want != every:
+        res = evaluate("MB-GRADS", spec, observations(pool, spec, "fault:microbatch:grad-element-nan", MicrobatchObservation.from_dict),
+                       known=known.load())
+        assert res.verdict == FAIL and {v.message.split(":")[0] for v in res.violations} == every - want, res.describe()

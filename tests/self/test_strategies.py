@@ -623,3 +623,40 @@ def _aliases(spec):
 
     g = ModelGraph(spec)
     return [(f, pid) for f, pid in g.named_parameters(remove_duplicate=False)]
+
+
+def test_microbatch_specs_abort_in_forward_and_backward_at_a_called_module():
+    """MicrobatchAbort: both phases drawn, at a module whose forward runs,
+    with no microbatch up to the aborted one setting reshard_after_forward; validation refuses
+    a torch container (its hooks never fire), an unknown module or phase, and
+    a setting reset_iter_state would carry over."""
+    import dataclasses
+
+    from conformance.case.spec import CONTAINER_BASES, MicrobatchAbort, MicrobatchPlan, MicrobatchStep, SpecError, module_at, validate
+    from conformance.strategies.microbatch import microbatch_specs
+
+    phases: Counter = Counter()
+
+    @_settings(300, derandomize=True, phases=[Phase.generate])
+    @given(microbatch_specs())
+    def collect(spec):
+        a = spec.microbatch.abort
+        if a is not None:
+            phases[a.phase] += 1
+            assert module_at(spec.tree, a.at).cls not in CONTAINER_BASES
+            assert all(s.reshard_after_forward is None for s in spec.microbatch.microbatches[: a.before + 1])
+
+    collect()
+    assert phases["forward"] and phases["backward"], phases
+    spec = find(microbatch_specs(), lambda s: s.microbatch.abort is not None and any(
+        m.cls in CONTAINER_BASES for _, m in walk(s.tree)), settings=_settings(500), random=random.Random(0))
+    container = next(p for p, m in walk(spec.tree) if m.cls in CONTAINER_BASES)
+    for bad, message in ((MicrobatchAbort(0, container, "forward"), "torch container"),
+                         (MicrobatchAbort(0, "nowhere", "forward"), "not a module"),
+                         (MicrobatchAbort(0, "", "optimizer"), "phase one of"),
+                         (MicrobatchAbort(len(spec.microbatch.microbatches), "", "forward"), "before indexes")):
+        with pytest.raises(SpecError, match=message):
+            validate(dataclasses.replace(spec, microbatch=dataclasses.replace(spec.microbatch, abort=bad)))
+    steps = (MicrobatchStep(), MicrobatchStep(reshard_after_forward=False), MicrobatchStep())
+    with pytest.raises(SpecError, match="up to the aborted one sets reshard_after_forward"):
+        validate(dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, abort=MicrobatchAbort(1, "", "forward"))))

@@ -7,13 +7,14 @@ the large batch's gradients."""
 from conformance.areas.common.area import Area, AreaScenario
 from conformance.areas.common.support import fsdp2_unavailable
 from conformance.areas.microbatch import invariants, repro, scenario
-from conformance.areas.microbatch.adapter import offload_unavailable
+from conformance.areas.microbatch.adapter import offload_unavailable, reset_unavailable
 from conformance.areas.microbatch.observation import MicrobatchObservation
 from conformance.areas.microbatch.oracle import predict_microbatch
 
 
 def _unavailable(case) -> str | None:
-    return fsdp2_unavailable() or (offload_unavailable() if case.microbatch.cpu_offload else None)
+    return (fsdp2_unavailable() or (offload_unavailable() if case.microbatch.cpu_offload else None)
+            or (reset_unavailable() if case.microbatch.abort is not None else None))
 
 
 AREA = Area(

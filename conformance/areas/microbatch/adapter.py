@@ -36,6 +36,15 @@ def offload_unavailable() -> str | None:
     return None
 
 
+def reset_unavailable() -> str | None:
+    """Why an aborted iteration cannot be recovered here, or None: FSDPModule
+    has no reset_iter_state before torch 2.13."""
+    _, FSDPModule, _ = fsdp2_api()
+    if not hasattr(FSDPModule, "reset_iter_state"):
+        return f"FSDPModule.reset_iter_state is not in torch {torch.__version__}"
+    return None
+
+
 def data(spec: CaseSpec, micro: int, rank: int) -> torch.Tensor:
     """One rank's microbatch input: differs by rank and microbatch."""
     gen = torch.Generator().manual_seed(spec.seed * 7919 + micro * 31 + rank)
@@ -80,30 +89,12 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
     with contextlib.ExitStack() as stack:
         for p in fsdp2_patches(rec, labels):
             stack.enter_context(p)
-        for k, step in enumerate(mb.microbatches):
+        if mb.abort is not None:
+            error = _abort_and_reset(spec, built, model, rank, rec)
+            rec.take(True)  # what the aborted iteration did is not the sequence's
+        for k in range(len(mb.microbatches)) if error is None else ():
             try:
-                model.set_requires_gradient_sync(step.sync)
-                model.set_requires_all_reduce(step.all_reduce)
-                model.set_reshard_after_backward(step.reshard_after_backward)
-                model.set_is_last_backward(step.is_last_backward)
-                if step.reshard_after_forward is not None:
-                    model.set_reshard_after_forward(step.reshard_after_forward)
-                rec.phase = "forward"
-                with rec.mode:
-                    if step.unshard is not None:
-                        target = built.modules[step.unshard]
-                        handle = target.unshard(async_op=step.unshard_async)
-                        if handle is not None:
-                            handle.wait()
-                        if step.reshard:
-                            target.reshard()
-                    out = model(on_rank_device(data(spec, k, rank)))
-                loss = (out.float() ** 2).sum()
-                rec.phase = "backward"
-                if loss.requires_grad:
-                    with rec.mode:
-                        loss.backward()
-                iterations.append(rec.take(loss.requires_grad))
+                iterations.append(rec.take(_microbatch(spec, built, model, k, rank, rec)))
             except Exception as e:
                 error = f"microbatch {k}: {error_line(e)}"
                 iterations.append(rec.take(True))
@@ -131,6 +122,91 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
                 grads, read_error = [], f"full gradients: {error_line(e)}"
     return MicrobatchObservation(**base, error=error, iterations=tuple(iterations), grads=tuple(grads), shards=tuple(shards),
                                  read_error=read_error, seconds=seconds)
+
+
+class AbortedIteration(Exception):
+    """The suite's own exception, aborting an iteration (MicrobatchAbort)."""
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity on ``x`` whose backward raises AbortedIteration; ``anchor``
+    (a leaf requiring gradient) makes autograd reach it whatever is frozen."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AbortedIteration("backward aborted by the case")
+
+
+def _microbatch(spec: CaseSpec, built, model, k: int, rank: int, rec: Recorder) -> bool:
+    """Microbatch ``k``: its settings on the root, its explicit unshard, then
+    forward and (where the loss needs one) backward; whether backward ran."""
+    step = spec.microbatch.microbatches[k]
+    model.set_requires_gradient_sync(step.sync)
+    model.set_requires_all_reduce(step.all_reduce)
+    model.set_reshard_after_backward(step.reshard_after_backward)
+    model.set_is_last_backward(step.is_last_backward)
+    if step.reshard_after_forward is not None:
+        model.set_reshard_after_forward(step.reshard_after_forward)
+    rec.phase = "forward"
+    with rec.mode:
+        if step.unshard is not None:
+            target = built.modules[step.unshard]
+            handle = target.unshard(async_op=step.unshard_async)
+            if handle is not None:
+                handle.wait()
+            if step.reshard:
+                target.reshard()
+        out = model(on_rank_device(data(spec, k, rank)))
+    loss = (out.float() ** 2).sum()
+    rec.phase = "backward"
+    if loss.requires_grad:
+        with rec.mode:
+            loss.backward()
+    return loss.requires_grad
+
+
+def _abort_and_reset(spec: CaseSpec, built, model, rank: int, rec: Recorder) -> str | None:
+    """MicrobatchAbort: the microbatches before the abort, the aborted one,
+    reset_iter_state() on the root and every gradient set to None; the
+    error (as the observation's) where FSDP raised anything but the case's
+    own exception, or the aborted iteration did not raise it."""
+    a = spec.microbatch.abort
+    where = f"microbatch {a.before} aborted in {a.phase} at {a.at or '<root>'}"
+    for k in range(a.before):
+        try:
+            _microbatch(spec, built, model, k, rank, rec)
+        except Exception as e:
+            return f"microbatch {k} (before the abort): {error_line(e)}"
+    anchor = torch.zeros((), requires_grad=True, device=on_rank_device(torch.zeros(())).device)
+
+    def hook(module, args, out):
+        if a.phase == "forward":
+            raise AbortedIteration("forward aborted by the case")
+        return _RaiseInBackward.apply(out, anchor)
+
+    # prepend: ahead of FSDP's post-forward hook, as if the module's own forward raised
+    handle = built.modules[a.at].register_forward_hook(hook, prepend=True)
+    try:
+        _microbatch(spec, built, model, a.before, rank, rec)
+    except AbortedIteration:
+        pass
+    except Exception as e:
+        return f"{where}: FSDP raised instead of the case's exception: {error_line(e)}"
+    else:
+        return f"{where}: the case's exception did not propagate"
+    finally:
+        handle.remove()
+    try:
+        model.reset_iter_state()
+    except Exception as e:
+        return f"{where}: reset_iter_state: {error_line(e)}"
+    for p in model.parameters():
+        p.grad = None
+    return None
 
 
 def _compare_grads(spec: CaseSpec, model, ref, names: list[str], world: int) -> list[GradSeen]:

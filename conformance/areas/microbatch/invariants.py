@@ -23,7 +23,10 @@ catalog = Catalog()
 GRAD_RTOL = 1e-5  # fp32 throughout: summation order only
 DOCS = ("FSDPModule docstrings: set_requires_gradient_sync (\"gradient accumulation *without communication*\"), "
         "set_requires_all_reduce, set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward, unshard / reshard, "
-        "UnshardHandle.wait; fully_shard docstring (reshard_after_forward as an int, shard_placement_fn)")
+        "UnshardHandle.wait; fully_shard docstring (reshard_after_forward as an int, shard_placement_fn); "
+        "reset_iter_state docstring (after an exception aborted a forward or backward: call it on the root, then run the next "
+        "iteration normally; the failed iteration's gradients are lost, no_sync grad-accumulation state included, and a "
+        "gradient-accumulation sequence is to be restarted)")
 
 
 def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> set[str]:
@@ -43,6 +46,8 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
             tags.add(name)
     if container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
+    if mb.abort is not None:
+        tags.add(f"abort:{mb.abort.phase}")
     if any(len(g.modules) > 1 for g in spec.plan.groups):
         tags |= list_group_tags(spec, predict_fsdp2(spec, torch.__version__))
     if _frozen_int_reshard_group(spec):
@@ -73,7 +78,7 @@ def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violat
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel.",
+    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence.",
     source=DOCS,
 )
 def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
@@ -89,7 +94,7 @@ def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Whatever the settings drawn per microbatch, after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none.",
+    statement="Whatever the settings drawn per microbatch, after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains.",
     source=DOCS,
 )
 def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
@@ -111,7 +116,9 @@ def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
             out.append(violation("MB-GRADS", f"{g.fqn}: gradient {'missing' if g.none else 'present'}, the large batch's {'none' if g.ref_none else 'present'}",
                                  tags, "kind:grad-missing" if g.none else "kind:grad-extra"))
         elif g.err > GRAD_RTOL:
-            out.append(violation("MB-GRADS", f"{g.fqn}: gradient off the large batch's by {g.err:.3g} (relative, > {GRAD_RTOL:g})", tags, "kind:grad"))
+            # grad:stale-at-reset: FSDP2 held an unsharded gradient of it when reset_iter_state ran (the oracle's stale_at_reset)
+            stale = ("grad:stale-at-reset",) if g.fqn in pred.stale_at_reset else ()
+            out.append(violation("MB-GRADS", f"{g.fqn}: gradient off the large batch's by {g.err:.3g} (relative, > {GRAD_RTOL:g})", tags, "kind:grad", *stale))
     if not obs.grads:
         return NotChecked("no gradient compared")
     return out
@@ -122,8 +129,8 @@ def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="After the last backward every parameter registered on the model is fully_shard's sharded DTensor (Shard placements), and every gradient it has is a DTensor too.",
-    source="fully_shard docstring (the module's parameters are DTensors sharded on the mesh, registered back after forward / backward); set_reshard_after_backward docstring",
+    statement="After the last backward every parameter registered on the model is fully_shard's sharded DTensor (Shard placements), and every gradient it has is a DTensor too, an aborted and reset iteration before the sequence included.",
+    source="fully_shard docstring (the module's parameters are DTensors sharded on the mesh, registered back after forward / backward); set_reshard_after_backward docstring; reset_iter_state docstring (it reshards every parameter group)",
 )
 def check_sharded(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
     tags = case_tags(spec, pred, obs)

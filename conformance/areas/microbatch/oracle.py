@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from conformance.areas.common.comm_oracle import Expected, FSDP2Comm, Knobs, simulate_fsdp2
+from conformance.areas.common.comm_oracle import Expected, FSDP2Comm, Knobs, param_shapes, simulate_fsdp2, timeline
+from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.case.graph import ModelGraph
-from conformance.case.spec import CaseSpec
+from conformance.case.spec import CaseSpec, module_at
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class MicrobatchPrediction:
     spec: CaseSpec
     trainable: tuple[str, ...]  # canonical FQNs: each ends with the large batch's gradient
     frozen: tuple[str, ...]  # each ends with no gradient
+    # MicrobatchAbort: the parameters FSDP2 holds an unsharded gradient of
+    # when reset_iter_state runs (stale_at_reset), which the docstring has it discard
+    stale_at_reset: frozenset[str] = frozenset()
 
     def expect(self, world: int) -> Expected:
         return _expect(self.spec, world)
@@ -45,4 +49,50 @@ def predict_microbatch(spec: CaseSpec) -> MicrobatchPrediction:
         spec,
         tuple(f for f, pid in g.named_parameters() if g.requires_grad(pid)),
         tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid)),
+        stale_at_reset(spec),
     )
+
+
+def stale_at_reset(spec: CaseSpec) -> frozenset[str]:
+    """The trainable parameters whose unsharded gradient FSDP2 holds when the
+    case's reset_iter_state runs (MicrobatchAbort), from how FSDP2 keeps
+    gradients, not from what the docstring promises (it discards them):
+
+    - every one, where the last microbatch before the abort that ran a
+      backward did so with gradient sync disabled (the accumulated
+      unsharded gradient waits for a synced backward to reduce it);
+    - in a backward aborted at ``at``: those of the modules whose forward
+      began after ``at``'s ended (autograd reaches them before the raise),
+      unless their group's post-backward ran and reduced them (with what
+      accumulated before), which it does in a synced microbatch for a
+      group whose first forward began after ``at``'s ended, given an input
+      that requires grad (not an Embedding's index: its post-backward
+      waits for the root's final callback, which an aborted backward never
+      runs).
+
+    A case without an abort, or whose loss needs no gradient, holds none."""
+    a = spec.microbatch.abort if spec.microbatch is not None else None
+    if a is None:
+        return frozenset()
+    trainable = frozenset(f for f, (_, rg) in param_shapes(spec).items() if rg)
+    steps, loss = timeline(spec, trainable)
+    if not loss:
+        return frozenset()
+    stale: set[str] = set()
+    before = spec.microbatch.microbatches[: a.before]
+    if before and not before[-1].sync:
+        stale |= trainable
+    if a.phase == "backward":
+        end = next(i for i, s in enumerate(steps) if s.kind == "exit" and s.path == a.at)
+        entered = {s.path: i for i, s in reversed(list(enumerate(steps))) if s.kind == "enter"}  # first entry
+        later = {p for p, i in entered.items() if i > end}
+        synced = spec.microbatch.microbatches[a.before].sync
+        import torch
+
+        for grp in predict_fsdp2(spec, torch.__version__).groups:
+            first = min(grp.modules, key=lambda m: entered.get(m, len(steps)))
+            if synced and first in later and module_at(spec.tree, first).cls != "Embedding":
+                stale -= set(grp.managed)  # reduced, with what accumulated before
+            else:
+                stale |= {f for f in grp.managed if f in trainable and f.rpartition(".")[0] in later}
+    return frozenset(stale)
