@@ -6,9 +6,11 @@ gradient sync, all-reduce, reshard-after-backward, is_last_backward and
 reshard_after_forward settings, explicit unshard() (sync or async, waited
 on) and reshard() of a group; the last microbatch syncs, reshards and is
 the last backward (what the APIs' documented use of them requires); in a
-quarter of the cases an iteration aborted by an exception (in forward or
+third of the cases an iteration aborted by an exception (in forward or
 backward, at any module whose forward runs) and recovered with
-reset_iter_state() before the sequence restarts."""
+reset_iter_state() before the sequence restarts; groups whose parameters
+the backward does not read (no Linear or LayerNorm in them) told
+set_unshard_in_backward(False), each a third of the time."""
 
 from __future__ import annotations
 
@@ -21,11 +23,21 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.comm_oracle import param_shapes, timeline
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
-from conformance.case.spec import ABORT_PHASES, CONTAINER_BASES, CaseSpec, MicrobatchAbort, MicrobatchPlan, MicrobatchStep, ModuleSpec
+from conformance.case.spec import (
+    ABORT_PHASES,
+    CONTAINER_BASES,
+    CaseSpec,
+    MicrobatchAbort,
+    MicrobatchPlan,
+    MicrobatchStep,
+    ModuleSpec,
+    backward_free_group,
+)
 from conformance.strategies._common import ANY_TORCH, check_bool, check_int, ints, maybe, pick
 from conformance.strategies.cases import case_specs
 from conformance.strategies.comm import RESHARD, draw_groups
 
+THIRD = st.sampled_from((False, False, True))  # True a third of the time; shrinks to False
 SHARD_DIM1_WORLD = 4  # Shard(1) needs dim 1 divisible by the world size: the fake tier's 4 (and so gloo's 2)
 
 
@@ -64,14 +76,19 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
         event("microbatch: Shard(1)")
     event(f"microbatch: {n} microbatches")
     abort = None
-    # the aborted microbatch and those before it set no reshard_after_forward
-    # (reset_iter_state restores no setting); at a module whose forward runs
-    last = next((k for k, s in enumerate(steps) if s.reshard_after_forward is not None), n) - 1
-    if last >= 0 and draw(ints(3)) == 3:  # a quarter of the cases; shrinks to none
+    if draw(THIRD):  # a third of the cases
+        # at a module whose forward runs; the aborted microbatch and those
+        # before it set no reshard_after_forward (reset_iter_state restores no setting)
         called = [p for p, m in _walk(spec.tree) if m.cls not in CONTAINER_BASES]
-        abort = MicrobatchAbort(before=draw(ints(last)) if last else 0, at=pick(draw, called), phase=pick(draw, ABORT_PHASES))
+        abort = MicrobatchAbort(before=draw(ints(n - 1)) if n > 1 else 0, at=pick(draw, called), phase=pick(draw, ABORT_PHASES))
+        steps = tuple(dataclasses.replace(s, reshard_after_forward=None) if k <= abort.before else s for k, s in enumerate(steps))
         event(f"microbatch: aborted in {abort.phase}, reset_iter_state")
-    return dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort))
+    # groups whose parameters backward does not read, told so: each a third of the time
+    no_bw = tuple(g.modules[0] for g in pred.groups if g.managed and backward_free_group(spec, g.modules[0]) and draw(THIRD))
+    if no_bw:
+        event("microbatch: set_unshard_in_backward(False)")
+    return dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort,
+                                                               no_unshard_in_backward=no_bw))
 
 
 def _trainable(m: ModuleSpec) -> ModuleSpec:

@@ -913,12 +913,18 @@ class MicrobatchPlan:
     microbatch; loss (model(x) ** 2).sum()). ``shard_dim1``: groups whose
     fully_shard gets shard_placement_fn = Shard(1) for matrices;
     ``cpu_offload``: every group gets CPUOffloadPolicy(); ``abort``: an
-    aborted iteration and its recovery before the sequence (MicrobatchAbort)."""
+    aborted iteration and its recovery before the sequence (MicrobatchAbort);
+    ``no_unshard_in_backward``: groups (a module given to fully_shard) told
+    set_unshard_in_backward(False), each one whose parameters backward does
+    not read (no Linear's or LayerNorm's: an Embedding's weight, a module's
+    own parameters through the generic forward's tanh, whose backward reads
+    its output)."""
 
     microbatches: tuple[MicrobatchStep, ...] = (MicrobatchStep(),)
     shard_dim1: tuple[str, ...] = ()
     cpu_offload: bool = False
     abort: MicrobatchAbort | None = None
+    no_unshard_in_backward: tuple[str, ...] = ()
 
 
 def validate_microbatch(spec: "CaseSpec") -> None:
@@ -940,6 +946,11 @@ def validate_microbatch(spec: "CaseSpec") -> None:
         raise SpecError("microbatch: an explicit unshard comes after the first forward (lazy init runs in it)")
     if not set(mb.shard_dim1) <= group_modules:
         raise SpecError("microbatch: shard_dim1 names modules given to fully_shard")
+    for path in mb.no_unshard_in_backward:
+        if path not in group_modules:
+            raise SpecError(f"microbatch: no_unshard_in_backward names {path!r}, not a module given to fully_shard")
+        if not backward_free_group(spec, path):
+            raise SpecError(f"microbatch: no_unshard_in_backward: {path or '<root>'}'s group holds a parameter backward reads (a Linear's or LayerNorm's)")
     a = mb.abort
     if a is not None:
         if not 0 <= a.before < len(mb.microbatches) or a.phase not in ABORT_PHASES:
@@ -954,6 +965,25 @@ def validate_microbatch(spec: "CaseSpec") -> None:
             # would start from the one made before the abort (the aborted
             # microbatch makes its own too)
             raise SpecError("microbatch: a microbatch up to the aborted one sets reshard_after_forward")
+
+
+def backward_free_group(spec: "CaseSpec", path: str) -> bool:
+    """Whether the group given ``path`` (a module given to fully_shard)
+    holds no parameter the backward reads: none of a Linear or LayerNorm
+    (their input's gradient reads the weight); the rest are an Embedding's
+    weight (its gradient is a scatter of the output's) or a module's own,
+    which the generic forward reads through tanh, whose backward reads the
+    output. The group's modules are ``path``'s subtree less those of the
+    other groups below it (a list group: each of its modules')."""
+    mine = next((g.modules for g in spec.plan.groups if path in g.modules), (path,))
+    others = {m for g in spec.plan.groups for m in g.modules if path not in g.modules} | ({""} - set(mine))
+    stack = [(module_at(spec.tree, p), p) for p in mine]
+    while stack:
+        m, p = stack.pop()
+        if m.params and m.cls in ("Linear", "LayerNorm"):
+            return False
+        stack += [(c, join(p, c.name)) for c in m.children if join(p, c.name) not in others]
+    return True
 
 
 # ---- tree queries (pure) ---------------------------------------------------

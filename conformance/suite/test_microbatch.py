@@ -2,7 +2,8 @@
 microbatch (set_requires_gradient_sync, set_requires_all_reduce,
 set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward,
 explicit unshard() / reshard(), reshard_after_forward as an int,
-shard_placement_fn Shard(1), an iteration aborted by an exception and
+shard_placement_fn Shard(1), set_unshard_in_backward(False) on groups whose
+parameters backward does not read, an iteration aborted by an exception and
 recovered with reset_iter_state()) against the oracle's collectives and the
 large batch's gradients. Collectives and placements are structure (the fake tier
 checks them too); gradients need real ranks. CPUOffloadPolicy has a test

@@ -123,6 +123,29 @@ def reset_leaves_groups_unsharded():
     return mock.patch.object(cls, "_reset_iter_state", lambda self: setattr(self, "_training_state", type(self._training_state).IDLE))
 
 
+@fault("unshard-in-backward-ignored")
+def unshard_in_backward_ignored():
+    """set_unshard_in_backward(False) does nothing: the group all-gathers in
+    backward as any other."""
+    return mock.patch.object(_module_cls(), "set_unshard_in_backward", lambda self, value: None)
+
+
+@fault("unshard-in-backward-skips-forward")
+def unshard_in_backward_skips_forward():
+    """A group told set_unshard_in_backward(False) skips its forward
+    all-gather too (the early return no longer asks for PRE_BACKWARD): its
+    forward reads the sharded parameters."""
+    cls = _group_cls()
+    orig = cls.unshard
+
+    def unshard(self, async_op=False):
+        if not self.unshard_in_backward and not self.is_unsharded:
+            return None
+        return orig(self, async_op)
+
+    return mock.patch.object(cls, "unshard", unshard)
+
+
 def _grad_element_nan():
     """One element of every reduced gradient comes out NaN (the training
     faults' fsdp2-grad-element-nan): MB-GRADS must count it as an infinite

@@ -48,6 +48,17 @@ def model(mb: MicrobatchPlan, raf=None) -> CaseSpec:
     return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), plan=plan, microbatch=mb, seed=5)
 
 
+def embedding_model(mb: MicrobatchPlan) -> CaseSpec:
+    """root (scale) -> emb: Embedding 6x4, proj: Linear 5x4; each its own
+    group; the Embedding's weight is not read by the backward."""
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), children=(
+        ModuleSpec("emb", "Embedding", (ParamSpec("weight", (6, 4)),)),
+        ModuleSpec("proj", "Linear", (ParamSpec("weight", (5, 4)), ParamSpec("bias", (5,)))),
+    ))
+    plan = WrapPlan(api="fsdp2", groups=(ShardGroup(("emb",)), ShardGroup(("proj",))))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"),), plan=plan, microbatch=mb, seed=7)
+
+
 CASES = {
     "no-sync": lambda: model(MicrobatchPlan((NO_SYNC, MicrobatchStep(sync=False), MicrobatchStep()))),
     "unshard": lambda: model(MicrobatchPlan((MicrobatchStep(sync=False), MicrobatchStep(unshard="layers.1", unshard_async=True),
@@ -58,6 +69,8 @@ CASES = {
     "abort-forward": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep()), abort=MicrobatchAbort(1, "layers.1", "forward"))),
     "abort-backward": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep()),
                                                    abort=MicrobatchAbort(1, "layers.1.proj", "backward"))),
+    # set_unshard_in_backward(False) on the Embedding's group and the root's (its own parameter only)
+    "no-unshard-in-backward": lambda: embedding_model(MicrobatchPlan((NO_SYNC, MicrobatchStep()), no_unshard_in_backward=("emb", ""))),
 }
 
 FAULTS = [
@@ -68,6 +81,7 @@ FAULTS = [
     ("MB-SHARDED", "no-sync", "reshard-after-backward-sticks", "kind:unsharded-param"),
     ("MB-COMMS", "abort-forward", "reset-leaves-groups-unsharded", "kind:missing"),
     ("MB-COMMS", "abort-backward", "reset-iter-state-skipped", "kind:missing"),
+    ("MB-COMMS", "no-unshard-in-backward", "unshard-in-backward-ignored", "kind:extra"),
 ]
 GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
@@ -77,6 +91,7 @@ GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "full-tensor-raises", "at:read"),
     ("MB-GRADS", "abort-forward", "reset-iter-state-skipped", "kind:grad"),
     ("MB-SHARDED", "abort-backward", "reset-iter-state-skipped", "kind:unsharded-param"),
+    ("MB-GRADS", "no-unshard-in-backward", "unshard-in-backward-skips-forward", "kind:raised"),
 ]
 
 

@@ -660,3 +660,34 @@ def test_microbatch_specs_abort_in_forward_and_backward_at_a_called_module():
     steps = (MicrobatchStep(), MicrobatchStep(reshard_after_forward=False), MicrobatchStep())
     with pytest.raises(SpecError, match="up to the aborted one sets reshard_after_forward"):
         validate(dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, abort=MicrobatchAbort(1, "", "forward"))))
+
+
+def test_microbatch_specs_keep_backward_unshards_only_for_groups_backward_does_not_read():
+    """no_unshard_in_backward: drawn, only for groups holding no Linear or
+    LayerNorm parameter (set_unshard_in_backward's condition, its parameters
+    unread by backward); validation refuses a group that holds one, and a
+    module not given to fully_shard."""
+    import dataclasses
+
+    from conformance.case.spec import SpecError, backward_free_group, validate
+    from conformance.strategies.microbatch import microbatch_specs
+
+    seen: Counter = Counter()
+
+    @_settings(300, derandomize=True, phases=[Phase.generate])
+    @given(microbatch_specs())
+    def collect(spec):
+        for path in spec.microbatch.no_unshard_in_backward:
+            assert backward_free_group(spec, path)
+            seen[module_at(spec.tree, path).cls] += 1
+
+    collect()
+    assert seen["Embedding"] and sum(seen.values()) > seen["Embedding"], seen
+    spec = find(microbatch_specs(), lambda s: any(not backward_free_group(s, g.modules[0]) for g in s.plan.groups),
+                settings=_settings(500), random=random.Random(0))
+    reads = next(g.modules[0] for g in spec.plan.groups if not backward_free_group(spec, g.modules[0]))
+    groups = {m for g in spec.plan.groups for m in g.modules}
+    outside = next(p for p, _ in walk(spec.tree) if p not in groups)
+    for bad, message in ((reads, "holds a parameter backward reads"), (outside, "not a module given to fully_shard")):
+        with pytest.raises(SpecError, match=message):
+            validate(dataclasses.replace(spec, microbatch=dataclasses.replace(spec.microbatch, no_unshard_in_backward=(bad,))))

@@ -250,6 +250,9 @@ class FSDP2Comm:
     shard_dim1: tuple[str, ...] = ()
     # parameters whose requires_grad flips after the first iteration (CommPlan.refreeze)
     refreeze: tuple[str, ...] = ()
+    # groups (their first module) told set_unshard_in_backward(False): no
+    # all-gather in backward, their own pre-backward's or a prefetch's
+    no_backward_unshard: tuple[str, ...] = ()
 
 
 NO_BACKWARD_FIRST = ("requires_grad flipped after a first iteration with no backward (its loss needed no gradient): its forward left "
@@ -352,7 +355,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
         def unshard(m: str, st: str, phase: str) -> None:
             """Issue the all-gather (a prefetch stops here; the group's own
             pre-forward or pre-backward waits for it)."""
-            if state[m] == "unsharded" or pending[m]:
+            if state[m] == "unsharded" or pending[m] or (st == "PRE_BACKWARD" and m in c.no_backward_unshard):
                 return
             label = groups[m][0]
             events.append(Event("unshard", label, st))

@@ -1,25 +1,27 @@
 """FSDP2's schedule APIs drawn per microbatch (MB-COMMS, MB-GRADS,
 MB-SHARDED): gradient sync, all-reduce, reshard after backward / forward,
 is_last_backward, explicit unshard / reshard, int reshard_after_forward,
-Shard(1), CPU offload where it runs; against the oracle's collectives and
+Shard(1), set_unshard_in_backward, reset_iter_state after an aborted
+iteration, CPU offload where it runs; against the oracle's collectives and
 the large batch's gradients."""
 
 from conformance.areas.common.area import Area, AreaScenario
 from conformance.areas.common.support import fsdp2_unavailable
 from conformance.areas.microbatch import invariants, repro, scenario
-from conformance.areas.microbatch.adapter import offload_unavailable, reset_unavailable
+from conformance.areas.microbatch.adapter import api_unavailable, offload_unavailable
 from conformance.areas.microbatch.observation import MicrobatchObservation
 from conformance.areas.microbatch.oracle import predict_microbatch
 
 
 def _unavailable(case) -> str | None:
     return (fsdp2_unavailable() or (offload_unavailable() if case.microbatch.cpu_offload else None)
-            or (reset_unavailable() if case.microbatch.abort is not None else None))
+            or (api_unavailable("reset_iter_state") if case.microbatch.abort is not None else None)
+            or (api_unavailable("set_unshard_in_backward") if case.microbatch.no_unshard_in_backward else None))
 
 
 AREA = Area(
     name="microbatch",
-    title="FSDP2 schedule APIs per microbatch: gradient sync, resharding, explicit unshard / reshard, Shard(1), CPU offload",
+    title="FSDP2 schedule APIs per microbatch: gradient sync, resharding, explicit unshard / reshard, Shard(1), unshard in backward, recovery from an aborted iteration, CPU offload",
     invariants=invariants.INVARIANTS,
     scenarios=(AreaScenario("microbatch", scenario.microbatch, MicrobatchObservation, predict_microbatch,
                             fsdp_seconds=lambda obs: obs.seconds),),

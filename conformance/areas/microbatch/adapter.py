@@ -36,12 +36,12 @@ def offload_unavailable() -> str | None:
     return None
 
 
-def reset_unavailable() -> str | None:
-    """Why an aborted iteration cannot be recovered here, or None: FSDPModule
-    has no reset_iter_state before torch 2.13."""
+def api_unavailable(name: str) -> str | None:
+    """Why FSDPModule.``name`` cannot be called here, or None (reset_iter_state
+    and set_unshard_in_backward are in recent releases only)."""
     _, FSDPModule, _ = fsdp2_api()
-    if not hasattr(FSDPModule, "reset_iter_state"):
-        return f"FSDPModule.reset_iter_state is not in torch {torch.__version__}"
+    if not hasattr(FSDPModule, name):
+        return f"FSDPModule.{name} is not in torch {torch.__version__}"
     return None
 
 
@@ -68,6 +68,8 @@ def _shard(spec: CaseSpec, built) -> None:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         mods = [built.modules[p] for p in grp.modules]
         fully_shard(mods if len(mods) > 1 else mods[0], **kwargs)
+    for path in mb.no_unshard_in_backward:
+        built.modules[path].set_unshard_in_backward(False)
 
 
 def observe(spec: CaseSpec) -> MicrobatchObservation:

@@ -2,7 +2,8 @@
 microbatch (set_requires_gradient_sync, set_requires_all_reduce,
 set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward,
 explicit unshard() / reshard(), reshard_after_forward as an int,
-shard_placement_fn) against the oracle and the large batch."""
+shard_placement_fn, set_unshard_in_backward, reset_iter_state after an
+aborted iteration) against the oracle and the large batch."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ catalog = Catalog()
 GRAD_RTOL = 1e-5  # fp32 throughout: summation order only
 DOCS = ("FSDPModule docstrings: set_requires_gradient_sync (\"gradient accumulation *without communication*\"), "
         "set_requires_all_reduce, set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward, unshard / reshard, "
-        "UnshardHandle.wait; fully_shard docstring (reshard_after_forward as an int, shard_placement_fn); "
+        "UnshardHandle.wait, set_unshard_in_backward (\"expert cases when the user knows that all parameters in this FSDP module's "
+        "parameter group are not needed for backward computation (e.g. embedding)\"); "
+        "fully_shard docstring (reshard_after_forward as an int, shard_placement_fn); "
         "reset_iter_state docstring (after an exception aborted a forward or backward: call it on the root, then run the next "
         "iteration normally; the failed iteration's gradients are lost, no_sync grad-accumulation state included, and a "
         "gradient-accumulation sequence is to be restarted)")
@@ -78,7 +81,7 @@ def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violat
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence.",
+    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; a group told set_unshard_in_backward(False) (one whose parameters backward does not read) all-gathers nothing in backward, neither in its pre-backward nor as a prefetch; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence.",
     source=DOCS,
 )
 def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
@@ -94,7 +97,7 @@ def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Whatever the settings drawn per microbatch, after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains.",
+    statement="Whatever the settings drawn per microbatch (set_unshard_in_backward(False) on groups whose parameters backward does not read included), after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains.",
     source=DOCS,
 )
 def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:

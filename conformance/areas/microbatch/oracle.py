@@ -39,7 +39,8 @@ def knobs(spec: CaseSpec) -> tuple[Knobs, ...]:
 
 @functools.lru_cache(maxsize=512)
 def _expect(spec: CaseSpec, world: int) -> Expected:
-    return simulate_fsdp2(spec, world, FSDP2Comm(knobs(spec), shard_dim1=spec.microbatch.shard_dim1))
+    mb = spec.microbatch
+    return simulate_fsdp2(spec, world, FSDP2Comm(knobs(spec), shard_dim1=mb.shard_dim1, no_backward_unshard=mb.no_unshard_in_backward))
 
 
 @functools.lru_cache(maxsize=512)
