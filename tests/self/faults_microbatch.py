@@ -123,6 +123,23 @@ def reset_leaves_groups_unsharded():
     return mock.patch.object(cls, "_reset_iter_state", lambda self: setattr(self, "_training_state", type(self._training_state).IDLE))
 
 
+@fault("reset-keeps-post-forward-order")
+def reset_keeps_post_forward_order():
+    """reset_iter_state() keeps the aborted forward's post-forward order: the
+    restarted backward prefetches by the stale order (the first group to
+    have run forward all-gathers the aborted forward's last group again)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    orig = FSDPState._reset_iter_state
+
+    def reset(self):
+        kept = list(self._comm_ctx.post_forward_order)
+        orig(self)
+        self._comm_ctx.post_forward_order[:0] = kept
+
+    return mock.patch.object(FSDPState, "_reset_iter_state", reset)
+
+
 @fault("unshard-in-backward-ignored")
 def unshard_in_backward_ignored():
     """set_unshard_in_backward(False) does nothing: the group all-gathers in

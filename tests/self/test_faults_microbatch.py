@@ -69,6 +69,8 @@ CASES = {
     "abort-forward": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep()), abort=MicrobatchAbort(1, "layers.1", "forward"))),
     "abort-backward": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep()),
                                                    abort=MicrobatchAbort(1, "layers.1.proj", "backward"))),
+    # aborted when the root's forward returns: every block's group completed its forward
+    "abort-at-root": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep()), abort=MicrobatchAbort(0, "", "forward"))),
     # set_unshard_in_backward(False) on the Embedding's group and the root's (its own parameter only)
     "no-unshard-in-backward": lambda: embedding_model(MicrobatchPlan((NO_SYNC, MicrobatchStep()), no_unshard_in_backward=("emb", ""))),
 }
@@ -82,6 +84,8 @@ FAULTS = [
     ("MB-COMMS", "abort-forward", "reset-leaves-groups-unsharded", "kind:missing"),
     ("MB-COMMS", "abort-backward", "reset-iter-state-skipped", "kind:missing"),
     ("MB-COMMS", "no-unshard-in-backward", "unshard-in-backward-ignored", "kind:extra"),
+    # the mutant fsdp2-reset-iter-state-keeps-post-forward-order, which 300 drawn examples missed
+    ("MB-COMMS", "abort-at-root", "reset-keeps-post-forward-order", "kind:extra"),
 ]
 GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
