@@ -183,7 +183,7 @@ def _abort_and_reset(spec: CaseSpec, built, model, rank: int, rec: Recorder) -> 
             _microbatch(spec, built, model, k, rank, rec)
         except Exception as e:
             return f"microbatch {k} (before the abort): {error_line(e)}"
-    anchor = torch.zeros((), requires_grad=True, device=on_rank_device(torch.zeros(())).device)
+    anchor = on_rank_device(torch.zeros(())).requires_grad_()
 
     def hook(module, args, out):
         if a.phase == "forward":

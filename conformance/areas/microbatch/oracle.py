@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from conformance.areas.common.comm_oracle import Expected, FSDP2Comm, Knobs, param_shapes, simulate_fsdp2, timeline
+from conformance.areas.common.comm_oracle import ANY_TORCH, Expected, FSDP2Comm, Knobs, param_shapes, simulate_fsdp2, timeline
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
 from conformance.case.graph import ModelGraph
 from conformance.case.spec import CaseSpec, module_at
@@ -88,9 +88,7 @@ def stale_at_reset(spec: CaseSpec) -> frozenset[str]:
         entered = {s.path: i for i, s in reversed(list(enumerate(steps))) if s.kind == "enter"}  # first entry
         later = {p for p, i in entered.items() if i > end}
         synced = spec.microbatch.microbatches[a.before].sync
-        import torch
-
-        for grp in predict_fsdp2(spec, torch.__version__).groups:
+        for grp in predict_fsdp2(spec, ANY_TORCH).groups:  # the group structure, as simulate_fsdp2 reads it
             first = min(grp.modules, key=lambda m: entered.get(m, len(steps)))
             if synced and first in later and module_at(spec.tree, first).cls != "Embedding":
                 stale -= set(grp.managed)  # reduced, with what accumulated before
