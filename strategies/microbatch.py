@@ -10,7 +10,10 @@ third of the cases an iteration aborted by an exception (in forward or
 backward, at any module whose forward runs) and recovered with
 reset_iter_state() before the sequence restarts; groups whose parameters
 the backward does not read (no Linear or LayerNorm in them) told
-set_unshard_in_backward(False), each a third of the time."""
+set_unshard_in_backward(False), each a third of the time; groups given an
+all-reduce hook (scaling the reduce-scatter output by a power of two of
+their own; every microbatch then all-reduces) and groups given the suite's
+custom all-gather and reduce-scatter, each a third of the time."""
 
 from __future__ import annotations
 
@@ -38,6 +41,10 @@ from conformance.strategies.cases import case_specs
 from conformance.strategies.comm import RESHARD, draw_groups
 
 THIRD = st.sampled_from((False, False, True))  # True a third of the time; shrinks to False
+# an all-reduce hook's scale per hooked group, in draw order: powers of two
+# (exact in float32), each group's its own so that one group's scale on
+# another's gradients shows
+HOOK_SCALES = (2.0, 0.5, 4.0, 0.25, 8.0, 0.125)
 SHARD_DIM1_WORLD = 4  # Shard(1) needs dim 1 divisible by the world size: the fake tier's 4 (and so gloo's 2)
 
 
@@ -87,8 +94,21 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
     no_bw = tuple(g.modules[0] for g in pred.groups if g.managed and backward_free_group(spec, g.modules[0]) and draw(THIRD))
     if no_bw:
         event("microbatch: set_unshard_in_backward(False)")
+    # all-reduce hooks and custom comms on groups with parameters, each a third of the time
+    with_params = [g.modules[0] for g in pred.groups if g.managed]
+    hooked = [m for m in with_params if draw(THIRD)]
+    hooks = tuple(zip(hooked[: len(HOOK_SCALES)], HOOK_SCALES))
+    if hooks:
+        # a 1-D mesh's all-reduce is the hook: every microbatch all-reduces
+        # (whether set_requires_all_reduce(False) skips it is left open)
+        steps = tuple(dataclasses.replace(s, all_reduce=True) for s in steps)
+        event("microbatch: set_all_reduce_hook")
+    custom = tuple(m for m in with_params if draw(THIRD))
+    if custom:
+        event("microbatch: set_custom_all_gather / set_custom_reduce_scatter")
     return dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort,
-                                                               no_unshard_in_backward=no_bw))
+                                                               no_unshard_in_backward=no_bw, all_reduce_hook=hooks,
+                                                               custom_comms=custom))
 
 
 def _trainable(m: ModuleSpec) -> ModuleSpec:

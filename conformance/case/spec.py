@@ -918,13 +918,20 @@ class MicrobatchPlan:
     set_unshard_in_backward(False), each one whose parameters backward does
     not read (no Linear's or LayerNorm's: an Embedding's weight, a module's
     own parameters through the generic forward's tanh, whose backward reads
-    its output)."""
+    its output); ``all_reduce_hook``: (group, scale) pairs, each group (a
+    module given to fully_shard) given set_all_reduce_hook with a hook that
+    multiplies the reduce-scatter output in place by its scale (a power of
+    two, different for each group); ``custom_comms``: groups given
+    set_custom_all_gather and set_custom_reduce_scatter with the suite's
+    own comms (the same collectives, issued through them)."""
 
     microbatches: tuple[MicrobatchStep, ...] = (MicrobatchStep(),)
     shard_dim1: tuple[str, ...] = ()
     cpu_offload: bool = False
     abort: MicrobatchAbort | None = None
     no_unshard_in_backward: tuple[str, ...] = ()
+    all_reduce_hook: tuple[tuple[str, float], ...] = ()
+    custom_comms: tuple[str, ...] = ()
 
 
 def validate_microbatch(spec: "CaseSpec") -> None:
@@ -951,6 +958,22 @@ def validate_microbatch(spec: "CaseSpec") -> None:
             raise SpecError(f"microbatch: no_unshard_in_backward names {path!r}, not a module given to fully_shard")
         if not backward_free_group(spec, path):
             raise SpecError(f"microbatch: no_unshard_in_backward: {path or '<root>'}'s group holds a parameter backward reads (a Linear's or LayerNorm's)")
+    firsts = {g.modules[0] for g in spec.plan.groups} | {""}  # what names a group: the first module given to fully_shard
+    hooked = [path for path, _ in mb.all_reduce_hook]
+    scales = [scale for _, scale in mb.all_reduce_hook]
+    for path, scale in mb.all_reduce_hook:
+        if path not in firsts:
+            raise SpecError(f"microbatch: all_reduce_hook names {path!r}, not the first module given to a fully_shard call")
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 and math.frexp(scale)[0] == 0.5 and scale != 1.0):
+            raise SpecError(f"microbatch: all_reduce_hook scale {scale!r} is not a power of two other than 1 (exact in float32)")
+    if len(set(hooked)) != len(hooked) or len(set(scales)) != len(scales):
+        raise SpecError("microbatch: all_reduce_hook names each group once, each with a scale of its own")
+    if hooked and not all(s.all_reduce for s in mb.microbatches):
+        # on a 1-D mesh the hook is the user's all-reduce: whether
+        # set_requires_all_reduce(False) skips it the docstrings leave open
+        raise SpecError("microbatch: all_reduce_hook with set_requires_all_reduce(False) in a microbatch (the docstrings leave the hook's call open)")
+    if not set(mb.custom_comms) <= firsts or len(set(mb.custom_comms)) != len(mb.custom_comms):
+        raise SpecError("microbatch: custom_comms names the first modules given to fully_shard calls, each once")
     a = mb.abort
     if a is not None:
         if not 0 <= a.before < len(mb.microbatches) or a.phase not in ABORT_PHASES:

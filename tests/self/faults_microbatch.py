@@ -5,6 +5,7 @@ in the driver does not reach rank processes)."""
 
 from __future__ import annotations
 
+import inspect
 from unittest import mock
 
 from conformance.case.spec import CaseSpec
@@ -161,6 +162,46 @@ def unshard_in_backward_skips_forward():
         return orig(self, async_op)
 
     return mock.patch.object(cls, "unshard", unshard)
+
+
+@fault("all-reduce-hook-ignored")
+def all_reduce_hook_ignored():
+    """set_all_reduce_hook does nothing: the hook is never called and the
+    gradients are not scaled."""
+    return mock.patch.object(_module_cls(), "set_all_reduce_hook", lambda self, hook, **kwargs: None)
+
+
+@fault("all-reduce-hook-on-a-copy")
+def all_reduce_hook_on_a_copy():
+    """The all-reduce hook is given a copy of the reduce-scatter output: it
+    runs, but what it does in place never reaches the gradients."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    orig = _fsdp_param_group.foreach_reduce
+    signature = inspect.signature(orig)
+
+    def foreach_reduce(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        hook = bound.arguments.get("all_reduce_hook")
+        if hook is not None:
+            bound.arguments["all_reduce_hook"] = lambda t: hook(t.clone())
+        return orig(*bound.args, **bound.kwargs)
+
+    return mock.patch.object(_fsdp_param_group, "foreach_reduce", foreach_reduce)
+
+
+@fault("custom-all-gather-ignored")
+def custom_all_gather_ignored():
+    """set_custom_all_gather does nothing: the group all-gathers through
+    FSDP's default."""
+    return mock.patch.object(_module_cls(), "set_custom_all_gather", lambda self, comm: None)
+
+
+@fault("custom-reduce-scatter-ignored")
+def custom_reduce_scatter_ignored():
+    """set_custom_reduce_scatter does nothing: the group reduce-scatters
+    through FSDP's default."""
+    return mock.patch.object(_module_cls(), "set_custom_reduce_scatter", lambda self, comm: None)
 
 
 def _grad_element_nan():

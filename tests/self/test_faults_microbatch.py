@@ -73,6 +73,10 @@ CASES = {
     "abort-at-root": lambda: model(MicrobatchPlan((MicrobatchStep(), MicrobatchStep()), abort=MicrobatchAbort(0, "", "forward"))),
     # set_unshard_in_backward(False) on the Embedding's group and the root's (its own parameter only)
     "no-unshard-in-backward": lambda: embedding_model(MicrobatchPlan((NO_SYNC, MicrobatchStep()), no_unshard_in_backward=("emb", ""))),
+    # all-reduce hooks (scales of their own) on a block's group and the
+    # root's; the suite's custom comms on another block's and the root's
+    "hooks-and-custom-comms": lambda: model(MicrobatchPlan((NO_SYNC, MicrobatchStep(), MicrobatchStep()),
+                                                           all_reduce_hook=(("layers.0", 2.0), ("", 0.5)), custom_comms=("layers.1", ""))),
 }
 
 FAULTS = [
@@ -86,6 +90,9 @@ FAULTS = [
     ("MB-COMMS", "no-unshard-in-backward", "unshard-in-backward-ignored", "kind:extra"),
     # the mutant fsdp2-reset-iter-state-keeps-post-forward-order, which 300 drawn examples missed
     ("MB-COMMS", "abort-at-root", "reset-keeps-post-forward-order", "kind:extra"),
+    ("MB-COMMS", "hooks-and-custom-comms", "all-reduce-hook-ignored", "op:all_reduce_hook"),
+    ("MB-COMMS", "hooks-and-custom-comms", "custom-all-gather-ignored", "via:custom"),
+    ("MB-COMMS", "hooks-and-custom-comms", "custom-reduce-scatter-ignored", "via:custom"),
 ]
 GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
@@ -96,6 +103,9 @@ GLOO_FAULTS = [
     ("MB-GRADS", "abort-forward", "reset-iter-state-skipped", "kind:grad"),
     ("MB-SHARDED", "abort-backward", "reset-iter-state-skipped", "kind:unsharded-param"),
     ("MB-GRADS", "no-unshard-in-backward", "unshard-in-backward-skips-forward", "kind:raised"),
+    ("MB-GRADS", "hooks-and-custom-comms", "all-reduce-hook-ignored", "kind:grad"),
+    # the hook runs (MB-COMMS holds) but its in-place work is lost
+    ("MB-GRADS", "hooks-and-custom-comms", "all-reduce-hook-on-a-copy", "kind:grad"),
 ]
 
 

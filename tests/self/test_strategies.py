@@ -691,3 +691,54 @@ def test_microbatch_specs_keep_backward_unshards_only_for_groups_backward_does_n
     for bad, message in ((reads, "holds a parameter backward reads"), (outside, "not a module given to fully_shard")):
         with pytest.raises(SpecError, match=message):
             validate(dataclasses.replace(spec, microbatch=dataclasses.replace(spec.microbatch, no_unshard_in_backward=(bad,))))
+
+
+def test_microbatch_specs_draw_all_reduce_hooks_and_custom_comms_on_groups_with_parameters():
+    """all_reduce_hook and custom_comms: drawn, on groups (their first
+    module) that have parameters, the root's included; each hooked group
+    with a scale of its own and every microbatch all-reducing; validation
+    refuses a repeated scale, a scale that is no power of two, a hook with
+    set_requires_all_reduce(False) and a module that names no group."""
+    import dataclasses
+
+    from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+    from conformance.case.spec import MicrobatchStep, SpecError, validate
+    from conformance.strategies._common import ANY_TORCH
+    from conformance.strategies.microbatch import microbatch_specs
+
+    seen: Counter = Counter()
+
+    @_settings(300, derandomize=True, phases=[Phase.generate])
+    @given(microbatch_specs())
+    def collect(spec):
+        mb = spec.microbatch
+        with_params = {g.modules[0] for g in predict_fsdp2(spec, ANY_TORCH).groups if g.managed}
+        scales = [s for _, s in mb.all_reduce_hook]
+        assert len(set(scales)) == len(scales)
+        assert {p for p, _ in mb.all_reduce_hook} <= with_params and set(mb.custom_comms) <= with_params
+        if mb.all_reduce_hook:
+            assert all(s.all_reduce for s in mb.microbatches)
+            seen["hook"] += 1
+            seen["hook on the root"] += any(p == "" for p, _ in mb.all_reduce_hook)
+            seen["several hooks"] += len(scales) > 1
+        seen["custom"] += bool(mb.custom_comms)
+        seen["both"] += bool(mb.all_reduce_hook and mb.custom_comms)
+
+    collect()
+    assert all(seen[k] for k in ("hook", "hook on the root", "several hooks", "custom", "both")), seen
+    def ungrouped(s):
+        return [p for p, _ in walk(s.tree) if p and p not in {m for g in s.plan.groups for m in g.modules}]
+
+    spec = find(microbatch_specs(), lambda s: len(s.microbatch.all_reduce_hook) >= 2 and ungrouped(s), settings=_settings(500),
+                random=random.Random(0))
+    (a, _), (b, _) = spec.microbatch.all_reduce_hook[:2]
+    outside = ungrouped(spec)[0]
+    no_all_reduce = (MicrobatchStep(all_reduce=False, sync=True),) + spec.microbatch.microbatches
+    for changes, message in (({"all_reduce_hook": ((a, 2.0), (b, 2.0))}, "a scale of its own"),
+                             ({"all_reduce_hook": ((a, 3.0),)}, "not a power of two"),
+                             ({"all_reduce_hook": ((a, 1.0),)}, "not a power of two"),
+                             ({"all_reduce_hook": ((outside, 2.0),)}, "not the first module"),
+                             ({"microbatches": no_all_reduce}, "set_requires_all_reduce"),
+                             ({"custom_comms": (outside,)}, "custom_comms names")):
+        with pytest.raises(SpecError, match=message):
+            validate(dataclasses.replace(spec, microbatch=dataclasses.replace(spec.microbatch, **changes)))

@@ -64,6 +64,7 @@ class Recorder:
     def __init__(self) -> None:
         self.phase = "forward"
         self.owner: list[tuple[str, str]] = []  # (group or unit, FSDP1 hook context)
+        self.via: list[str] = []  # the custom comm a collective goes through (FSDP2)
         self.collectives: list[CollectiveSeen] = []
         self.events: list[EventSeen] = []
         rec = self
@@ -94,7 +95,22 @@ class Recorder:
         else:
             numel, ranks = (tensors[0].numel() if tensors else 0), group_size(args)
         dtype = _dtype_name(tensors[0].dtype) if tensors else "?"
-        self.collectives.append(CollectiveSeen(self.phase, op, group, numel, ranks, dtype, ctx))
+        self.collectives.append(CollectiveSeen(self.phase, op, group, numel, ranks, dtype, ctx, self.via[-1] if self.via else ""))
+
+    def hook_call(self, tensor: torch.Tensor) -> None:
+        """An FSDP2 all-reduce hook's call, attributed to the group whose
+        post-backward runs it, with the tensor it was given."""
+        group = self.owner[-1][0] if self.owner else "?"
+        self.collectives.append(CollectiveSeen(self.phase, "all_reduce_hook", group, tensor.numel(), 1, _dtype_name(tensor.dtype)))
+
+    @contextlib.contextmanager
+    def through(self, via: str):
+        """Collectives issued inside are tagged ``via`` (a custom comm's own)."""
+        self.via.append(via)
+        try:
+            yield
+        finally:
+            self.via.pop()
 
     @contextlib.contextmanager
     def owning(self, group: str, ctx: str = ""):
@@ -171,3 +187,51 @@ def fsdp2_patches(rec: Recorder, labels: dict[int, str]):
 
 def dtype_of(name: str | None):
     return None if name is None else getattr(torch, name)
+
+
+# ---- FSDP2's user-supplied comms ----------------------------------------------
+
+
+def custom_comms(rec: Recorder, label: str):
+    """The suite's AllGather and ReduceScatter for the group ``label``
+    (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter): the
+    collectives FSDP's defaults issue, through plain buffers, each tagged
+    "custom <label>" in the recorder, so that a collective of the group that
+    bypasses them (or goes through another group's) is told apart."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    # the single-tensor forms (torch 2.13 deprecates the *_tensor names)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    via = f"custom {label}"
+
+    class SuiteAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            with rec.through(via):
+                return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class SuiteReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            with rec.through(via):
+                return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    return SuiteAllGather(), SuiteReduceScatter()
+
+
+def scaling_hook(rec: Recorder, scale: float):
+    """An all-reduce hook (FSDPModule.set_all_reduce_hook) that records its
+    call and multiplies the tensor it is given in place by ``scale``, as a
+    user's hook all-reduces it in place: the group's gradients come out
+    ``scale`` times the large batch's."""
+
+    def hook(output: torch.Tensor) -> None:
+        rec.hook_call(output)
+        output.mul_(scale)
+
+    return hook

@@ -63,6 +63,10 @@ class Collective:
     ranks: int
     dtype: str
     context: str = ""
+    # FSDP2: "custom G" where the collective goes through the custom comm
+    # given to group G; an all-reduce hook's call is op "all_reduce_hook"
+    # (numel: the reduce-scatter output's, ranks 1)
+    via: str = ""
     # the oracle's own: why this collective is promised, where that is a
     # mechanism a finding may name (not compared with what is seen)
     reason: str = ""
@@ -253,6 +257,14 @@ class FSDP2Comm:
     # groups (their first module) told set_unshard_in_backward(False): no
     # all-gather in backward, their own pre-backward's or a prefetch's
     no_backward_unshard: tuple[str, ...] = ()
+    # groups (their first module) given set_all_reduce_hook: the hook runs
+    # once per reduction of the group's gradients, on the reduce-scatter
+    # output (a one-rank mesh's too, which has no reduce-scatter)
+    all_reduce_hook: tuple[str, ...] = ()
+    # groups (their first module) given set_custom_all_gather and
+    # set_custom_reduce_scatter: every all-gather and reduce-scatter of
+    # theirs goes through them
+    custom_comms: tuple[str, ...] = ()
 
 
 NO_BACKWARD_FIRST = ("requires_grad flipped after a first iteration with no backward (its loss needed no gradient): its forward left "
@@ -326,6 +338,9 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
     if any(m in groups and not isinstance(groups[m][3], bool) and any(len(params[f][0]) >= 2 for f in groups[m][1])
            for m in c.shard_dim1):
         notes.add("int-reshard-of-shard-dim1")  # a Shard(1) matrix resharded to the int world after forward
+    def via(m: str) -> str:
+        return f"custom {groups[m][0]}" if m in c.custom_comms else ""
+
     full = {m: sum(numel(m, f) for f in groups[m][1]) for m in groups}
     grads = {m: sum(numel(m, f) for f in groups[m][2]) for m in groups}
     has_grads = {m: bool(groups[m][2]) for m in groups}
@@ -361,7 +376,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
             events.append(Event("unshard", label, st))
             if world > 1:
                 ranks = post_ranks[m] if state[m] == "post" else world
-                colls.append(Collective(phase, "all_gather", label, full[m], ranks, ag_dtype))
+                colls.append(Collective(phase, "all_gather", label, full[m], ranks, ag_dtype, via=via(m)))
             pending[m] = True
 
         def wait(m: str) -> None:
@@ -389,8 +404,10 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
             if k.sync and has_grads[m] and world > 1:  # with gradients accumulated since the last sync
                 # a group frozen at lazy init takes its dtypes then (the finding
                 # fsdp2-unfreeze-frozen-group-mixed-precision names this reason)
-                colls.append(Collective("backward", "reduce_scatter", groups[m][0], grads[m], world, rs_dtype,
+                colls.append(Collective("backward", "reduce_scatter", groups[m][0], grads[m], world, rs_dtype, via=via(m),
                                         reason="trainable-later" if m in trainable_later else ""))
+            if k.sync and has_grads[m] and m in c.all_reduce_hook:  # the user's all-reduce, on the reduce-scatter output
+                colls.append(Collective("backward", "all_reduce_hook", groups[m][0], grads[m] // world, 1, rs_dtype))
             events.append(Event("post_backward", groups[m][0], "POST_BACKWARD"))
 
         if k.unshard is not None and k.unshard in groups:  # the module's unshard(), waited for

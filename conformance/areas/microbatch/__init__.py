@@ -2,7 +2,7 @@
 MB-SHARDED): gradient sync, all-reduce, reshard after backward / forward,
 is_last_backward, explicit unshard / reshard, int reshard_after_forward,
 Shard(1), set_unshard_in_backward, reset_iter_state after an aborted
-iteration, CPU offload where it runs; against the oracle's collectives and
+iteration, all-reduce hooks and custom comms, CPU offload where it runs; against the oracle's collectives and
 the large batch's gradients."""
 
 from conformance.areas.common.area import Area, AreaScenario
@@ -16,12 +16,14 @@ from conformance.areas.microbatch.oracle import predict_microbatch
 def _unavailable(case) -> str | None:
     return (fsdp2_unavailable() or (offload_unavailable() if case.microbatch.cpu_offload else None)
             or (api_unavailable("reset_iter_state") if case.microbatch.abort is not None else None)
-            or (api_unavailable("set_unshard_in_backward") if case.microbatch.no_unshard_in_backward else None))
+            or (api_unavailable("set_unshard_in_backward") if case.microbatch.no_unshard_in_backward else None)
+            or (api_unavailable("set_all_reduce_hook") if case.microbatch.all_reduce_hook else None)
+            or (api_unavailable("set_custom_all_gather") if case.microbatch.custom_comms else None))
 
 
 AREA = Area(
     name="microbatch",
-    title="FSDP2 schedule APIs per microbatch: gradient sync, resharding, explicit unshard / reshard, Shard(1), unshard in backward, recovery from an aborted iteration, CPU offload",
+    title="FSDP2 schedule APIs per microbatch: gradient sync, resharding, explicit unshard / reshard, Shard(1), unshard in backward, recovery from an aborted iteration, all-reduce hooks, custom comms, CPU offload",
     invariants=invariants.INVARIANTS,
     scenarios=(AreaScenario("microbatch", scenario.microbatch, MicrobatchObservation, predict_microbatch,
                             fsdp_seconds=lambda obs: obs.seconds),),

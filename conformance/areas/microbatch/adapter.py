@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from conformance.areas.common import fsdp1_adapter as a1
-from conformance.areas.common.comm_adapter import Recorder, fsdp2_patches
+from conformance.areas.common.comm_adapter import Recorder, custom_comms, fsdp2_patches, scaling_hook
 from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensors
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.support import fsdp2_mesh, on_rank_device, placed
@@ -51,7 +51,7 @@ def data(spec: CaseSpec, micro: int, rank: int) -> torch.Tensor:
     return 0.5 * torch.randn(BATCH, generator=gen)
 
 
-def _shard(spec: CaseSpec, built) -> None:
+def _shard(spec: CaseSpec, built, rec: Recorder) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
 
@@ -70,6 +70,18 @@ def _shard(spec: CaseSpec, built) -> None:
         fully_shard(mods if len(mods) > 1 else mods[0], **kwargs)
     for path in mb.no_unshard_in_backward:
         built.modules[path].set_unshard_in_backward(False)
+    for path, scale in mb.all_reduce_hook:
+        built.modules[path].set_all_reduce_hook(scaling_hook(rec, scale))
+    for path in mb.custom_comms:
+        all_gather, reduce_scatter = custom_comms(rec, group_label(spec, path))
+        built.modules[path].set_custom_all_gather(all_gather)
+        built.modules[path].set_custom_reduce_scatter(reduce_scatter)
+
+
+def group_label(spec: CaseSpec, path: str) -> str:
+    """The group ``path`` was given to fully_shard in, as the recorder and
+    the oracle name it (its modules, ", "-joined)."""
+    return ", ".join(next((g.modules for g in spec.plan.groups if path in g.modules), (path,)))
 
 
 def observe(spec: CaseSpec) -> MicrobatchObservation:
@@ -82,7 +94,7 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
     rec = Recorder()
     t0 = time.perf_counter()
     try:
-        _shard(spec, built)
+        _shard(spec, built, rec)
     except Exception as e:
         return MicrobatchObservation(**base, error=f"fully_shard: {error_line(e)}", seconds=time.perf_counter() - t0)
     model = built.model
@@ -219,6 +231,7 @@ def _compare_grads(spec: CaseSpec, model, ref, names: list[str], world: int) -> 
         if total.requires_grad:
             total.backward()
     out = []
+    scale = dict(predict_microbatch(spec).grad_scale)  # an all-reduce hook's, on its group's gradients
     grads = full_tensors({f: read_attr(model, f).grad for f in names})  # a collective: every rank runs it
     for f in names:
         full = None if grads[f] is None else grads[f].float()
@@ -226,6 +239,6 @@ def _compare_grads(spec: CaseSpec, model, ref, names: list[str], world: int) -> 
         if full is None or r is None:
             out.append(GradSeen(f, full is None, r is None, 0.0 if (full is None) == (r is None) else -1.0))
             continue
-        err = rel_err(full, r)  # a NaN against a finite reference is an infinite error
+        err = rel_err(full, scale.get(f, 1.0) * r)  # a NaN against a finite reference is an infinite error
         out.append(GradSeen(f, False, False, err))
     return out

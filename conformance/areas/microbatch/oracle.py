@@ -27,6 +27,11 @@ class MicrobatchPrediction:
     # MicrobatchAbort: the parameters FSDP2 holds an unsharded gradient of
     # when reset_iter_state runs (stale_at_reset), which the docstring has it discard
     stale_at_reset: frozenset[str] = frozenset()
+    # (FQN, scale): the trainable parameters of a group given an all-reduce
+    # hook that scales the reduce-scatter output in place: their gradients
+    # are the large batch's times that scale (each reduction's output is
+    # scaled before it accumulates into the sharded gradient)
+    grad_scale: tuple[tuple[str, float], ...] = ()
 
     def expect(self, world: int) -> Expected:
         return _expect(self.spec, world)
@@ -40,7 +45,8 @@ def knobs(spec: CaseSpec) -> tuple[Knobs, ...]:
 @functools.lru_cache(maxsize=512)
 def _expect(spec: CaseSpec, world: int) -> Expected:
     mb = spec.microbatch
-    return simulate_fsdp2(spec, world, FSDP2Comm(knobs(spec), shard_dim1=mb.shard_dim1, no_backward_unshard=mb.no_unshard_in_backward))
+    return simulate_fsdp2(spec, world, FSDP2Comm(knobs(spec), shard_dim1=mb.shard_dim1, no_backward_unshard=mb.no_unshard_in_backward,
+                                                 all_reduce_hook=tuple(p for p, _ in mb.all_reduce_hook), custom_comms=mb.custom_comms))
 
 
 @functools.lru_cache(maxsize=512)
@@ -51,7 +57,16 @@ def predict_microbatch(spec: CaseSpec) -> MicrobatchPrediction:
         tuple(f for f, pid in g.named_parameters() if g.requires_grad(pid)),
         tuple(f for f, pid in g.named_parameters() if not g.requires_grad(pid)),
         stale_at_reset(spec),
+        grad_scale(spec),
     )
+
+
+def grad_scale(spec: CaseSpec) -> tuple[tuple[str, float], ...]:
+    hooks = dict(spec.microbatch.all_reduce_hook)
+    if not hooks:
+        return ()
+    return tuple((f, hooks[grp.modules[0]]) for grp in predict_fsdp2(spec, ANY_TORCH).groups if grp.modules[0] in hooks
+                 for f in grp.trainable)
 
 
 def stale_at_reset(spec: CaseSpec) -> frozenset[str]:
