@@ -13,7 +13,10 @@ the backward does not read (no Linear or LayerNorm in them) told
 set_unshard_in_backward(False), each a third of the time; groups given an
 all-reduce hook (scaling the reduce-scatter output by a power of two of
 their own; every microbatch then all-reduces) and groups given the suite's
-custom all-gather and reduce-scatter, each a third of the time."""
+custom all-gather and reduce-scatter, each a third of the time; in half
+the cases without an abort, modules rank 0 passes over in some
+microbatches (conditional control flow) with
+set_reduce_scatter_unused_params(True)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.comm_oracle import param_shapes, timeline
 from conformance.areas.common.fsdp2_oracle import predict_fsdp2
+from conformance.areas.microbatch.oracle import unused_differs
 from conformance.case.spec import (
     ABORT_PHASES,
     CONTAINER_BASES,
@@ -34,11 +38,13 @@ from conformance.case.spec import (
     MicrobatchPlan,
     MicrobatchStep,
     ModuleSpec,
+    ShardGroup,
     backward_free_group,
 )
-from conformance.strategies._common import ANY_TORCH, check_bool, check_int, ints, maybe, pick
+from conformance.strategies._common import ANY_TORCH, TreeIndex, check_bool, check_int, ints, maybe, pick, pick_subset
 from conformance.strategies.cases import case_specs
 from conformance.strategies.comm import RESHARD, draw_groups
+from conformance.strategies.groups import shardable
 
 THIRD = st.sampled_from((False, False, True))  # True a third of the time; shrinks to False
 # an all-reduce hook's scale per hooked group, in draw order: powers of two
@@ -106,9 +112,80 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
     custom = tuple(m for m in with_params if draw(THIRD))
     if custom:
         event("microbatch: set_custom_all_gather / set_custom_reduce_scatter")
-    return dataclasses.replace(spec, microbatch=MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort,
-                                                               no_unshard_in_backward=no_bw, all_reduce_hook=hooks,
-                                                               custom_comms=custom))
+    plan = MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort, no_unshard_in_backward=no_bw,
+                          all_reduce_hook=hooks, custom_comms=custom)
+    if abort is None and maybe(draw, 2):
+        spec, plan = _draw_unused(draw, spec, plan)
+    return dataclasses.replace(spec, microbatch=plan)
+
+
+def _safe_alone(spec: CaseSpec, path: str) -> bool:
+    """Passed over alone on rank 0 in one microbatch, ``path`` leaves every
+    rank's FSDP hooks the same."""
+    one = MicrobatchPlan((MicrobatchStep(unused_on_rank0=(path,)),), reduce_scatter_unused_params=True)
+    return not unused_differs(dataclasses.replace(spec, microbatch=one))
+
+
+def _group_around(draw: Any, spec: CaseSpec, plan: MicrobatchPlan, candidates: list[str]) -> tuple[CaseSpec, list[str]]:
+    """Where no candidate lies in a group below the root: one candidate's
+    parent given to fully_shard of its own (a group below the root the
+    module is unused in), if FSDP2 supports the plan then, every group the
+    plan names keeps a parameter and the candidate stays safe; else the
+    spec as it was and no candidate."""
+    index = TreeIndex(spec.tree, spec.classes)
+    grouped = {m for g in spec.plan.groups for m in g.modules}
+    parents = [c for c in candidates if c.rpartition(".")[0] and shardable(index, c.rpartition(".")[0])
+               and c.rpartition(".")[0] not in grouped]
+    if not parents:
+        return spec, []
+    c = pick(draw, parents)
+    out = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, groups=spec.plan.groups + (ShardGroup((c.rpartition(".")[0],)),)))
+    pred = predict_fsdp2(out, ANY_TORCH)
+    named = {p for p, _ in plan.all_reduce_hook} | set(plan.custom_comms) | set(plan.no_unshard_in_backward) | set(plan.shard_dim1)
+    if pred.supported or not named <= {g.modules[0] for g in pred.groups if g.managed} or not _safe_alone(out, c):
+        return spec, []
+    event("microbatch: a group made around a module unused on rank 0")
+    return out, [c]
+
+
+def _draw_unused(draw: Any, spec: CaseSpec, plan: MicrobatchPlan) -> tuple[CaseSpec, MicrobatchPlan]:
+    """Modules rank 0 passes over in some microbatches (1..2 each, in about
+    half of them, always one), with set_reduce_scatter_unused_params(True):
+    modules with a trainable parameter that neither are nor hold a module
+    given to fully_shard, and that passed over alone leave FSDP's hooks
+    running on rank 0 as on the others; none where the whole choice would
+    not (the ranks' collectives would differ: the user's program, not
+    FSDP, is wrong)."""
+    grouped = {m for g in spec.plan.groups for m in g.modules}
+    trainable = {f for f, (_, rg) in param_shapes(spec).items() if rg}
+    candidates = [p for p, _ in _walk(spec.tree) if p and not any(m == p or m.startswith(p + ".") for m in grouped)
+                  and any(f.startswith(p + ".") for f in trainable)]
+    # those that, passed over alone in one microbatch, leave every rank's hooks the same
+    candidates = [p for p in candidates if _safe_alone(spec, p)]
+    if not candidates:
+        event("microbatch: no module rank 0 can pass over alone")
+        return spec, plan
+    # mostly inside a group below the root (one made around a candidate
+    # where there is none): the root's group alone does not show whether
+    # the setting reached the others
+    nested = [p for p in candidates if any(p.startswith(m + ".") for m in grouped if m)]
+    if not nested and maybe(draw, 2):
+        spec, nested = _group_around(draw, spec, plan, candidates)
+        if nested:  # a candidate the new group is, or holds, is one no more
+            grouped = {m for g in spec.plan.groups for m in g.modules}
+            candidates = [p for p in candidates if not any(m == p or m.startswith(p + ".") for m in grouped)]
+    if nested and not maybe(draw, 3):
+        candidates = nested
+    n = len(plan.microbatches)
+    chosen = draw(ints(n - 1))  # the microbatch that surely has one
+    steps = tuple(dataclasses.replace(s, unused_on_rank0=tuple(sorted(pick_subset(draw, candidates, min_size=1, max_size=2))))
+                  if k == chosen or maybe(draw, 2) else s for k, s in enumerate(plan.microbatches))
+    out = dataclasses.replace(plan, microbatches=steps, reduce_scatter_unused_params=True)
+    if unused_differs(dataclasses.replace(spec, microbatch=out)):
+        event("microbatch: unused on rank 0 dropped (the hooks would run otherwise there)")
+        return spec, plan
+    event("microbatch: modules unused on rank 0, set_reduce_scatter_unused_params")
+    return spec, out
 
 
 def _trainable(m: ModuleSpec) -> ModuleSpec:

@@ -874,7 +874,10 @@ class MicrobatchStep:
     set_reshard_after_forward(``reshard_after_forward``); then ``unshard``
     (a module given to fully_shard, None: none) has its unshard() called
     (``unshard_async``: unshard(async_op=True) and wait() on the handle) and
-    with ``reshard`` its reshard(); then forward and backward."""
+    with ``reshard`` its reshard(); then forward and backward, in which
+    rank 0's model passes over the modules ``unused_on_rank0`` (their parent
+    runs its other children; the other ranks run them all: conditional
+    control flow, as a mixture of experts routes)."""
 
     sync: bool = True
     all_reduce: bool = True
@@ -884,6 +887,7 @@ class MicrobatchStep:
     unshard: str | None = None
     unshard_async: bool = False
     reshard: bool = False
+    unused_on_rank0: tuple[str, ...] = ()
 
 
 ABORT_PHASES = ("forward", "backward")
@@ -923,7 +927,11 @@ class MicrobatchPlan:
     multiplies the reduce-scatter output in place by its scale (a power of
     two, different for each group); ``custom_comms``: groups given
     set_custom_all_gather and set_custom_reduce_scatter with the suite's
-    own comms (the same collectives, issued through them)."""
+    own comms (the same collectives, issued through them);
+    ``reduce_scatter_unused_params``: the root's
+    set_reduce_scatter_unused_params(True) (recurse), which a microbatch
+    whose modules are unused on rank 0 needs (without it the ranks'
+    reduce-scatters differ)."""
 
     microbatches: tuple[MicrobatchStep, ...] = (MicrobatchStep(),)
     shard_dim1: tuple[str, ...] = ()
@@ -932,6 +940,7 @@ class MicrobatchPlan:
     no_unshard_in_backward: tuple[str, ...] = ()
     all_reduce_hook: tuple[tuple[str, float], ...] = ()
     custom_comms: tuple[str, ...] = ()
+    reduce_scatter_unused_params: bool = False
 
 
 def validate_microbatch(spec: "CaseSpec") -> None:
@@ -974,6 +983,19 @@ def validate_microbatch(spec: "CaseSpec") -> None:
         raise SpecError("microbatch: all_reduce_hook with set_requires_all_reduce(False) in a microbatch (the docstrings leave the hook's call open)")
     if not set(mb.custom_comms) <= firsts or len(set(mb.custom_comms)) != len(mb.custom_comms):
         raise SpecError("microbatch: custom_comms names the first modules given to fully_shard calls, each once")
+    paths = {p for p, _ in walk(spec.tree)}
+    for step in mb.microbatches:
+        for path in step.unused_on_rank0:
+            if path not in paths or path == "":
+                raise SpecError(f"microbatch: unused_on_rank0 names {path!r}, not a module of the tree below the root")
+            if any(m == path or m.startswith(path + ".") for m in group_modules if m):
+                # its forward would skip a group's all-gather on one rank only
+                raise SpecError(f"microbatch: unused_on_rank0: {path} is or holds a module given to fully_shard")
+    if any(s.unused_on_rank0 for s in mb.microbatches):
+        if not mb.reduce_scatter_unused_params:
+            raise SpecError("microbatch: modules unused on rank 0 need reduce_scatter_unused_params (the ranks' reduce-scatters differ without it)")
+        if mb.abort is not None:
+            raise SpecError("microbatch: modules unused on rank 0 with an aborted iteration (not drawn together)")
     a = mb.abort
     if a is not None:
         if not 0 <= a.before < len(mb.microbatches) or a.phase not in ABORT_PHASES:

@@ -204,6 +204,29 @@ def custom_reduce_scatter_ignored():
     return mock.patch.object(_module_cls(), "set_custom_reduce_scatter", lambda self, comm: None)
 
 
+@fault("unused-params-flag-ignored")
+def unused_params_flag_ignored():
+    """set_reduce_scatter_unused_params(True) does nothing: a rank that
+    passed over some modules reduce-scatters fewer elements than the others."""
+    return mock.patch.object(_module_cls(), "set_reduce_scatter_unused_params", lambda self, value, **kwargs: None)
+
+
+@fault("unused-params-nonzero-grad")
+def unused_params_nonzero_grad():
+    """The gradient a rank reduce-scatters for a parameter it did not use is
+    ones, not zeros: the other ranks' gradients come out shifted."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    cls = _fsdp_param.FSDPParam
+
+    def ones(self):
+        import torch
+
+        return self._get_grad_inner_tensor(torch.ones_like(self.unsharded_param))
+
+    return mock.patch.object(cls, "unsharded_zero_grad_data", property(ones))
+
+
 def _grad_element_nan():
     """One element of every reduced gradient comes out NaN (the training
     faults' fsdp2-grad-element-nan): MB-GRADS must count it as an infinite

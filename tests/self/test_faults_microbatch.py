@@ -77,6 +77,10 @@ CASES = {
     # root's; the suite's custom comms on another block's and the root's
     "hooks-and-custom-comms": lambda: model(MicrobatchPlan((NO_SYNC, MicrobatchStep(), MicrobatchStep()),
                                                            all_reduce_hook=(("layers.0", 2.0), ("", 0.5)), custom_comms=("layers.1", ""))),
+    # rank 0 passes over layers.1's proj (in its group) and then layers.2's
+    # (in its group too), with set_reduce_scatter_unused_params(True)
+    "unused-on-rank0": lambda: model(MicrobatchPlan((MicrobatchStep(sync=False, unused_on_rank0=("layers.1.proj",)), MicrobatchStep(),
+                                                     MicrobatchStep(unused_on_rank0=("layers.2.proj",))), reduce_scatter_unused_params=True)),
 }
 
 FAULTS = [
@@ -93,6 +97,7 @@ FAULTS = [
     ("MB-COMMS", "hooks-and-custom-comms", "all-reduce-hook-ignored", "op:all_reduce_hook"),
     ("MB-COMMS", "hooks-and-custom-comms", "custom-all-gather-ignored", "via:custom"),
     ("MB-COMMS", "hooks-and-custom-comms", "custom-reduce-scatter-ignored", "via:custom"),
+    ("MB-COMMS", "unused-on-rank0", "unused-params-flag-ignored", "kind:numel"),
 ]
 GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
@@ -106,6 +111,7 @@ GLOO_FAULTS = [
     ("MB-GRADS", "hooks-and-custom-comms", "all-reduce-hook-ignored", "kind:grad"),
     # the hook runs (MB-COMMS holds) but its in-place work is lost
     ("MB-GRADS", "hooks-and-custom-comms", "all-reduce-hook-on-a-copy", "kind:grad"),
+    ("MB-GRADS", "unused-on-rank0", "unused-params-nonzero-grad", "kind:grad"),
 ]
 
 

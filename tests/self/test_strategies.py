@@ -742,3 +742,49 @@ def test_microbatch_specs_draw_all_reduce_hooks_and_custom_comms_on_groups_with_
                              ({"custom_comms": (outside,)}, "custom_comms names")):
         with pytest.raises(SpecError, match=message):
             validate(dataclasses.replace(spec, microbatch=dataclasses.replace(spec.microbatch, **changes)))
+
+
+def test_microbatch_specs_draw_modules_unused_on_rank0_only_where_every_ranks_hooks_run_alike():
+    """unused_on_rank0: drawn (inside groups below the root too), always
+    with set_reduce_scatter_unused_params, only modules that neither are nor
+    hold a module given to fully_shard, and only where rank 0's hooks run
+    as the others' (the oracle's unused_differs); validation refuses them
+    without the setting, on a group's module or the root, or with an abort."""
+    import dataclasses
+
+    from conformance.areas.microbatch.oracle import unused_differs
+    from conformance.case.spec import MicrobatchAbort, SpecError, validate
+    from conformance.strategies.microbatch import microbatch_specs
+
+    seen: Counter = Counter()
+
+    @_settings(300, derandomize=True, phases=[Phase.generate])
+    @given(microbatch_specs())
+    def collect(spec):
+        mb = spec.microbatch
+        unused = [p for s in mb.microbatches for p in s.unused_on_rank0]
+        if not unused:
+            return
+        assert mb.reduce_scatter_unused_params and mb.abort is None and unused_differs(spec) is None
+        groups = [m for g in spec.plan.groups for m in g.modules]
+        assert not any(m == p or m.startswith(p + ".") for p in unused for m in groups)
+        seen["unused"] += 1
+        seen["in a group below the root"] += any(p.startswith(m + ".") for p in unused for m in groups)
+
+    collect()
+    assert seen["unused"] >= 10 and seen["in a group below the root"], seen
+    spec = find(microbatch_specs(), lambda s: any(st.unused_on_rank0 for st in s.microbatch.microbatches) and s.plan.groups,
+                settings=_settings(500), random=random.Random(0))
+    mb = spec.microbatch
+    k = next(i for i, st in enumerate(mb.microbatches) if st.unused_on_rank0)
+
+    def unused(path):
+        return dataclasses.replace(mb, microbatches=tuple(dataclasses.replace(st, unused_on_rank0=(path,)) if i == k else st
+                                                         for i, st in enumerate(mb.microbatches)))
+
+    for bad, message in ((dataclasses.replace(mb, reduce_scatter_unused_params=False), "need reduce_scatter_unused_params"),
+                         (unused(spec.plan.groups[0].modules[0]), "is or holds a module given to fully_shard"),
+                         (unused(""), "not a module of the tree below the root"),
+                         (dataclasses.replace(mb, abort=MicrobatchAbort(0, "", "forward")), "with an aborted iteration")):
+        with pytest.raises(SpecError, match=message):
+            validate(dataclasses.replace(spec, microbatch=bad))

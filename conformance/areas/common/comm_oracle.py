@@ -118,11 +118,13 @@ class Step:
     input: int = -1  # enter: which tensor the module's forward is given (-1: one of its own, an index, a view)
 
 
-def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> tuple[tuple[Step, ...], bool]:
+def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False,
+             skip: frozenset[str] = frozenset()) -> tuple[tuple[Step, ...], bool]:
     """The forward's module entries and exits in order, each with whether
     the tensor there requires grad (``grad``: the FQNs of the parameters
     autograd differentiates; ``input_grad``: the model's input requires
-    grad too), and whether the loss does."""
+    grad too; ``skip``: modules the forward passes over), and whether the
+    loss does."""
     steps: list[Step] = []
 
     tied = {}
@@ -140,6 +142,8 @@ def timeline(spec: CaseSpec, grad: frozenset[str], input_grad: bool = False) -> 
     called = called_containers(spec)
 
     def call(m: ModuleSpec, path: str, x: bool, t: int) -> tuple[bool, int]:
+        if path in skip:
+            return x, t
         if m.cls in TORCH_CONTAINERS and path not in called:  # torch's own containers are iterated, never called
             for c in m.children:
                 x, t = call(c, join(path, c.name), x, t)
@@ -265,6 +269,10 @@ class FSDP2Comm:
     # set_custom_reduce_scatter: every all-gather and reduce-scatter of
     # theirs goes through them
     custom_comms: tuple[str, ...] = ()
+    # per iteration, the modules the simulated rank's forward passes over
+    # (empty: none); a group reduce-scatters every trainable parameter it
+    # holds whether or not the rank used it (set_reduce_scatter_unused_params)
+    skips: tuple[frozenset[str], ...] = ()
 
 
 NO_BACKWARD_FIRST = ("requires_grad flipped after a first iteration with no backward (its loss needed no gradient): its forward left "
@@ -351,11 +359,14 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
     post_order: list[str] = []  # cleared by the last backward's final callback
     indices: dict[str, list[int]] = {m: [] for m in groups}
     out = []
+    trainable_now = frozenset(f for f, (_, rg) in params.items() if rg)
     for it, k in enumerate(c.knobs):
         if it == 1 and later is not None:
             steps, loss, trainable = later
             grads = {m: sum(numel(m, f) for f in trainable[m]) for m in groups}
             has_grads = {m: bool(trainable[m]) for m in groups}
+        if c.skips:
+            steps, loss = timeline(spec, trainable_now, input_grad, c.skips[it])
         events: list[Event] = []
         colls: list[Collective] = []
         training = {m: "IDLE" for m in groups}

@@ -10,7 +10,7 @@ from conformance.areas.common.support import fsdp2_unavailable
 from conformance.areas.microbatch import invariants, repro, scenario
 from conformance.areas.microbatch.adapter import api_unavailable, offload_unavailable
 from conformance.areas.microbatch.observation import MicrobatchObservation
-from conformance.areas.microbatch.oracle import predict_microbatch
+from conformance.areas.microbatch.oracle import predict_microbatch, unused_differs
 
 
 def _unavailable(case) -> str | None:
@@ -18,7 +18,9 @@ def _unavailable(case) -> str | None:
             or (api_unavailable("reset_iter_state") if case.microbatch.abort is not None else None)
             or (api_unavailable("set_unshard_in_backward") if case.microbatch.no_unshard_in_backward else None)
             or (api_unavailable("set_all_reduce_hook") if case.microbatch.all_reduce_hook else None)
-            or (api_unavailable("set_custom_all_gather") if case.microbatch.custom_comms else None))
+            or (api_unavailable("set_custom_all_gather") if case.microbatch.custom_comms else None)
+            or (api_unavailable("set_reduce_scatter_unused_params") if case.microbatch.reduce_scatter_unused_params else None)
+            or unused_differs(case))
 
 
 AREA = Area(

@@ -70,6 +70,8 @@ def _shard(spec: CaseSpec, built, rec: Recorder) -> None:
         fully_shard(mods if len(mods) > 1 else mods[0], **kwargs)
     for path in mb.no_unshard_in_backward:
         built.modules[path].set_unshard_in_backward(False)
+    if mb.reduce_scatter_unused_params:
+        built.model.set_reduce_scatter_unused_params(True)
     for path, scale in mb.all_reduce_hook:
         built.modules[path].set_all_reduce_hook(scaling_hook(rec, scale))
     for path in mb.custom_comms:
@@ -165,6 +167,7 @@ def _microbatch(spec: CaseSpec, built, model, k: int, rank: int, rec: Recorder) 
     model.set_is_last_backward(step.is_last_backward)
     if step.reshard_after_forward is not None:
         model.set_reshard_after_forward(step.reshard_after_forward)
+    pass_over(built, spec, step.unused_on_rank0 if rank == 0 else ())
     rec.phase = "forward"
     with rec.mode:
         if step.unshard is not None:
@@ -181,6 +184,14 @@ def _microbatch(spec: CaseSpec, built, model, k: int, rank: int, rec: Recorder) 
         with rec.mode:
             loss.backward()
     return loss.requires_grad
+
+
+def pass_over(built, spec: CaseSpec, paths) -> None:
+    """The model's forward passes over the modules ``paths`` (and runs
+    every other, those the case's other microbatches pass over included)."""
+    parents = {p.rpartition(".")[0] for s in spec.microbatch.microbatches for p in s.unused_on_rank0}
+    for parent in parents:
+        built.modules[parent].__dict__["_case_skip"] = {p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent}
 
 
 def _abort_and_reset(spec: CaseSpec, built, model, rank: int, rec: Recorder) -> str | None:
@@ -225,11 +236,18 @@ def _abort_and_reset(spec: CaseSpec, built, model, rank: int, rec: Recorder) -> 
 
 def _compare_grads(spec: CaseSpec, model, ref, names: list[str], world: int) -> list[GradSeen]:
     """Every rank's every microbatch through the single-process reference:
-    loss_k = mean over ranks of (ref(x_{r,k}) ** 2).sum(), summed over k."""
-    for k in range(len(spec.microbatch.microbatches)):
-        total = sum((ref.model(on_rank_device(data(spec, k, r))) ** 2).sum() for r in range(world)) / world
+    loss_k = mean over ranks of (ref(x_{r,k}) ** 2).sum(), summed over k,
+    rank 0's passing over the modules it does not use in microbatch k."""
+    steps = spec.microbatch.microbatches
+    for k in range(len(steps)):
+        losses = []
+        for r in range(world):
+            pass_over(ref, spec, steps[k].unused_on_rank0 if r == 0 else ())
+            losses.append((ref.model(on_rank_device(data(spec, k, r))) ** 2).sum())
+        total = sum(losses) / world
         if total.requires_grad:
             total.backward()
+    pass_over(ref, spec, ())
     out = []
     scale = dict(predict_microbatch(spec).grad_scale)  # an all-reduce hook's, on its group's gradients
     grads = full_tensors({f: read_attr(model, f).grad for f in names})  # a collective: every rank runs it

@@ -31,7 +31,9 @@ DOCS = ("FSDPModule docstrings: set_requires_gradient_sync (\"gradient accumulat
         "iteration normally; the failed iteration's gradients are lost, no_sync grad-accumulation state included, and a "
         "gradient-accumulation sequence is to be restarted); set_all_reduce_hook (\"hook(reduce_output)\" where reduce_output \"is the "
         "reduce-scatter output if only using FSDP\"); set_custom_all_gather / set_custom_reduce_scatter (\"Overrides the default "
-        "all_gather / reduce_scatter communication behavior\")")
+        "all_gather / reduce_scatter communication behavior\"); set_reduce_scatter_unused_params (\"include zero gradients for "
+        "parameters that did not receive a gradient in backward. This is needed when different ranks use different parameters due "
+        "to conditional control flow\")")
 
 
 def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> set[str]:
@@ -57,6 +59,8 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
         tags.add("all-reduce-hook")
     if mb.custom_comms:
         tags.add("custom-comms")
+    if any(s.unused_on_rank0 for s in steps):
+        tags.add("unused-on-rank0")
     if any(len(g.modules) > 1 for g in spec.plan.groups):
         tags |= list_group_tags(spec, predict_fsdp2(spec, torch.__version__))
     if _frozen_int_reshard_group(spec):
@@ -87,7 +91,7 @@ def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violat
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; a group told set_unshard_in_backward(False) (one whose parameters backward does not read) all-gathers nothing in backward, neither in its pre-backward nor as a prefetch; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence; a group given set_all_reduce_hook has its hook called once per reduction of its gradients (each synced backward with gradients), with the reduce-scatter output (its numel, the reduce dtype), and none otherwise; a group given set_custom_all_gather and set_custom_reduce_scatter issues every all-gather and reduce-scatter of its own through them, and no other group's goes through them.",
+    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; a group told set_unshard_in_backward(False) (one whose parameters backward does not read) all-gathers nothing in backward, neither in its pre-backward nor as a prefetch; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence; a group given set_all_reduce_hook has its hook called once per reduction of its gradients (each synced backward with gradients), with the reduce-scatter output (its numel, the reduce dtype), and none otherwise; a group given set_custom_all_gather and set_custom_reduce_scatter issues every all-gather and reduce-scatter of its own through them, and no other group's goes through them; with set_reduce_scatter_unused_params(True) a rank whose forward passed over some modules (conditional control flow) reduce-scatters what the others do, a zero gradient for each trainable parameter it did not use.",
     source=DOCS,
 )
 def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
@@ -103,7 +107,7 @@ def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Whatever the settings drawn per microbatch (set_unshard_in_backward(False) on groups whose parameters backward does not read included), after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains; a group whose all-reduce hook scales the reduce-scatter output in place ends with its gradients scaled by that factor, and custom comms that issue the default collectives change no gradient.",
+    statement="Whatever the settings drawn per microbatch (set_unshard_in_backward(False) on groups whose parameters backward does not read included), after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains; a group whose all-reduce hook scales the reduce-scatter output in place ends with its gradients scaled by that factor, and custom comms that issue the default collectives change no gradient; where rank 0 passed over some modules (set_reduce_scatter_unused_params(True)), every gradient is the mean over ranks of what each rank's own forward gives (a parameter rank 0 did not use counts zero from it).",
     source=DOCS,
 )
 def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:

@@ -42,11 +42,42 @@ def knobs(spec: CaseSpec) -> tuple[Knobs, ...]:
                  for s in spec.microbatch.microbatches)
 
 
+def _comm(spec: CaseSpec, skips: tuple[frozenset[str], ...] = ()) -> FSDP2Comm:
+    mb = spec.microbatch
+    return FSDP2Comm(knobs(spec), shard_dim1=mb.shard_dim1, no_backward_unshard=mb.no_unshard_in_backward,
+                     all_reduce_hook=tuple(p for p, _ in mb.all_reduce_hook), custom_comms=mb.custom_comms, skips=skips)
+
+
 @functools.lru_cache(maxsize=512)
 def _expect(spec: CaseSpec, world: int) -> Expected:
-    mb = spec.microbatch
-    return simulate_fsdp2(spec, world, FSDP2Comm(knobs(spec), shard_dim1=mb.shard_dim1, no_backward_unshard=mb.no_unshard_in_backward,
-                                                 all_reduce_hook=tuple(p for p, _ in mb.all_reduce_hook), custom_comms=mb.custom_comms))
+    # every rank's: set_reduce_scatter_unused_params has a rank that passed
+    # over some modules reduce-scatter what the others do (a zero gradient
+    # for each trainable parameter it did not use), and unused_differs keeps
+    # the cases whose FSDP hooks run the same on every rank
+    return simulate_fsdp2(spec, world, _comm(spec))
+
+
+@functools.lru_cache(maxsize=512)
+def unused_differs(spec: CaseSpec) -> str | None:
+    """Why the modules rank 0 passes over (MicrobatchStep.unused_on_rank0)
+    would have FSDP's hooks run otherwise on rank 0 than on the others, or
+    None. Where they would (a group's post-backward hook fired by autograd
+    on one rank and by the root's final callback on another, a loss that
+    needs no gradient on rank 0 alone), the ranks' collectives come in
+    different orders: the user's program is wrong, whatever FSDP does."""
+    steps = spec.microbatch.microbatches
+    if not any(s.unused_on_rank0 for s in steps):
+        return None
+    world = 2
+    base = _expect(spec, world)
+    rank0 = simulate_fsdp2(spec, world, _comm(spec, tuple(frozenset(s.unused_on_rank0) for s in steps)))
+    if base.why or rank0.why or base.order_why:
+        return base.why or rank0.why or base.order_why
+    if rank0.iterations != base.iterations:
+        k = next(i for i, (a, b) in enumerate(zip(rank0.iterations, base.iterations)) if a != b)
+        return (f"microbatch {k}: passing over {', '.join(steps[k].unused_on_rank0)} on rank 0 changes which FSDP hooks run, "
+                "or in what order: the ranks' collectives would differ")
+    return None
 
 
 @functools.lru_cache(maxsize=512)
