@@ -16,7 +16,9 @@ their own; every microbatch then all-reduces) and groups given the suite's
 custom all-gather and reduce-scatter, each a third of the time; in half
 the cases without an abort, modules rank 0 passes over in some
 microbatches (conditional control flow) with
-set_reduce_scatter_unused_params(True)."""
+set_reduce_scatter_unused_params(True); in a third,
+set_separate_reduce_scatter_group(True) before the first microbatch and
+sometimes False / True before later ones."""
 
 from __future__ import annotations
 
@@ -112,6 +114,12 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
     custom = tuple(m for m in with_params if draw(THIRD))
     if custom:
         event("microbatch: set_custom_all_gather / set_custom_reduce_scatter")
+    if draw(THIRD):
+        # reduce-scatters on a process group of their own from the first
+        # microbatch, sometimes back on the shard group (and off again) later
+        steps = tuple(dataclasses.replace(s, separate_reduce_scatter=True if k == 0 else pick(draw, (None, None, False, True)))
+                      for k, s in enumerate(steps))
+        event("microbatch: set_separate_reduce_scatter_group")
     plan = MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort, no_unshard_in_backward=no_bw,
                           all_reduce_hook=hooks, custom_comms=custom)
     if abort is None and maybe(draw, 2):

@@ -874,7 +874,9 @@ class MicrobatchStep:
     set_reshard_after_forward(``reshard_after_forward``); then ``unshard``
     (a module given to fully_shard, None: none) has its unshard() called
     (``unshard_async``: unshard(async_op=True) and wait() on the handle) and
-    with ``reshard`` its reshard(); then forward and backward, in which
+    with ``reshard`` its reshard(); set_separate_reduce_scatter_group
+    (``separate_reduce_scatter``, on the root, recurse) unless None; then
+    forward and backward, in which
     rank 0's model passes over the modules ``unused_on_rank0`` (their parent
     runs its other children; the other ranks run them all: conditional
     control flow, as a mixture of experts routes)."""
@@ -888,6 +890,7 @@ class MicrobatchStep:
     unshard_async: bool = False
     reshard: bool = False
     unused_on_rank0: tuple[str, ...] = ()
+    separate_reduce_scatter: bool | None = None
 
 
 ABORT_PHASES = ("forward", "backward")

@@ -227,6 +227,36 @@ def unused_params_nonzero_grad():
     return mock.patch.object(cls, "unsharded_zero_grad_data", property(ones))
 
 
+@fault("separate-rs-group-ignored")
+def separate_rs_group_ignored():
+    """set_separate_reduce_scatter_group does nothing: reduce-scatters stay
+    on the shard group."""
+    return mock.patch.object(_module_cls(), "set_separate_reduce_scatter_group", lambda self, enable=True, **kwargs: None)
+
+
+@fault("separate-rs-group-per-group")
+def separate_rs_group_per_group():
+    """Each parameter group makes a reduce-scatter group of its own (the
+    call's cache by shard ranks lost): one per group, not one per call."""
+    cls = _group_cls()
+    orig = cls._set_separate_reduce_scatter_group
+    return mock.patch.object(cls, "_set_separate_reduce_scatter_group", lambda self, enable, new_groups: orig(self, enable, {}))
+
+
+@fault("separate-rs-group-disable-ignored")
+def separate_rs_group_disable_ignored():
+    """set_separate_reduce_scatter_group(False) is ignored: reduce-scatters
+    stay on the separate group."""
+    cls = _group_cls()
+    orig = cls._set_separate_reduce_scatter_group
+
+    def setter(self, enable, new_groups):
+        if enable:
+            orig(self, enable, new_groups)
+
+    return mock.patch.object(cls, "_set_separate_reduce_scatter_group", setter)
+
+
 def _grad_element_nan():
     """One element of every reduced gradient comes out NaN (the training
     faults' fsdp2-grad-element-nan): MB-GRADS must count it as an infinite

@@ -81,6 +81,10 @@ CASES = {
     # (in its group too), with set_reduce_scatter_unused_params(True)
     "unused-on-rank0": lambda: model(MicrobatchPlan((MicrobatchStep(sync=False, unused_on_rank0=("layers.1.proj",)), MicrobatchStep(),
                                                      MicrobatchStep(unused_on_rank0=("layers.2.proj",))), reduce_scatter_unused_params=True)),
+    # reduce-scatters on a group of their own, back on the shard group, then on a new one
+    "separate-reduce-scatter": lambda: model(MicrobatchPlan((MicrobatchStep(separate_reduce_scatter=True),
+                                                             MicrobatchStep(separate_reduce_scatter=False),
+                                                             MicrobatchStep(separate_reduce_scatter=True)))),
 }
 
 FAULTS = [
@@ -98,6 +102,9 @@ FAULTS = [
     ("MB-COMMS", "hooks-and-custom-comms", "custom-all-gather-ignored", "via:custom"),
     ("MB-COMMS", "hooks-and-custom-comms", "custom-reduce-scatter-ignored", "via:custom"),
     ("MB-COMMS", "unused-on-rank0", "unused-params-flag-ignored", "kind:numel"),
+    ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-ignored", "pg:separate"),
+    ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-per-group", "pg:separate"),
+    ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-disable-ignored", "pg:separate"),
 ]
 GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
@@ -112,6 +119,7 @@ GLOO_FAULTS = [
     # the hook runs (MB-COMMS holds) but its in-place work is lost
     ("MB-GRADS", "hooks-and-custom-comms", "all-reduce-hook-on-a-copy", "kind:grad"),
     ("MB-GRADS", "unused-on-rank0", "unused-params-nonzero-grad", "kind:grad"),
+    ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-per-group", "pg:separate"),
 ]
 
 

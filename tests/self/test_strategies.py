@@ -695,7 +695,9 @@ def test_microbatch_specs_keep_backward_unshards_only_for_groups_backward_does_n
 
 def test_microbatch_specs_draw_all_reduce_hooks_and_custom_comms_on_groups_with_parameters():
     """all_reduce_hook and custom_comms: drawn, on groups (their first
-    module) that have parameters, the root's included; each hooked group
+    module) that have parameters, the root's included (and a separate
+    reduce-scatter group from the first microbatch, sometimes dropped and
+    taken again later); each hooked group
     with a scale of its own and every microbatch all-reducing; validation
     refuses a repeated scale, a scale that is no power of two, a hook with
     set_requires_all_reduce(False) and a module that names no group."""
@@ -723,9 +725,15 @@ def test_microbatch_specs_draw_all_reduce_hooks_and_custom_comms_on_groups_with_
             seen["several hooks"] += len(scales) > 1
         seen["custom"] += bool(mb.custom_comms)
         seen["both"] += bool(mb.all_reduce_hook and mb.custom_comms)
+        separate = [s.separate_reduce_scatter for s in mb.microbatches]
+        if any(x is not None for x in separate):
+            assert separate[0] is True  # from the first microbatch on
+            seen["separate"] += 1
+            seen["separate, then the shard group"] += False in separate
 
     collect()
-    assert all(seen[k] for k in ("hook", "hook on the root", "several hooks", "custom", "both")), seen
+    assert all(seen[k] for k in ("hook", "hook on the root", "several hooks", "custom", "both", "separate",
+                                 "separate, then the shard group")), seen
     def ungrouped(s):
         return [p for p, _ in walk(s.tree) if p and p not in {m for g in s.plan.groups for m in g.modules}]
 

@@ -33,17 +33,23 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def group_size(args) -> int:
-    """The size of the process group a c10d op runs on (its ScriptObject
-    argument), or the world size where it names none: a 2-D mesh's
-    all-reduce spans its replicate dim, not the world."""
+def process_group(args):
+    """The process group a c10d op runs on (its ScriptObject argument), or None."""
     for a in torch.utils._pytree.tree_leaves(args):
         if isinstance(a, torch.ScriptObject):
             try:
-                return dist.ProcessGroup.unbox(a).size()
+                return dist.ProcessGroup.unbox(a)
             except Exception:  # noqa: BLE001 - another ScriptObject (a reduce op, a work handle)
                 continue
-    return dist.get_world_size()
+    return None
+
+
+def group_size(args) -> int:
+    """The size of the process group a c10d op runs on, or the world size
+    where it names none: a 2-D mesh's all-reduce spans its replicate dim,
+    not the world."""
+    pg = process_group(args)
+    return dist.get_world_size() if pg is None else pg.size()
 
 
 # op -> its name where it is a collective, else "": every op of a recorded
@@ -65,6 +71,11 @@ class Recorder:
         self.phase = "forward"
         self.owner: list[tuple[str, str]] = []  # (group or unit, FSDP1 hook context)
         self.via: list[str] = []  # the custom comm a collective goes through (FSDP2)
+        # FSDP2: the mesh's shard group, where the caller tells it; then every
+        # reduce-scatter on another process group is labelled "separate N"
+        # (the N-th such group seen)
+        self.shard_group = None
+        self._separate: list = []
         self.collectives: list[CollectiveSeen] = []
         self.events: list[EventSeen] = []
         rec = self
@@ -95,7 +106,26 @@ class Recorder:
         else:
             numel, ranks = (tensors[0].numel() if tensors else 0), group_size(args)
         dtype = _dtype_name(tensors[0].dtype) if tensors else "?"
-        self.collectives.append(CollectiveSeen(self.phase, op, group, numel, ranks, dtype, ctx, self.via[-1] if self.via else ""))
+        self.collectives.append(CollectiveSeen(self.phase, op, group, numel, ranks, dtype, ctx, via=self.via[-1] if self.via else "",
+                                               pg=self._pg_label(op, args)))
+
+    def _pg_label(self, op: str, args) -> str:
+        # reduce-scatters only: an all-gather after an int reshard_after_forward runs on a group of the mesh's own
+        if self.shard_group is None or op != "reduce_scatter":
+            return ""
+        pg = process_group(args)
+        if pg is None or pg is self.shard_group:
+            return ""
+        for i, seen in enumerate(self._separate):
+            if seen is pg:
+                return f"separate {i + 1}"
+        self._separate.append(pg)
+        return f"separate {len(self._separate)}"
+
+    def restart(self) -> None:
+        """Forget what was seen (an aborted iteration's): the separate
+        process groups are numbered afresh from the next collective."""
+        self.collectives, self.events, self._separate = [], [], []
 
     def hook_call(self, tensor: torch.Tensor) -> None:
         """An FSDP2 all-reduce hook's call, attributed to the group whose

@@ -13,7 +13,7 @@ from conformance.case.violation import Violation
 
 
 def collective_key(c) -> tuple:
-    return (c.phase, c.op, c.group, c.via)
+    return (c.phase, c.op, c.group, c.via, c.pg)
 
 
 def compare_collectives(inv: str, exp: Expected, obs, tags: set[str]) -> list[Violation]:
@@ -28,9 +28,10 @@ def compare_collectives(inv: str, exp: Expected, obs, tags: set[str]) -> list[Vi
         w = Counter(collective_key(c) for c in want.collectives)
         g = Counter(collective_key(c) for c in got.collectives)
         for key in sorted(set(w) | set(g)):
-            phase, op, group, via = key
+            phase, op, group, via, pg = key
             where = f"iteration {i} {phase}: group {group or '<root>'}"
-            op_via = op + (f" through the custom comms of {via.removeprefix('custom ') or '<root>'}" if via else "")
+            op_via = (op + (f" through the custom comms of {via.removeprefix('custom ') or '<root>'}" if via else "")
+                      + (f" on {pg} (a process group other than the shard group)" if pg else ""))
             if raised_here and g[key] <= w[key]:
                 continue
             # the oracle's reasons for these collectives: mechanisms a finding may name
@@ -38,7 +39,7 @@ def compare_collectives(inv: str, exp: Expected, obs, tags: set[str]) -> list[Vi
             if w[key] != g[key]:
                 kind = "kind:extra" if g[key] > w[key] else "kind:missing"
                 out.append(violation(inv, f"{where}: {g[key]} {op_via} where {w[key]} are promised", why, kind, f"op:{op}", f"phase:{phase}",
-                                     *(("via:custom",) if via else ())))
+                                     *(("via:custom",) if via else ()), *(("pg:separate",) if pg else ())))
                 continue
             ws = sorted((c.numel, c.ranks, c.dtype) for c in want.collectives if collective_key(c) == key)
             gs = sorted((c.numel, c.ranks, c.dtype) for c in got.collectives if collective_key(c) == key)

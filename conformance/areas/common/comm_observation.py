@@ -3,7 +3,7 @@ comm and microbatch areas' observations hold it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,11 @@ class CollectiveSeen:
     ranks: int
     dtype: str
     context: str = ""
+    _: KW_ONLY
     via: str = ""
+    # FSDP2 reduce-scatters, where the recorder is told the mesh's shard
+    # group: "" for it, "separate N" for the N-th other process group seen
+    pg: str = ""
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,9 @@ reverse of the forward's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from conformance.areas.common.fsdp1_oracle import predict_fsdp1
 from conformance.areas.common.fsdp2_oracle import TORCH_CONTAINERS, predict_fsdp2
@@ -63,10 +64,14 @@ class Collective:
     ranks: int
     dtype: str
     context: str = ""
+    _: KW_ONLY
     # FSDP2: "custom G" where the collective goes through the custom comm
     # given to group G; an all-reduce hook's call is op "all_reduce_hook"
     # (numel: the reduce-scatter output's, ranks 1)
     via: str = ""
+    # FSDP2: "" on the mesh's shard group, "separate N" on the N-th other
+    # process group the iterations use (set_separate_reduce_scatter_group)
+    pg: str = ""
     # the oracle's own: why this collective is promised, where that is a
     # mechanism a finding may name (not compared with what is seen)
     reason: str = ""
@@ -273,6 +278,11 @@ class FSDP2Comm:
     # (empty: none); a group reduce-scatters every trainable parameter it
     # holds whether or not the rank used it (set_reduce_scatter_unused_params)
     skips: tuple[frozenset[str], ...] = ()
+    # per iteration, set_separate_reduce_scatter_group(True / False) on the
+    # root (recurse) before it, or None (empty: never): while enabled every
+    # reduce-scatter runs on one process group of its own over the shard
+    # ranks, a new one after each disable
+    separate_rs: tuple[bool | None, ...] = ()
 
 
 NO_BACKWARD_FIRST = ("requires_grad flipped after a first iteration with no backward (its loss needed no gradient): its forward left "
@@ -360,7 +370,15 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
     indices: dict[str, list[int]] = {m: [] for m in groups}
     out = []
     trainable_now = frozenset(f for f, (_, rg) in params.items() if rg)
+    rs_group = [0]  # the separate reduce-scatter group in force (its number; 0: the shard group)
+    made = [0]  # separate groups made so far
     for it, k in enumerate(c.knobs):
+        if c.separate_rs and c.separate_rs[it] is not None:
+            if not c.separate_rs[it]:
+                rs_group[0] = 0
+            elif not rs_group[0]:  # enabling while enabled keeps the group (idempotent)
+                made[0] += 1
+                rs_group[0] = made[0]
         if it == 1 and later is not None:
             steps, loss, trainable = later
             grads = {m: sum(numel(m, f) for f in trainable[m]) for m in groups}
@@ -416,6 +434,7 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
                 # a group frozen at lazy init takes its dtypes then (the finding
                 # fsdp2-unfreeze-frozen-group-mixed-precision names this reason)
                 colls.append(Collective("backward", "reduce_scatter", groups[m][0], grads[m], world, rs_dtype, via=via(m),
+                                        pg=f"separate {rs_group[0]}" if rs_group[0] else "",
                                         reason="trainable-later" if m in trainable_later else ""))
             if k.sync and has_grads[m] and m in c.all_reduce_hook:  # the user's all-reduce, on the reduce-scatter output
                 colls.append(Collective("backward", "all_reduce_hook", groups[m][0], grads[m] // world, 1, rs_dtype))
@@ -473,7 +492,22 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
                     indices[m].clear()
                 post_order.clear()
         out.append(Iteration(tuple(colls), tuple(events), loss))
-    return Expected(tuple(out), notes=frozenset(notes), order_why=order_why)
+    return Expected(_number_groups_as_seen(tuple(out)), notes=frozenset(notes), order_why=order_why)
+
+
+def _number_groups_as_seen(iterations: tuple[Iteration, ...]) -> tuple[Iteration, ...]:
+    """Separate process groups numbered in the order their first collective
+    comes, as the recorder numbers the groups it sees (a group made and
+    never used is never seen)."""
+    order: dict[str, str] = {}
+    for it in iterations:
+        for c in it.collectives:
+            if c.pg and c.pg not in order:
+                order[c.pg] = f"separate {len(order) + 1}"
+    if all(k == v for k, v in order.items()):
+        return iterations
+    return tuple(dataclasses.replace(it, collectives=tuple(dataclasses.replace(c, pg=order.get(c.pg, "")) for c in it.collectives))
+                 for it in iterations)
 
 
 # ---- FSDP1 -----------------------------------------------------------------
@@ -545,7 +579,7 @@ def simulate_fsdp1(spec: CaseSpec, world: int, c: CommPlan, input_grad: bool = F
 
         def unshard(p: str, phase: str, ctx: str) -> None:
             if state[p] == "sharded":
-                colls.append(Collective(phase, "all_gather", p, full[p], world, ag_dtype, ctx, late.pop(p, "")))
+                colls.append(Collective(phase, "all_gather", p, full[p], world, ag_dtype, ctx, reason=late.pop(p, "")))
             elif state[p] == "kept":
                 late.pop(p, None)
             state[p] = "unsharded"

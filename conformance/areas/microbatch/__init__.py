@@ -20,12 +20,14 @@ def _unavailable(case) -> str | None:
             or (api_unavailable("set_all_reduce_hook") if case.microbatch.all_reduce_hook else None)
             or (api_unavailable("set_custom_all_gather") if case.microbatch.custom_comms else None)
             or (api_unavailable("set_reduce_scatter_unused_params") if case.microbatch.reduce_scatter_unused_params else None)
+            or (api_unavailable("set_separate_reduce_scatter_group")
+                if any(s.separate_reduce_scatter is not None for s in case.microbatch.microbatches) else None)
             or unused_differs(case))
 
 
 AREA = Area(
     name="microbatch",
-    title="FSDP2 schedule APIs per microbatch: gradient sync, resharding, explicit unshard / reshard, Shard(1), unshard in backward, recovery from an aborted iteration, all-reduce hooks, custom comms, CPU offload",
+    title="FSDP2 schedule APIs per microbatch: gradient sync, resharding, explicit unshard / reshard, Shard(1), unshard in backward, recovery from an aborted iteration, all-reduce hooks, custom comms, unused parameters, a separate reduce-scatter group, CPU offload",
     invariants=invariants.INVARIANTS,
     scenarios=(AreaScenario("microbatch", scenario.microbatch, MicrobatchObservation, predict_microbatch,
                             fsdp_seconds=lambda obs: obs.seconds),),

@@ -94,6 +94,7 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
     built, ref = placed(build(spec)), placed(build(spec))
     aliases = a1.Aliases(built.model)
     rec = Recorder()
+    rec.shard_group = fsdp2_mesh().get_group()
     t0 = time.perf_counter()
     try:
         _shard(spec, built, rec)
@@ -105,9 +106,11 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
     with contextlib.ExitStack() as stack:
         for p in fsdp2_patches(rec, labels):
             stack.enter_context(p)
+        if any(s.separate_reduce_scatter for s in mb.microbatches):
+            stack.enter_context(_reused_new_groups())
         if mb.abort is not None:
             error = _abort_and_reset(spec, built, model, rank, rec)
-            rec.take(True)  # what the aborted iteration did is not the sequence's
+            rec.restart()  # what the aborted iteration did is not the sequence's
         for k in range(len(mb.microbatches)) if error is None else ():
             try:
                 iterations.append(rec.take(_microbatch(spec, built, model, k, rank, rec)))
@@ -167,6 +170,8 @@ def _microbatch(spec: CaseSpec, built, model, k: int, rank: int, rec: Recorder) 
     model.set_is_last_backward(step.is_last_backward)
     if step.reshard_after_forward is not None:
         model.set_reshard_after_forward(step.reshard_after_forward)
+    if step.separate_reduce_scatter is not None:
+        model.set_separate_reduce_scatter_group(step.separate_reduce_scatter)
     pass_over(built, spec, step.unused_on_rank0 if rank == 0 else ())
     rec.phase = "forward"
     with rec.mode:
@@ -184,6 +189,41 @@ def _microbatch(spec: CaseSpec, built, model, k: int, rank: int, rec: Recorder) 
         with rec.mode:
             loss.backward()
     return loss.requires_grad
+
+
+_NEW_GROUPS: list = []  # [the default group they were made in, {ranks: [groups made, in order]}]
+
+
+@contextlib.contextmanager
+def _reused_new_groups():
+    """dist.new_group as set_separate_reduce_scatter_group calls it, the
+    n-th call of an observation over a set of ranks answered with the same
+    group every observation (made by the first such call): each call still
+    gets a group of its own within an observation, and a rank pool running
+    thousands of them holds a few groups, not thousands (a gloo group holds
+    its connections; destroying them instead lets a later group take the
+    destroyed one's name, hashed from the ranks and the number of live
+    groups, and meet its stale rendezvous keys in the store: a hang)."""
+    orig = dist.new_group
+    world = dist.group.WORLD
+    if not _NEW_GROUPS or _NEW_GROUPS[0] is not world:
+        _NEW_GROUPS[:] = [world, {}]
+    made = _NEW_GROUPS[1]
+    calls: dict = {}
+
+    def new_group(ranks=None, *args, **kwargs):
+        key = (tuple(ranks) if ranks is not None else None, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])).__repr__())
+        n = calls[key] = calls.get(key, -1) + 1
+        groups = made.setdefault(key, [])
+        if n == len(groups):
+            groups.append(orig(ranks, *args, **kwargs))
+        return groups[n]
+
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = orig
 
 
 def pass_over(built, spec: CaseSpec, paths) -> None:

@@ -33,7 +33,8 @@ DOCS = ("FSDPModule docstrings: set_requires_gradient_sync (\"gradient accumulat
         "reduce-scatter output if only using FSDP\"); set_custom_all_gather / set_custom_reduce_scatter (\"Overrides the default "
         "all_gather / reduce_scatter communication behavior\"); set_reduce_scatter_unused_params (\"include zero gradients for "
         "parameters that did not receive a gradient in backward. This is needed when different ranks use different parameters due "
-        "to conditional control flow\")")
+        "to conditional control flow\"); set_separate_reduce_scatter_group (\"FSDP creates a dedicated process group over the shard "
+        "ranks ... one per distinct set of shard ranks\"; \"False resets it to the shared shard/all-gather group\")")
 
 
 def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> set[str]:
@@ -61,6 +62,8 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
         tags.add("custom-comms")
     if any(s.unused_on_rank0 for s in steps):
         tags.add("unused-on-rank0")
+    if any(s.separate_reduce_scatter is not None for s in steps):
+        tags.add("separate-reduce-scatter-group")
     if any(len(g.modules) > 1 for g in spec.plan.groups):
         tags |= list_group_tags(spec, predict_fsdp2(spec, torch.__version__))
     if _frozen_int_reshard_group(spec):
@@ -91,7 +94,7 @@ def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violat
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; a group told set_unshard_in_backward(False) (one whose parameters backward does not read) all-gathers nothing in backward, neither in its pre-backward nor as a prefetch; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence; a group given set_all_reduce_hook has its hook called once per reduction of its gradients (each synced backward with gradients), with the reduce-scatter output (its numel, the reduce dtype), and none otherwise; a group given set_custom_all_gather and set_custom_reduce_scatter issues every all-gather and reduce-scatter of its own through them, and no other group's goes through them; with set_reduce_scatter_unused_params(True) a rank whose forward passed over some modules (conditional control flow) reduce-scatters what the others do, a zero gradient for each trainable parameter it did not use.",
+    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; a group told set_unshard_in_backward(False) (one whose parameters backward does not read) all-gathers nothing in backward, neither in its pre-backward nor as a prefetch; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence; a group given set_all_reduce_hook has its hook called once per reduction of its gradients (each synced backward with gradients), with the reduce-scatter output (its numel, the reduce dtype), and none otherwise; a group given set_custom_all_gather and set_custom_reduce_scatter issues every all-gather and reduce-scatter of its own through them, and no other group's goes through them; with set_reduce_scatter_unused_params(True) a rank whose forward passed over some modules (conditional control flow) reduce-scatters what the others do, a zero gradient for each trainable parameter it did not use; after set_separate_reduce_scatter_group(True) every reduce-scatter runs on one process group over the shard ranks other than the all-gathers' (a new one after a set_separate_reduce_scatter_group(False), which puts them back on the shard group).",
     source=DOCS,
 )
 def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:

@@ -45,7 +45,9 @@ def knobs(spec: CaseSpec) -> tuple[Knobs, ...]:
 def _comm(spec: CaseSpec, skips: tuple[frozenset[str], ...] = ()) -> FSDP2Comm:
     mb = spec.microbatch
     return FSDP2Comm(knobs(spec), shard_dim1=mb.shard_dim1, no_backward_unshard=mb.no_unshard_in_backward,
-                     all_reduce_hook=tuple(p for p, _ in mb.all_reduce_hook), custom_comms=mb.custom_comms, skips=skips)
+                     all_reduce_hook=tuple(p for p, _ in mb.all_reduce_hook), custom_comms=mb.custom_comms, skips=skips,
+                     separate_rs=tuple(s.separate_reduce_scatter for s in mb.microbatches)
+                     if any(s.separate_reduce_scatter is not None for s in mb.microbatches) else ())
 
 
 @functools.lru_cache(maxsize=512)
