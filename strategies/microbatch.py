@@ -27,6 +27,7 @@ from typing import Any
 
 from hypothesis import event
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
 from conformance.areas.common.comm_oracle import param_shapes, timeline
@@ -35,6 +36,7 @@ from conformance.areas.microbatch.oracle import unused_differs
 from conformance.case.spec import (
     ABORT_PHASES,
     CONTAINER_BASES,
+    HSDP_MESHES,
     CaseSpec,
     MicrobatchAbort,
     MicrobatchPlan,
@@ -71,13 +73,16 @@ def _draw_step(draw: Any, modules: list[str], *, first: bool, last: bool) -> Mic
 
 
 @st.composite
-def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_microbatches: int, cpu_offload: bool) -> CaseSpec:
+def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_microbatches: int, cpu_offload: bool,
+                      meshes: tuple[tuple[int, int], ...]) -> CaseSpec:
     spec = draw(base)
     if not timeline(spec, frozenset(f for f, (_, rg) in param_shapes(spec).items() if rg))[1] and draw(st.sampled_from((True, True, True, False))):
         # nothing trains: no backward, so no accumulation to check; mostly
         # the same tree with every parameter trainable instead
         spec = dataclasses.replace(spec, tree=_trainable(spec.tree))
-    spec = draw_groups(draw, spec, RESHARD, max_groups)
+    mesh = pick(draw, meshes) if meshes else None
+    # an int reshard_after_forward is a factor of the shard dim's size (fully_shard raises otherwise)
+    spec = draw_groups(draw, spec, RESHARD if mesh is None or mesh[1] % 2 == 0 else RESHARD[:3], max_groups)
     pred = predict_fsdp2(spec, ANY_TORCH)
     shapes = {f"{p}.{q.name}" if p else q.name: q.shape for p, m in _walk(spec.tree) for q in m.params}
     dim1_ok = [g.modules[0] for g in pred.groups if g.managed and all(len(shapes[f]) < 2 or shapes[f][1] % SHARD_DIM1_WORLD == 0 for f in g.managed)
@@ -106,10 +111,15 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
     with_params = [g.modules[0] for g in pred.groups if g.managed]
     hooked = [m for m in with_params if draw(THIRD)]
     hooks = tuple(zip(hooked[: len(HOOK_SCALES)], HOOK_SCALES))
+    if mesh is not None:
+        # HSDP: the last microbatch all-reduces what the sequence reduce-scattered
+        steps = steps[:-1] + (dataclasses.replace(steps[-1], all_reduce=True),)
+        event(f"microbatch: HSDP mesh {mesh}")
     if hooks:
-        # a 1-D mesh's all-reduce is the hook: every microbatch all-reduces
-        # (whether set_requires_all_reduce(False) skips it is left open)
-        steps = tuple(dataclasses.replace(s, all_reduce=True) for s in steps)
+        if mesh is None:
+            # a 1-D mesh's all-reduce is the hook: every microbatch all-reduces
+            # (whether set_requires_all_reduce(False) skips it is left open)
+            steps = tuple(dataclasses.replace(s, all_reduce=True) for s in steps)
         event("microbatch: set_all_reduce_hook")
     custom = tuple(m for m in with_params if draw(THIRD))
     if custom:
@@ -121,16 +131,16 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
                       for k, s in enumerate(steps))
         event("microbatch: set_separate_reduce_scatter_group")
     plan = MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort, no_unshard_in_backward=no_bw,
-                          all_reduce_hook=hooks, custom_comms=custom)
+                          all_reduce_hook=hooks, custom_comms=custom, mesh=mesh)
     if abort is None and maybe(draw, 2):
         spec, plan = _draw_unused(draw, spec, plan)
     return dataclasses.replace(spec, microbatch=plan)
 
 
-def _safe_alone(spec: CaseSpec, path: str) -> bool:
+def _safe_alone(spec: CaseSpec, path: str, mesh: tuple[int, int] | None) -> bool:
     """Passed over alone on rank 0 in one microbatch, ``path`` leaves every
     rank's FSDP hooks the same."""
-    one = MicrobatchPlan((MicrobatchStep(unused_on_rank0=(path,)),), reduce_scatter_unused_params=True)
+    one = MicrobatchPlan((MicrobatchStep(unused_on_rank0=(path,)),), reduce_scatter_unused_params=True, mesh=mesh)
     return not unused_differs(dataclasses.replace(spec, microbatch=one))
 
 
@@ -150,7 +160,7 @@ def _group_around(draw: Any, spec: CaseSpec, plan: MicrobatchPlan, candidates: l
     out = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, groups=spec.plan.groups + (ShardGroup((c.rpartition(".")[0],)),)))
     pred = predict_fsdp2(out, ANY_TORCH)
     named = {p for p, _ in plan.all_reduce_hook} | set(plan.custom_comms) | set(plan.no_unshard_in_backward) | set(plan.shard_dim1)
-    if pred.supported or not named <= {g.modules[0] for g in pred.groups if g.managed} or not _safe_alone(out, c):
+    if pred.supported or not named <= {g.modules[0] for g in pred.groups if g.managed} or not _safe_alone(out, c, plan.mesh):
         return spec, []
     event("microbatch: a group made around a module unused on rank 0")
     return out, [c]
@@ -169,7 +179,7 @@ def _draw_unused(draw: Any, spec: CaseSpec, plan: MicrobatchPlan) -> tuple[CaseS
     candidates = [p for p, _ in _walk(spec.tree) if p and not any(m == p or m.startswith(p + ".") for m in grouped)
                   and any(f.startswith(p + ".") for f in trainable)]
     # those that, passed over alone in one microbatch, leave every rank's hooks the same
-    candidates = [p for p in candidates if _safe_alone(spec, p)]
+    candidates = [p for p in candidates if _safe_alone(spec, p, plan.mesh)]
     if not candidates:
         event("microbatch: no module rank 0 can pass over alone")
         return spec, plan
@@ -208,13 +218,18 @@ def _walk(tree, path=""):
 
 
 def microbatch_specs(*, max_modules: int = 8, max_depth: int = 3, max_groups: int = 4, max_microbatches: int = 4,
-                     cpu_offload: bool = False) -> SearchStrategy[CaseSpec]:
+                     cpu_offload: bool = False, meshes: tuple[tuple[int, int], ...] = ()) -> SearchStrategy[CaseSpec]:
     """FSDP2 CaseSpecs with a MicrobatchPlan (see the module docstring);
-    with ``cpu_offload`` every group gets CPUOffloadPolicy()."""
+    with ``cpu_offload`` every group gets CPUOffloadPolicy(); with
+    ``meshes`` ((replicate, shard) shapes of HSDP_MESHES), every case is
+    on one of them (HSDP: set_requires_all_reduce then decides the
+    replicate all-reduce, the last microbatch's on)."""
     for name, v in (("max_modules", max_modules), ("max_groups", max_groups), ("max_microbatches", max_microbatches)):
         check_int(v, name, min_value=1)
     check_int(max_depth, "max_depth", min_value=0)
     check_bool(cpu_offload, "cpu_offload")
+    if not isinstance(meshes, tuple) or any(tuple(m) not in HSDP_MESHES for m in meshes):
+        raise InvalidArgument(f"meshes={meshes!r} must be a tuple of shapes from {HSDP_MESHES}")
     base = case_specs(max_modules=max_modules, max_depth=max_depth, apis=st.just("fsdp2"), use_orig_params=st.just(False),
                       policies=[None], allow_ties=False, allow_shared=False, allow_ignored=False)
-    return _microbatch_specs(base, max_groups, max_microbatches, cpu_offload)
+    return _microbatch_specs(base, max_groups, max_microbatches, cpu_offload, tuple(tuple(m) for m in meshes))

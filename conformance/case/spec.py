@@ -934,7 +934,10 @@ class MicrobatchPlan:
     ``reduce_scatter_unused_params``: the root's
     set_reduce_scatter_unused_params(True) (recurse), which a microbatch
     whose modules are unused on rank 0 needs (without it the ranks'
-    reduce-scatters differ)."""
+    reduce-scatters differ); ``mesh``: (replicate, shard), every group
+    given a 2-D DeviceMesh of that shape (HSDP: set_requires_all_reduce
+    then governs the replicate all-reduce), None: a 1-D mesh over every
+    rank."""
 
     microbatches: tuple[MicrobatchStep, ...] = (MicrobatchStep(),)
     shard_dim1: tuple[str, ...] = ()
@@ -944,6 +947,7 @@ class MicrobatchPlan:
     all_reduce_hook: tuple[tuple[str, float], ...] = ()
     custom_comms: tuple[str, ...] = ()
     reduce_scatter_unused_params: bool = False
+    mesh: tuple[int, int] | None = None
 
 
 def validate_microbatch(spec: "CaseSpec") -> None:
@@ -980,7 +984,16 @@ def validate_microbatch(spec: "CaseSpec") -> None:
             raise SpecError(f"microbatch: all_reduce_hook scale {scale!r} is not a power of two other than 1 (exact in float32)")
     if len(set(hooked)) != len(hooked) or len(set(scales)) != len(scales):
         raise SpecError("microbatch: all_reduce_hook names each group once, each with a scale of its own")
-    if hooked and not all(s.all_reduce for s in mb.microbatches):
+    if mb.mesh is not None:
+        if tuple(mb.mesh) not in HSDP_MESHES:
+            raise SpecError(f"microbatch: mesh {mb.mesh!r} is not one of {HSDP_MESHES}")
+        if not mb.microbatches[-1].all_reduce:
+            raise SpecError("microbatch: on a 2-D mesh the last microbatch all-reduces (set_requires_all_reduce(True))")
+        for g in spec.plan.groups:
+            r = g.reshard_after_forward
+            if isinstance(r, int) and not isinstance(r, bool) and mb.mesh[1] % r:
+                raise SpecError(f"microbatch: reshard_after_forward={r} is no factor of the shard dim's {mb.mesh[1]} ranks (fully_shard raises)")
+    if hooked and mb.mesh is None and not all(s.all_reduce for s in mb.microbatches):
         # on a 1-D mesh the hook is the user's all-reduce: whether
         # set_requires_all_reduce(False) skips it the docstrings leave open
         raise SpecError("microbatch: all_reduce_hook with set_requires_all_reduce(False) in a microbatch (the docstrings leave the hook's call open)")

@@ -65,9 +65,13 @@ class Worlds:
         t = getattr(spec, "tp", None)
         if t is not None:  # so does a tensor-parallel one
             return self._run(t.world, scenario, spec)
+        mb = getattr(spec, "microbatch", None)
+        if mb is not None and mb.mesh is not None:  # and a microbatch sequence on a 2-D mesh
+            return self._run(mb.mesh[0] * mb.mesh[1], scenario, spec)
         ck = getattr(spec, "ckpt", None)
         if ck is None:
-            raise EngineError("Worlds runs checkpoint cases (spec.ckpt), HSDP cases (spec.hsdp) and TP cases (spec.tp)")
+            raise EngineError("Worlds runs checkpoint cases (spec.ckpt), HSDP cases (spec.hsdp), TP cases (spec.tp) and microbatch "
+                              "cases on a 2-D mesh (spec.microbatch.mesh)")
         phases = self.phases.get(scenario) or get_scenario(scenario).phases
         if not phases:
             return self._run(ck.save_world, scenario, spec)

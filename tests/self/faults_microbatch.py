@@ -257,6 +257,32 @@ def separate_rs_group_disable_ignored():
     return mock.patch.object(cls, "_set_separate_reduce_scatter_group", setter)
 
 
+@fault("all-reduce-flag-ignored")
+def all_reduce_flag_ignored():
+    """set_requires_all_reduce(False) does nothing: HSDP all-reduces over the
+    replicate dim in every synced microbatch."""
+    return mock.patch.object(_module_cls(), "set_requires_all_reduce", lambda self, value, **kwargs: None)
+
+
+@fault("partial-reduce-dropped")
+def partial_reduce_dropped():
+    """HSDP: what the reductions without all-reduce accumulated (the partial
+    reduce output) is dropped: the all-reducing microbatch reduces its own
+    gradients only."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    orig = _fsdp_param_group.foreach_reduce
+    signature = inspect.signature(orig)
+
+    def foreach_reduce(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("all_reduce_grads"):
+            bound.arguments["partial_reduce_output"] = None
+        return orig(*bound.args, **bound.kwargs)
+
+    return mock.patch.object(_fsdp_param_group, "foreach_reduce", foreach_reduce)
+
+
 def _grad_element_nan():
     """One element of every reduced gradient comes out NaN (the training
     faults' fsdp2-grad-element-nan): MB-GRADS must count it as an infinite

@@ -86,6 +86,15 @@ CASES = {
                                                              MicrobatchStep(separate_reduce_scatter=False),
                                                              MicrobatchStep(separate_reduce_scatter=True)))),
 }
+# HSDP: reduce-scatter without the replicate all-reduce, then unsynced,
+# then both (set_requires_all_reduce's gradient accumulation), an all-reduce
+# hook on a block's group; on the fake tier's 4 ranks and a 2-rank pool
+HSDP_STEPS = (MicrobatchStep(all_reduce=False), MicrobatchStep(sync=False, all_reduce=False), MicrobatchStep())
+HSDP_CASES = {
+    "hsdp-2x2": lambda: model(MicrobatchPlan(HSDP_STEPS, mesh=(2, 2), all_reduce_hook=(("layers.0", 2.0),))),
+    "hsdp-2x1": lambda: model(MicrobatchPlan(HSDP_STEPS, mesh=(2, 1), all_reduce_hook=(("layers.0", 2.0),))),
+    "hsdp-1x2": lambda: model(MicrobatchPlan(HSDP_STEPS, mesh=(1, 2), all_reduce_hook=(("layers.0", 2.0),))),
+}
 
 FAULTS = [
     ("MB-COMMS", "no-sync", "gradient-sync-ignored", "kind:extra"),
@@ -105,6 +114,8 @@ FAULTS = [
     ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-ignored", "pg:separate"),
     ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-per-group", "pg:separate"),
     ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-disable-ignored", "pg:separate"),
+    ("MB-COMMS", "hsdp-2x2", "all-reduce-flag-ignored", "op:all_reduce"),
+    ("MB-COMMS", "hsdp-2x2", "all-reduce-flag-ignored", "op:all_reduce_hook"),
 ]
 GLOO_FAULTS = [
     ("MB-GRADS", "no-sync", "unsynced-grads-dropped", "kind:grad"),
@@ -120,14 +131,21 @@ GLOO_FAULTS = [
     ("MB-GRADS", "hooks-and-custom-comms", "all-reduce-hook-on-a-copy", "kind:grad"),
     ("MB-GRADS", "unused-on-rank0", "unused-params-nonzero-grad", "kind:grad"),
     ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-per-group", "pg:separate"),
+    ("MB-GRADS", "hsdp-1x2", "partial-reduce-dropped", "kind:grad"),
+    ("MB-GRADS", "hsdp-2x1", "partial-reduce-dropped", "kind:grad"),
+    ("MB-GRADS", "hsdp-2x1", "all-reduce-hook-ignored", "kind:grad"),
 ]
+
+
+CASES.update(HSDP_CASES)
+ONE_D = set(CASES) - set(HSDP_CASES)
 
 
 def run(invariant: str, spec: CaseSpec, engine, scenario: str = "microbatch"):
     return evaluate(invariant, spec, observations(engine, spec, scenario, MicrobatchObservation.from_dict), known=[])
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(ONE_D | {"hsdp-2x2"}))  # the fake tier's 4 ranks
 def test_cases_hold_on_unmodified_torch(case, fake_engine):
     spec = CASES[case]()
     for invariant in ("MB-COMMS", "MB-SHARDED"):
@@ -148,7 +166,7 @@ def pool(fault_pools):
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("case", sorted(set(CASES) - {"int-reshard"}))  # 2 is no non-trivial divisor of 2 ranks
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"int-reshard", "hsdp-2x2"}))  # 2 is no non-trivial divisor of 2 ranks; 2x2 needs 4
 def test_cases_hold_in_the_pool_ranks(case, pool):
     spec = CASES[case]()
     for invariant in INVARIANTS:

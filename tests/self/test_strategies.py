@@ -796,3 +796,42 @@ def test_microbatch_specs_draw_modules_unused_on_rank0_only_where_every_ranks_ho
                          (dataclasses.replace(mb, abort=MicrobatchAbort(0, "", "forward")), "with an aborted iteration")):
         with pytest.raises(SpecError, match=message):
             validate(dataclasses.replace(spec, microbatch=bad))
+
+
+def test_microbatch_specs_on_hsdp_meshes():
+    """meshes: every case on one of them, each drawn, the last microbatch
+    all-reducing, some earlier ones not (set_requires_all_reduce's
+    accumulation), no int reshard_after_forward the shard dim does not
+    divide; validation refuses an unknown mesh and a last microbatch
+    without the all-reduce; a bad meshes argument is an InvalidArgument."""
+    import dataclasses
+
+    from hypothesis.errors import InvalidArgument
+
+    from conformance.case.spec import HSDP_MESHES, MicrobatchStep, SpecError, validate
+    from conformance.strategies.microbatch import microbatch_specs
+
+    seen: Counter = Counter()
+
+    @_settings(200, derandomize=True, phases=[Phase.generate])
+    @given(microbatch_specs(meshes=HSDP_MESHES))
+    def collect(spec):
+        mb = spec.microbatch
+        assert mb.mesh in HSDP_MESHES and mb.microbatches[-1].all_reduce
+        seen[mb.mesh] += 1
+        seen["accumulates without all-reduce"] += any(s.sync and not s.all_reduce for s in mb.microbatches)
+        for g in spec.plan.groups:
+            r = g.reshard_after_forward
+            assert not (isinstance(r, int) and not isinstance(r, bool) and mb.mesh[1] % r)
+
+    collect()
+    assert all(seen[m] for m in HSDP_MESHES) and seen["accumulates without all-reduce"], seen
+    spec = find(microbatch_specs(meshes=((2, 2),)), lambda s: True, settings=_settings(50), random=random.Random(0))
+    last = dataclasses.replace(spec.microbatch.microbatches[-1], all_reduce=False)
+    for bad, message in ((dataclasses.replace(spec.microbatch, mesh=(3, 1)), "is not one of"),
+                         (dataclasses.replace(spec.microbatch, microbatches=spec.microbatch.microbatches[:-1] + (last,)), "last microbatch all-reduces")):
+        with pytest.raises(SpecError, match=message):
+            validate(dataclasses.replace(spec, microbatch=bad))
+    with pytest.raises(InvalidArgument):
+        microbatch_specs(meshes=((3, 3),)).example()
+    assert MicrobatchStep().all_reduce

@@ -283,6 +283,13 @@ class FSDP2Comm:
     # reduce-scatter runs on one process group of its own over the shard
     # ranks, a new one after each disable
     separate_rs: tuple[bool | None, ...] = ()
+    # HSDP: the replicate dim's size of a 2-D mesh (0: a 1-D mesh, no
+    # all-reduce group), and per iteration set_requires_all_reduce (empty:
+    # always): a reduction all-reduces the reduce-scatter output (with what
+    # earlier reductions without all-reduce left) over the replicate dim
+    # only where it is set, and the all-reduce hook runs after it
+    replicate: int = 0
+    all_reduce: tuple[bool, ...] = ()
 
 
 NO_BACKWARD_FIRST = ("requires_grad flipped after a first iteration with no backward (its loss needed no gradient): its forward left "
@@ -436,7 +443,12 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
                 colls.append(Collective("backward", "reduce_scatter", groups[m][0], grads[m], world, rs_dtype, via=via(m),
                                         pg=f"separate {rs_group[0]}" if rs_group[0] else "",
                                         reason="trainable-later" if m in trainable_later else ""))
-            if k.sync and has_grads[m] and m in c.all_reduce_hook:  # the user's all-reduce, on the reduce-scatter output
+            reduced = k.sync and has_grads[m]
+            all_reduce = not c.all_reduce or c.all_reduce[it]
+            if reduced and c.replicate and all_reduce:  # HSDP: over the replicate dim (a one-rank one too)
+                colls.append(Collective("backward", "all_reduce", groups[m][0], grads[m] // world, c.replicate, rs_dtype))
+            if reduced and m in c.all_reduce_hook and (all_reduce or not c.replicate):
+                # the user's all-reduce, on the reduce-scatter output (HSDP: on the all-reduce output)
                 colls.append(Collective("backward", "all_reduce_hook", groups[m][0], grads[m] // world, 1, rs_dtype))
             events.append(Event("post_backward", groups[m][0], "POST_BACKWARD"))
 

@@ -104,6 +104,28 @@ def placed(built):
     return built
 
 
+HSDP_MESH_DIMS = ("replicate", "shard")
+_LAYOUTS: dict = {}
+
+
+def cached_layout(key, make):
+    """Meshes and groups made once per default group and shape (making them is
+    collective, and a group per example would pile up), by every rank alike."""
+    full = (id(dist.distributed_c10d._get_default_group()), *key)
+    if full not in _LAYOUTS:
+        for k in [k for k in _LAYOUTS if k[0] != full[0]]:
+            del _LAYOUTS[k]
+        _LAYOUTS[full] = make()
+    return _LAYOUTS[full]
+
+
+def hsdp_mesh(shape: tuple[int, int]):
+    """The (replicate, shard) DeviceMesh over the default group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return cached_layout(("mesh", tuple(shape)), lambda: init_device_mesh(rank_device().type, tuple(shape), mesh_dim_names=HSDP_MESH_DIMS))
+
+
 def fsdp2_mesh():
     """The 1-D mesh over the default group on the rank's device type, given
     to fully_shard explicitly: its default mesh is CUDA's whenever a GPU is

@@ -26,38 +26,17 @@ from conformance.areas.common.comm_adapter import Recorder
 from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensor, load_cause
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.ranks import any_rank_failed
-from conformance.areas.common.support import add_rank_buffers, case_buffers, fsdp2_mesh, placed, rank_device
+from conformance.areas.common.support import add_rank_buffers, cached_layout, case_buffers, fsdp2_mesh, hsdp_mesh, placed
 from conformance.areas.common.training import make_optimizer, reference_loss, reference_noise, stable, train_close
 from conformance.areas.hsdp.observation import HsdpObservation, LocalSeen, StepSeen, ValueSeen
 from conformance.case.build import build, is_sharded, read_attr
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
 
-MESH_DIMS = ("replicate", "shard")
 # the flat (1-D) FSDP1 strategy each hybrid one applies within its shard group
 FLAT_STRATEGY = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}
 
 DCP_PREFIX = "fsdp-conformance-hsdp-"
-
-_LAYOUTS: dict = {}
-
-
-def _cached(key, make):
-    """Meshes and groups made once per default group and shape (making them is
-    collective, and a group per example would pile up), by every rank alike."""
-    full = (id(dist.distributed_c10d._get_default_group()), *key)
-    if full not in _LAYOUTS:
-        for k in [k for k in _LAYOUTS if k[0] != full[0]]:
-            del _LAYOUTS[k]
-        _LAYOUTS[full] = make()
-    return _LAYOUTS[full]
-
-
-def hsdp_mesh(shape: tuple[int, int]):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return _cached(("mesh", tuple(shape)), lambda: init_device_mesh(rank_device().type, tuple(shape), mesh_dim_names=MESH_DIMS))
-
 
 def process_group_pair(shape: tuple[int, int]):
     """(shard group, replicate group) of this rank, as FSDP1's
@@ -71,7 +50,7 @@ def process_group_pair(shape: tuple[int, int]):
         cols = [dist.new_group([i * s + j for i in range(r)]) for j in range(s)]
         return rows[rank // s], cols[rank % s]
 
-    return _cached(("pg", r, s), make)
+    return cached_layout(("pg", r, s), make)
 
 
 def digest(t: torch.Tensor | None) -> str:

@@ -18,7 +18,7 @@ from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common.comm_adapter import Recorder, custom_comms, fsdp2_patches, scaling_hook
 from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_tensors
 from conformance.areas.common.fsdp2_oracle import shard_order
-from conformance.areas.common.support import fsdp2_mesh, on_rank_device, placed
+from conformance.areas.common.support import fsdp2_mesh, hsdp_mesh, on_rank_device, placed
 from conformance.areas.common.training import rel_err
 from conformance.areas.microbatch.observation import GradSeen, MicrobatchObservation, ShardSeen
 from conformance.areas.microbatch.oracle import predict_microbatch
@@ -51,13 +51,18 @@ def data(spec: CaseSpec, micro: int, rank: int) -> torch.Tensor:
     return 0.5 * torch.randn(BATCH, generator=gen)
 
 
+def _mesh(spec: CaseSpec):
+    """A 1-D mesh over every rank, or the plan's (replicate, shard) one."""
+    return fsdp2_mesh() if spec.microbatch.mesh is None else hsdp_mesh(spec.microbatch.mesh)
+
+
 def _shard(spec: CaseSpec, built, rec: Recorder) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
 
     fully_shard, _, _ = fsdp2_api()
     mb = spec.microbatch
-    mesh = fsdp2_mesh()
+    mesh = _mesh(spec)
     for grp in shard_order(spec.plan, graph_of(spec)):
         kwargs = {"mesh": mesh}
         if grp.reshard_after_forward is not None:
@@ -94,7 +99,8 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
     built, ref = placed(build(spec)), placed(build(spec))
     aliases = a1.Aliases(built.model)
     rec = Recorder()
-    rec.shard_group = fsdp2_mesh().get_group()
+    mesh = _mesh(spec)
+    rec.shard_group = mesh.get_group() if mesh.ndim == 1 else mesh.get_group("shard")
     t0 = time.perf_counter()
     try:
         _shard(spec, built, rec)
@@ -129,7 +135,9 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
         try:
             for f in names:
                 p = read_attr(model, f)
-                sharded = is_sharded(p) and all(type(pl).__name__ == "Shard" for pl in p.placements)
+                # Shard on a 1-D mesh; (Replicate, Shard) on a 2-D one
+                kinds = tuple(type(pl).__name__ for pl in p.placements) if is_sharded(p) else ()
+                sharded = kinds == (("Shard",) if spec.microbatch.mesh is None else ("Replicate", "Shard"))
                 g = p.grad
                 shards.append(ShardSeen(f, sharded, None if g is None else is_sharded(g)))
         except Exception as e:

@@ -23,7 +23,7 @@ catalog = Catalog()
 
 GRAD_RTOL = 1e-5  # fp32 throughout: summation order only
 DOCS = ("FSDPModule docstrings: set_requires_gradient_sync (\"gradient accumulation *without communication*\"), "
-        "set_requires_all_reduce, set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward, unshard / reshard, "
+        "set_requires_all_reduce (\"gradient accumulation with only reduce-scatter but not all-reduce for HSDP\"), set_reshard_after_backward, set_is_last_backward, set_reshard_after_forward, unshard / reshard, "
         "UnshardHandle.wait, set_unshard_in_backward (\"expert cases when the user knows that all parameters in this FSDP module's "
         "parameter group are not needed for backward computation (e.g. embedding)\"); "
         "fully_shard docstring (reshard_after_forward as an int, shard_placement_fn); "
@@ -64,6 +64,8 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
         tags.add("unused-on-rank0")
     if any(s.separate_reduce_scatter is not None for s in steps):
         tags.add("separate-reduce-scatter-group")
+    if mb.mesh is not None:
+        tags.add(f"mesh:{mb.mesh[0]}x{mb.mesh[1]}")
     if any(len(g.modules) > 1 for g in spec.plan.groups):
         tags |= list_group_tags(spec, predict_fsdp2(spec, torch.__version__))
     if _frozen_int_reshard_group(spec):
@@ -94,7 +96,7 @@ def _raised(inv: str, obs: MicrobatchObservation, tags: set[str]) -> list[Violat
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; a group told set_unshard_in_backward(False) (one whose parameters backward does not read) all-gathers nothing in backward, neither in its pre-backward nor as a prefetch; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence; a group given set_all_reduce_hook has its hook called once per reduction of its gradients (each synced backward with gradients), with the reduce-scatter output (its numel, the reduce dtype), and none otherwise; a group given set_custom_all_gather and set_custom_reduce_scatter issues every all-gather and reduce-scatter of its own through them, and no other group's goes through them; with set_reduce_scatter_unused_params(True) a rank whose forward passed over some modules (conditional control flow) reduce-scatters what the others do, a zero gradient for each trainable parameter it did not use; after set_separate_reduce_scatter_group(True) every reduce-scatter runs on one process group over the shard ranks other than the all-gathers' (a new one after a set_separate_reduce_scatter_group(False), which puts them back on the shard group).",
+    statement="Each microbatch issues the oracle's collectives per group (count, numel, ranks, dtype) and its unshard / reshard / post-backward events, under the settings made before it: no reduce-scatter without gradient sync (the next synced one reduces what accumulated), no reshard after a backward told not to (and no all-gather in the next forward), an explicit unshard() all-gathers before the forward (async: once, waited on), reshard() frees, set_reshard_after_forward and an int reshard_after_forward as for COMM-COUNTS, Shard(1) moving the same numel; a group told set_unshard_in_backward(False) (one whose parameters backward does not read) all-gathers nothing in backward, neither in its pre-backward nor as a prefetch; after an iteration aborted by an exception and reset_iter_state() on the root, the restarted microbatches communicate as a fresh sequence; a group given set_all_reduce_hook has its hook called once per reduction of its gradients (each synced backward with gradients), with the reduce-scatter output (its numel, the reduce dtype), and none otherwise; a group given set_custom_all_gather and set_custom_reduce_scatter issues every all-gather and reduce-scatter of its own through them, and no other group's goes through them; with set_reduce_scatter_unused_params(True) a rank whose forward passed over some modules (conditional control flow) reduce-scatters what the others do, a zero gradient for each trainable parameter it did not use; after set_separate_reduce_scatter_group(True) every reduce-scatter runs on one process group over the shard ranks other than the all-gathers' (a new one after a set_separate_reduce_scatter_group(False), which puts them back on the shard group); on a 2-D (replicate, shard) mesh (HSDP) a reduction reduce-scatters over the shard dim and all-reduces the shard over the replicate dim only where set_requires_all_reduce is on, the all-reduce hook running after that all-reduce and not without it.",
     source=DOCS,
 )
 def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
@@ -110,7 +112,7 @@ def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Whatever the settings drawn per microbatch (set_unshard_in_backward(False) on groups whose parameters backward does not read included), after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains; a group whose all-reduce hook scales the reduce-scatter output in place ends with its gradients scaled by that factor, and custom comms that issue the default collectives change no gradient; where rank 0 passed over some modules (set_reduce_scatter_unused_params(True)), every gradient is the mean over ranks of what each rank's own forward gives (a parameter rank 0 did not use counts zero from it).",
+    statement="Whatever the settings drawn per microbatch (set_unshard_in_backward(False) on groups whose parameters backward does not read included), after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains; a group whose all-reduce hook scales the reduce-scatter output in place ends with its gradients scaled by that factor, and custom comms that issue the default collectives change no gradient; where rank 0 passed over some modules (set_reduce_scatter_unused_params(True)), every gradient is the mean over ranks of what each rank's own forward gives (a parameter rank 0 did not use counts zero from it); on a 2-D (replicate, shard) mesh (HSDP), reductions without the replicate all-reduce (set_requires_all_reduce(False)) lose nothing: the all-reducing one brings them in.",
     source=DOCS,
 )
 def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
@@ -145,7 +147,7 @@ def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="After the last backward every parameter registered on the model is fully_shard's sharded DTensor (Shard placements), and every gradient it has is a DTensor too, an aborted and reset iteration before the sequence included.",
+    statement="After the last backward every parameter registered on the model is fully_shard's sharded DTensor (Shard on a 1-D mesh; Replicate, Shard on a 2-D one), and every gradient it has is a DTensor too, an aborted and reset iteration before the sequence included.",
     source="fully_shard docstring (the module's parameters are DTensors sharded on the mesh, registered back after forward / backward); set_reshard_after_backward docstring; reset_iter_state docstring (it reshards every parameter group)",
 )
 def check_sharded(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:

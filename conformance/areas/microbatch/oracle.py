@@ -47,7 +47,8 @@ def _comm(spec: CaseSpec, skips: tuple[frozenset[str], ...] = ()) -> FSDP2Comm:
     return FSDP2Comm(knobs(spec), shard_dim1=mb.shard_dim1, no_backward_unshard=mb.no_unshard_in_backward,
                      all_reduce_hook=tuple(p for p, _ in mb.all_reduce_hook), custom_comms=mb.custom_comms, skips=skips,
                      separate_rs=tuple(s.separate_reduce_scatter for s in mb.microbatches)
-                     if any(s.separate_reduce_scatter is not None for s in mb.microbatches) else ())
+                     if any(s.separate_reduce_scatter is not None for s in mb.microbatches) else (),
+                     replicate=mb.mesh[0] if mb.mesh is not None else 0, all_reduce=tuple(s.all_reduce for s in mb.microbatches))
 
 
 @functools.lru_cache(maxsize=512)
@@ -56,7 +57,12 @@ def _expect(spec: CaseSpec, world: int) -> Expected:
     # over some modules reduce-scatter what the others do (a zero gradient
     # for each trainable parameter it did not use), and unused_differs keeps
     # the cases whose FSDP hooks run the same on every rank
-    return simulate_fsdp2(spec, world, _comm(spec))
+    mesh = spec.microbatch.mesh
+    if mesh is None:
+        return simulate_fsdp2(spec, world, _comm(spec))
+    if mesh[0] * mesh[1] != world:
+        return Expected(why=f"a {mesh[0]}x{mesh[1]} mesh on {world} ranks")
+    return simulate_fsdp2(spec, mesh[1], _comm(spec))  # sharded over the shard dim's ranks
 
 
 @functools.lru_cache(maxsize=512)
@@ -70,9 +76,10 @@ def unused_differs(spec: CaseSpec) -> str | None:
     steps = spec.microbatch.microbatches
     if not any(s.unused_on_rank0 for s in steps):
         return None
-    world = 2
+    mesh = spec.microbatch.mesh
+    world = 2 if mesh is None else mesh[0] * mesh[1]
     base = _expect(spec, world)
-    rank0 = simulate_fsdp2(spec, world, _comm(spec, tuple(frozenset(s.unused_on_rank0) for s in steps)))
+    rank0 = simulate_fsdp2(spec, 2 if mesh is None else mesh[1], _comm(spec, tuple(frozenset(s.unused_on_rank0) for s in steps)))
     if base.why or rank0.why or base.order_why:
         return base.why or rank0.why or base.order_why
     if rank0.iterations != base.iterations:
