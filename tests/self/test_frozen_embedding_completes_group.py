@@ -121,3 +121,20 @@ def test_the_rerun_form_in_the_fully_shard_area_is_known_and_registered_once_it_
     assert "group:multi-frozen-embedding-rerun" not in _tags(once)
     for r in check_example(["FWD-PARITY", "FSDP2-FROZEN"], once, fake_engine):
         assert r.verdict in ("PASS", "UNCHECKED") and not r.violations, r.describe()
+
+
+SECOND_PASS = CaseSpec.from_json((PACKAGE.parent / "tests" / "self" / "data" / "fsdp2-frozen-list-group-second-pass-completed-by-embedding.json").read_text())
+
+
+def test_a_second_pass_completed_by_the_embedding_is_the_same_mechanism(fake_engine):
+    """Seed 214 of the ci profile (torch 2.14.1; 2.13.0 alike): the group
+    fully_shard(['3.embed0', '3.proj1']) is completed first by the Linear
+    proj1, then runs again under the modules' second names (shared0 =
+    proj1, shared1 = embed0) and that pass is completed by the frozen
+    Embedding: the Linear's second call finds its weight freed in backward.
+    The tag took only the first pass's completion, so the finding's own
+    mechanism read FAIL; every pass counts now, and the case is KNOWN."""
+    assert [g.modules for g in SECOND_PASS.plan.groups] == [("3.embed0", "3.proj1")]
+    assert TAG in fsdp2_case_tags(SECOND_PASS, predict_fsdp2(SECOND_PASS, torch.__version__))
+    (res,) = check_example(["FSDP2-FROZEN"], SECOND_PASS, fake_engine)
+    assert res.verdict == "KNOWN" and {fid for _, fid in res.known} == {FINDING}, res.describe()

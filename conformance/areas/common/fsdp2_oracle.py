@@ -616,18 +616,27 @@ def group_completed_by_frozen_embedding(spec: CaseSpec, paths, frozen: set[str] 
     the canonical FQNs frozen in that forward (None: the case's own mask);
     ``skip``: the spec paths it passes over (forward_calls). A ModelCase
     runs its own forward, in an order the oracle does not know: any frozen
-    Embedding of the group."""
+    Embedding of the group. A group whose modules run again (a module
+    registered under two names) makes a pass per run: any pass completed
+    by a frozen Embedding counts (seed 214 of the ci profile: the first pass
+    completed by the Linear, the second by the Embedding under its second
+    name, the Linear's second call then finding its weight freed)."""
     if getattr(spec, "tree", None) is None:
         return any(_frozen_embedding(spec, m, frozen) for m in paths)
     g = graph_of(spec)
     try:
-        remaining = {g.resolve_module(m) for m in paths}
+        members = {g.resolve_module(m) for m in paths}
     except KeyError:
         return False
+    remaining: set[str] = set()
     for nid in forward_calls(spec, skip, completed=True):
+        if nid not in members:
+            continue
+        if not remaining:  # FSDP refills the group's to-run set at a pass's first module
+            remaining = set(members)
         remaining.discard(nid)
-        if not remaining:
-            return _frozen_embedding(spec, g.module_path[nid], frozen)
+        if not remaining and _frozen_embedding(spec, g.module_path[nid], frozen):
+            return True
     return False
 
 
