@@ -617,10 +617,13 @@ def group_completed_by_frozen_embedding(spec: CaseSpec, paths, frozen: set[str] 
     ``skip``: the spec paths it passes over (forward_calls). A ModelCase
     runs its own forward, in an order the oracle does not know: any frozen
     Embedding of the group. A group whose modules run again (a module
-    registered under two names) makes a pass per run: any pass completed
-    by a frozen Embedding counts (seed 214 of the ci profile: the first pass
-    completed by the Linear, the second by the Embedding under its second
-    name, the Linear's second call then finding its weight freed)."""
+    registered under two names) makes a pass per run: its first pass
+    counts, and so does its last where no module of the group runs after it
+    (seed 214 of the ci profile: the first pass completed by the Linear, the
+    second and last by the Embedding under its second name, the Linear's
+    second call then finding its weight freed); a pass so completed and then
+    run again is fsdp2-list-group-reentered-loses-grad's
+    (group_rerun_after_frozen_embedding)."""
     if getattr(spec, "tree", None) is None:
         return any(_frozen_embedding(spec, m, frozen) for m in paths)
     g = graph_of(spec)
@@ -629,15 +632,19 @@ def group_completed_by_frozen_embedding(spec: CaseSpec, paths, frozen: set[str] 
     except KeyError:
         return False
     remaining: set[str] = set()
+    completions: list[str] = []
     for nid in forward_calls(spec, skip, completed=True):
         if nid not in members:
             continue
         if not remaining:  # FSDP refills the group's to-run set at a pass's first module
             remaining = set(members)
         remaining.discard(nid)
-        if not remaining and _frozen_embedding(spec, g.module_path[nid], frozen):
-            return True
-    return False
+        if not remaining:
+            completions.append(nid)
+    if not completions:
+        return False
+    last = [completions[-1]] if not remaining else []  # the last pass, where nothing of the group runs after it
+    return any(_frozen_embedding(spec, g.module_path[nid], frozen) for nid in [completions[0], *last])
 
 
 def list_group_completed_by_frozen_embedding(spec: CaseSpec, groups, frozen: set[str] | None = None, skip: tuple[str, ...] = ()) -> bool:
