@@ -136,6 +136,37 @@ def fsdp2_frozen_get_zero_grads():
     return mock.patch.object(cls, "post_backward", post_backward)
 
 
+@fault("fsdp2-cast-forward-inputs-ignored")
+def fsdp2_cast_forward_inputs_ignored():
+    """FSDP2 casts floating forward inputs to param_dtype whatever
+    MixedPrecisionPolicy.cast_forward_inputs says."""
+    import functools
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+    from torch.distributed.utils import _apply_to_tensors
+
+    def cast(self, args, kwargs):
+        if not self._mp_policy.param_dtype:
+            return args, kwargs
+        fn = functools.partial(_fsdp_state._cast_fp_tensor, self._mp_policy.param_dtype)
+        return _apply_to_tensors(fn, args), _apply_to_tensors(fn, kwargs)
+
+    return mock.patch.object(_fsdp_state.FSDPState, "_cast_forward_inputs", cast)
+
+
+@fault("fsdp1-cast-root-forward-inputs-ignored")
+def fsdp1_cast_root_forward_inputs_ignored():
+    """FSDP1's root casts its forward inputs to param_dtype whatever
+    MixedPrecision.cast_root_forward_inputs says."""
+    from torch.distributed.fsdp import _runtime_utils
+    from torch.distributed.utils import _cast_forward_inputs
+
+    def root_cast(state, module, args, kwargs):
+        return _cast_forward_inputs(state.mixed_precision.param_dtype, *args, **kwargs)
+
+    return mock.patch.object(_runtime_utils, "_root_cast_forward_input", root_cast)
+
+
 @fault("fsdp1-buffers-not-cast")
 def fsdp1_buffers_not_cast():
     """FSDP1 ignores buffer_dtype."""

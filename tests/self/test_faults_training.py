@@ -9,6 +9,8 @@ invariant turns it into a FAIL of the expected kind.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conformance.areas.schedule.observation import ScheduleObservation
@@ -27,7 +29,7 @@ from conformance.case.spec import (
     TiedParam,
     WrapPlan,
 )
-from conformance.run.runner import FAIL, PASS, evaluate, observations
+from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
 from tests.self import faults_training  # noqa: E402,F401  (registers the fault scenarios in the driver)
 
 pytestmark = pytest.mark.selfcheck
@@ -86,6 +88,10 @@ CASES = {
     "fsdp1-no-shard": lambda: model(FSDP1, Schedule(synced(1), precision=BF16_FP32, sharding_strategy="NO_SHARD")),
     "fsdp1-zero2-accum": lambda: model(FSDP1_UOP, Schedule(accumulate(3, skip_first=()), sharding_strategy="SHARD_GRAD_OP")),
     "fsdp1-no-shard-accum": lambda: model(FSDP1_UOP, Schedule(accumulate(2, skip_first=()), sharding_strategy="NO_SHARD")),
+    # no cast of the root's inputs promised: the test feeds float32 and casts
+    # after FSDP's pre-forward, as a user does (MP-DTYPES kind:root-input-cast)
+    "fsdp2-mp-no-cast": lambda: model(FSDP2, Schedule(accumulate(2, skip_first=()), precision=Precision("bfloat16", "float32", cast_forward_inputs=False))),
+    "fsdp1-mp-no-root-cast": lambda: model(FSDP1, Schedule(synced(2), precision=Precision("bfloat16", "float32", cast_root_forward_inputs=False))),
 }
 
 FAULTS = [
@@ -114,6 +120,8 @@ FAULTS = [
     ("ACCUM", "fsdp1-zero2-accum", "fsdp1-no-sync-ignored", "kind:reduced-unsynced"),
     ("MP-PIPELINE", "fsdp1-no-shard", "fsdp1-no-shard-grad-not-all-reduced", "kind:grad"),
     ("ACCUM", "fsdp1-no-shard-accum", "fsdp1-no-shard-grad-not-all-reduced", "kind:grad"),
+    ("MP-DTYPES", "fsdp2-mp-no-cast", "fsdp2-cast-forward-inputs-ignored", "kind:root-input-cast"),
+    ("MP-DTYPES", "fsdp1-mp-no-root-cast", "fsdp1-cast-root-forward-inputs-ignored", "kind:root-input-cast"),
 ]
 
 
@@ -176,6 +184,24 @@ def test_fault_is_caught_inside_the_ranks(invariant, case, fault, kind, pool):
     res = run(invariant, CASES[case](), pool, f"fault:schedule:{fault}")
     assert res.verdict == FAIL, res.describe()
     assert any(kind in v.tags for v in res.violations), res.describe()
+
+
+@pytest.mark.gloo
+def test_an_fsdp1_root_with_parameters_casting_under_cast_forward_inputs_is_its_finding(pool):
+    """cast_forward_inputs=True, cast_root_forward_inputs=False: the root's
+    setting takes precedence (the MixedPrecision note), yet FSDP1's pre-forward
+    casts the inputs of a root that manages parameters
+    (fsdp1-root-casts-inputs-despite-cast-root-false); a root whose parameters
+    all lie in nested units gets them as fed, on unmodified torch."""
+    pr = Precision("bfloat16", "float32", cast_forward_inputs=True, cast_root_forward_inputs=False)
+    spec = model(FSDP1, Schedule(synced(2), precision=pr))  # the root manages scale
+    res = run("MP-DTYPES", spec, pool)
+    assert res.verdict == KNOWN and {fid for _, fid in res.known} == {"fsdp1-root-casts-inputs-despite-cast-root-false"}, res.describe()
+    assert all("kind:root-input-cast" in v.tags for v, _ in res.known), res.describe()
+    bare = dataclasses.replace(spec.tree, params=())  # every parameter in a nested unit: the root has no handle
+    control = dataclasses.replace(spec, tree=bare, plan=WrapPlan(api="fsdp1", policy=CustomWrap(("block", "head"))))
+    res = run("MP-DTYPES", control, pool)
+    assert res.verdict == PASS, res.describe()
 
 
 @pytest.mark.gloo

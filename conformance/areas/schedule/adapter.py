@@ -164,6 +164,7 @@ class ForwardRecorder:
         self.seen: dict[tuple[int, str], ForwardSeen] = {}
         # ids of the modules whose inputs are recorded; None: every module's
         self.boundaries: set[int] | None = None
+        self.user_casts: int | None = None  # the root whose inputs the user casts (UserCast records them)
         if is_model_case(spec):
             for _, mod in built.model.named_modules():
                 names = [n for n, p in mod._parameters.items() if p is not None]
@@ -185,13 +186,49 @@ class ForwardRecorder:
             key = (self.step, path)
             if key in self.seen:
                 return
-            recorded = self.boundaries is None or id(mod) in self.boundaries
+            recorded = (self.boundaries is None or id(mod) in self.boundaries) and id(mod) != self.user_casts
             ins = tuple(_name(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()) if recorded else ()
             params = tuple((n, _name(getattr(mod, n).dtype)) for n in names)
             buffers = tuple((n, _name(getattr(mod, n).dtype)) for n in bufs)
             self.seen[key] = ForwardSeen(self.step, path, ins, params, buffers)
 
         return hook
+
+
+class UserCast:
+    """The user's own cast of the root's floating forward inputs to
+    param_dtype, where FSDP promises none there (FSDP2
+    cast_forward_inputs=False; FSDP1 cast_root_forward_inputs=False): the
+    test feeds the model float32 and this forward pre-hook, registered on
+    the root after wrapping, casts them. It runs after FSDP's pre-forward
+    (registered before it: FSDP2 prepends its own, FSDP1's runs in the
+    wrapper's forward), so it sees what FSDP handed the root's forward, and
+    records those dtypes beside the ones fed (MP-DTYPES: FSDP left them as
+    fed). A registered method (the first microbatch's ``s.first``) bypasses
+    the root's hooks; its input is cast before the call, and not recorded."""
+
+    def __init__(self, root: nn.Module, dtype: torch.dtype):
+        self.dtype = dtype
+        self.fed: tuple[str, ...] | None = None  # armed: the dtypes the test fed
+        self.handed: tuple[str, ...] | None = None
+        root.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    @staticmethod
+    def dtypes(args, kwargs) -> tuple[str, ...]:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        return tuple(_name(t.dtype) for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+    def arm(self, x) -> None:
+        self.fed, self.handed = self.dtypes((x,), {}), None
+
+    def _hook(self, mod: nn.Module, args, kwargs):
+        if self.fed is not None and self.handed is None:  # the test's call, not a method's own self(...)
+            self.handed = self.dtypes(args, kwargs)
+        return _cast_floats(args, self.dtype), _cast_floats(kwargs, self.dtype)
+
+    def take(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+        fed, handed, self.fed, self.handed = self.fed, self.handed, None, None
+        return fed, handed
 
 
 def _err_rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor, slack: torch.Tensor | None = None) -> float:
@@ -380,6 +417,7 @@ class Runner:
         self.fsdp_seconds = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps
         self.emu: Emulation | None = None  # MP-PIPELINE's reference, made once wrapped
         self.emulation_error: str | None = None
+        self.user_cast: UserCast | None = None  # made once wrapped, where FSDP promises no cast of the root's inputs
 
     def wrap(self) -> None:
         s = self.spec.schedule
@@ -398,6 +436,11 @@ class Runner:
         self.ropt = make_optimizer(s.optimizer, self.ref.model.parameters(), s.lr)
         if self.recorder.boundaries is not None:
             self.recorder.boundaries = self.cast_boundaries()
+        # where FSDP promises no cast of the root's inputs, the user casts them
+        root_dtype = _dtype(self.pred.input_dtype)
+        if root_dtype != torch.float32:
+            self.user_cast = UserCast(self.built.model, root_dtype)
+            self.recorder.user_casts = id(self.built.model)
 
     def make_emulation(self) -> None:
         """MP-PIPELINE's reference, where it applies and values mean something
@@ -580,8 +623,13 @@ class Runner:
                 fn = self.model
                 if si == 0 and k == 0 and s.first >= 0:
                     fn = method_callable(self.model, self.spec, s.first)
+                x = data(self.spec, si, k, self.rank)
+                if self.user_cast is not None and fn is self.model:
+                    self.user_cast.arm(x)  # fed as it is: FSDP leaves it, the user's hook casts it
+                else:
+                    x = cast(x, in_dtype)
                 with ctx, rec.mode:
-                    out = call(fn, cast(data(self.spec, si, k, self.rank), in_dtype))
+                    out = call(fn, x)
                     loss = microbatch_loss(self.spec, out)
                     if loss.requires_grad:  # not when this microbatch uses frozen parameters only
                         loss.backward()
@@ -602,8 +650,9 @@ class Runner:
             noise += self._low_losses(si, k, losses)
             emulated = self.emulate(self.emu.microbatch, si, k, s.first if si == 0 and k == 0 else -1, sync, in_dtype) if self.emu else None
             emu_err = None if emulated is None else _err_rel(loss, emulated[self.rank], emulated[self.rank])
+            fed, handed = self.user_cast.take() if self.user_cast is not None else (None, None)
             obs["microbatches"].append(MicrobatchSeen(si, k, sync, tuple(rec.seen), _name(output_tensor(out).dtype),
-                                                      _err_rel(loss, mine, mine), emu_err))
+                                                      _err_rel(loss, mine, mine), emu_err, fed=fed, handed=handed))
         self.set_skip(())
         if self.pred.reference_zero_grads:  # FSDP1's FlatParameters: see SchedulePrediction
             for f in self.pred.unused_in_used_unit[si]:

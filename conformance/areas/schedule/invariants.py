@@ -42,7 +42,7 @@ from conformance.case.violation import Violation
 catalog = Catalog()
 
 DOC_MP2 = "MixedPrecisionPolicy docstring (param_dtype: unsharded parameters and compute; reduce_dtype: gradient reduction, defaults to param_dtype; output_dtype; cast_forward_inputs)"
-DOC_MP1 = "MixedPrecision docstring (param_dtype, reduce_dtype, buffer_dtype: cast in the first forward and kept thereafter, keep_low_precision_grads: gradients in the reduction dtype, else upcast to full precision; cast_forward_inputs, cast_root_forward_inputs)"
+DOC_MP1 = "MixedPrecision docstring (param_dtype, reduce_dtype, buffer_dtype: cast in the first forward and kept thereafter, keep_low_precision_grads: gradients in the reduction dtype, else upcast to full precision; cast_forward_inputs, cast_root_forward_inputs; its note: 'For the root FSDP instance, its cast_root_forward_inputs takes precedence over its cast_forward_inputs')"
 DOC_SYNC = "FullyShardedDataParallel.no_sync docstring (gradients accumulate in module variables, synchronized in the first forward-backward out of the context); FSDPModule.set_requires_gradient_sync docstring (accumulate without communication; reduce_dtype accumulation)"
 
 
@@ -71,6 +71,19 @@ def _small_unit_accumulates_synced(spec: CaseSpec, world_size: int) -> bool:
     return False
 
 
+def _root_casts_by_cast_forward_inputs(spec: CaseSpec, pred: SchedulePrediction) -> bool:
+    """FSDP1 casts an instance's forward inputs in its pre-forward wherever
+    cast_forward_inputs is set and the instance has a handle (parameters of
+    its own): the root's too, so cast_root_forward_inputs=False does not keep
+    a root that manages parameters from casting (_runtime_utils._pre_forward)."""
+    pr = spec.schedule.precision
+    if pred.api != "fsdp1" or pr is None or pred.compute_dtype == "float32":
+        return False
+    if not pr.cast_forward_inputs or pr.cast_root_forward_inputs:
+        return False
+    return any(u.path == "" and u.managed for u in predict_fsdp1(spec).units)
+
+
 def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> set[str]:
     """Facts about a schedule case that known_failures.toml entries match on."""
     s = spec.schedule
@@ -90,6 +103,8 @@ def case_tags(spec: CaseSpec, pred: SchedulePrediction, world_size: int = 2) -> 
         tags.add("keep-low-precision-grads")
     if pr is not None and pr.buffer_dtype:
         tags.add("buffer-dtype")
+    if _root_casts_by_cast_forward_inputs(spec, pred):
+        tags.add("root:casts-by-cast-forward-inputs")  # fsdp1-root-casts-inputs-despite-cast-root-false's mechanism
     if pred.api == "fsdp2" and container_given_to_fully_shard(spec):
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if len({st.frozen for st in s.steps}) > 1:
@@ -264,12 +279,20 @@ def ranks_tags(spec: CaseSpec, pred: SchedulePrediction, obs: list[ScheduleObser
     return tags
 
 
+def _floating(dtypes: tuple[str, ...] | None) -> str:
+    return "/".join(sorted(set(dtypes or ()))) or "no floating"
+
+
+def _no_cast_setting(spec: CaseSpec) -> str:
+    return "cast_forward_inputs=False" if spec.plan.api == "fsdp2" else "cast_root_forward_inputs=False"
+
+
 @catalog.invariant(
     "MP-DTYPES",
     group="schedule",
     api="fsdp1|fsdp2",
     scenario="schedule",
-    statement="Under MixedPrecision / MixedPrecisionPolicy, forward computes in param_dtype (parameters and inputs), gradients are reduced in reduce_dtype and end in the parameters' dtype (FSDP1 keep_low_precision_grads: the reduction dtype), buffers keep theirs (FSDP1: buffer_dtype), the output is output_dtype; results match fp32 training within a dtype-aware tolerance up to a step whose promised pipeline leaves its dtypes' range (a gradient past float16's largest value reduced in float16 is inf as promised); whatever the freeze schedule and whichever forward runs first.",
+    statement="Under MixedPrecision / MixedPrecisionPolicy, forward computes in param_dtype (parameters and inputs), the root's forward gets its inputs as fed where the policy promises no cast there (FSDP2: cast_forward_inputs=False; FSDP1: cast_root_forward_inputs=False, which takes precedence over the root's cast_forward_inputs), gradients are reduced in reduce_dtype and end in the parameters' dtype (FSDP1 keep_low_precision_grads: the reduction dtype), buffers keep theirs (FSDP1: buffer_dtype), the output is output_dtype; results match fp32 training within a dtype-aware tolerance up to a step whose promised pipeline leaves its dtypes' range (a gradient past float16's largest value reduced in float16 is inf as promised); whatever the freeze schedule and whichever forward runs first.",
     source=f"{DOC_MP2}; {DOC_MP1}",
 )
 def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObservation) -> list[Violation] | NotChecked:
@@ -293,6 +316,9 @@ def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObser
         if d != pred.buffer_dtype:
             out.append(violation("MP-DTYPES", f"buffer {name} is {d} after training, not {pred.buffer_dtype}", tags, "kind:buffer-dtype"))
     for mb in obs.microbatches:
+        if mb.handed is not None and mb.handed != mb.fed:
+            out.append(violation("MP-DTYPES", f"step {mb.step} microbatch {mb.index}: the root's forward got {_floating(mb.handed)} inputs where "
+                                 f"FSDP promises no cast ({_no_cast_setting(spec)}), not {_floating(mb.fed)} as fed", tags, "kind:root-input-cast"))
         bad = sorted({d for _, d in mb.reduces if d != pred.reduce_dtype})
         if bad:
             out.append(violation("MP-DTYPES", f"step {mb.step} microbatch {mb.index}: gradients reduced in {bad}, not {pred.reduce_dtype}", tags, "kind:reduce-dtype"))

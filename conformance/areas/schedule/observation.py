@@ -33,6 +33,12 @@ class MicrobatchSeen:
     output_dtype: str
     loss_err: float
     emulated_loss_err: float | None = None  # against the emulated pipeline's (MP-PIPELINE; None: not emulated)
+    # where FSDP promises no cast of the root's forward inputs: the dtypes of
+    # the floating inputs the test fed the model and of those FSDP handed the
+    # root's forward (seen by the user's own cast after FSDP's pre-forward;
+    # None: not recorded, FSDP casts there or a registered method ran)
+    fed: tuple[str, ...] | None = None
+    handed: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,14 @@ def main():
         mod.register_forward_pre_hook(hook)
     fsdp = wrap(model, mods)
     inner = model if API == "fsdp2" else fsdp.module
+    armed, handed = [], []
+    if USER_CASTS:  # FSDP promises no cast of the root's inputs: the user's own, after FSDP's pre-forward
+        def user_cast(m, args, kwargs):
+            if armed:  # the test's call: what FSDP handed the root's forward
+                handed.append([a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()])
+                armed.clear()
+            return cast_floats(args, INPUT_DTYPE), cast_floats(kwargs, INPUT_DTYPE)
+        inner.register_forward_pre_hook(user_cast, with_kwargs=True)
     opt, ropt = optimizer(fsdp.parameters()), optimizer(ref.parameters())
     names = [n for n, _ in ref.named_parameters()]
     if EMULATE:  # the promised mixed-precision pipeline on one process (the suite's MP-PIPELINE)
@@ -196,7 +204,9 @@ def main():
                 if API == "fsdp2":
                     fsdp.set_requires_gradient_sync(sync)
                 with (fsdp.no_sync() if API == "fsdp1" and not sync else contextlib.nullcontext()), ReduceDtypes() as rec:
-                    out = fn(data(si, k, rank).to(INPUT_DTYPE))
+                    plain = USER_CASTS and fn is fsdp  # fed as it is: FSDP leaves it, the user's hook casts it
+                    armed[:], handed[:] = [True] if plain else [], []
+                    out = fn(data(si, k, rank) if plain else data(si, k, rank).to(INPUT_DTYPE))
                     loss = (out.float() ** 2).sum()
                     if loss.requires_grad:
                         loss.backward()
@@ -208,6 +218,8 @@ def main():
             if total.requires_grad:
                 total.backward()
             where = f"[rank {rank}] step {si} microbatch {k}"
+            if handed and any(d != torch.float32 for d in handed[0]):
+                wrong.append(f"{where}: the root's forward got {handed[0]} inputs where FSDP promises no cast ({NO_CAST}), expected them as fed (torch.float32)")
             if OUTPUT_DTYPE is not None and str(out.dtype) != OUTPUT_DTYPE:
                 wrong.append(f"{where}: output {out.dtype}, expected {OUTPUT_DTYPE}")
             if rel(loss, losses[rank]) > TOLERANCE:
@@ -422,6 +434,8 @@ def schedule_script(spec: CaseSpec, violations: list | None = None, title: str =
         f"OPTIMIZER, LR = {s.optimizer!r}, {s.lr!r}\n"
         f"KEEP_LOW_PRECISION_GRADS = {bool(pr and pr.keep_low_precision_grads)}\n"
         f"INPUT_DTYPE = torch.{pred.input_dtype}  # what FSDP does not cast, the user does\n"
+        f"USER_CASTS = {pred.input_dtype != 'float32'}  # FSDP promises no cast of the root's inputs: fed float32, cast by the user's hook\n"
+        f"NO_CAST = {('cast_forward_inputs=False' if api == 'fsdp2' else 'cast_root_forward_inputs=False')!r}\n"
         f"FIRST_METHOD = {s.first >= 0}  # the very first microbatch calls the registered encode()\n"
         f"# per step: (frozen FQNs, per microbatch the modules it skips, sync on every microbatch)\n"
         f"SCHEDULE = {steps!r}\n"
