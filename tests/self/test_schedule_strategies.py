@@ -116,3 +116,32 @@ def test_fsdp1_flat_parameters_give_unused_parameters_of_a_used_unit_a_zero_grad
         assert pred.reference_zero_grads is (not uop)
     fsdp2 = CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), seed=0, schedule=Schedule(steps[:2]), plan=WrapPlan(api="fsdp2"))
     assert predict_schedule(fsdp2).unused_in_used_unit == () and not predict_schedule(fsdp2).reference_zero_grads
+
+
+@pytest.mark.parametrize("api", ["fsdp1", "fsdp2"])
+def test_schedules_draw_roots_whose_inputs_fsdp_promises_not_to_cast(api):
+    """FSDP2 cast_forward_inputs=False and FSDP1 cast_root_forward_inputs=False
+    with a low param_dtype: the test feeds float32 and casts after FSDP's
+    pre-forward itself (MP-DTYPES kind:root-input-cast), the generated repro
+    too. FSDP1 draws both a root that manages parameters with
+    cast_forward_inputs=True (fsdp1-root-casts-inputs-despite-cast-root-false's
+    form) and a root that manages none."""
+    from hypothesis import find
+
+    from conformance.areas.schedule.invariants import case_tags
+    from conformance.areas.schedule.repro import schedule_script
+
+    def no_root_cast(s):
+        return s.schedule.first < 0 and predict_schedule(s).input_dtype != "float32"
+
+    quiet = settings(max_examples=2000, database=None, suppress_health_check=list(HealthCheck))
+    spec = find(schedule_specs(api=api), no_root_cast, settings=quiet)
+    pr = spec.schedule.precision
+    assert (pr.cast_forward_inputs is False) if api == "fsdp2" else not pr.cast_root_forward_inputs
+    assert "USER_CASTS = True" in schedule_script(spec, [], "MP-DTYPES")
+    if api == "fsdp1":
+        form = find(schedule_specs(api=api), lambda s: no_root_cast(s) and "root:casts-by-cast-forward-inputs" in case_tags(s, predict_schedule(s)),
+                    settings=quiet)
+        assert form.schedule.precision.cast_forward_inputs
+        find(schedule_specs(api=api), lambda s: no_root_cast(s) and s.schedule.precision.cast_forward_inputs
+             and "root:casts-by-cast-forward-inputs" not in case_tags(s, predict_schedule(s)), settings=quiet)
