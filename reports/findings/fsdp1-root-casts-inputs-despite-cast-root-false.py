@@ -10,8 +10,8 @@ manages no parameter, and the nested instances cast theirs
 (cast_forward_inputs=True). The control, a root whose parameters all lie in a
 nested instance, shows the promised behaviour on the same torch.
 
-Run: python fsdp1-root-casts-inputs-despite-cast-root-false.py  (one gloo rank)
-Also: torchrun --nproc-per-node 2 fsdp1-root-casts-inputs-despite-cast-root-false.py
+Run: python fsdp1-root-casts-inputs-despite-cast-root-false.py
+Run: torchrun --nproc-per-node 2 fsdp1-root-casts-inputs-despite-cast-root-false.py
 """
 
 import os
