@@ -11,9 +11,9 @@ class CollectiveSeen:
     """A collective as the dispatcher saw it: the unsharded side's numel, the
     ranks it spans (unsharded / local numel), its dtype, the group or unit
     that issued it and (FSDP1) the hook it ran in; ``via``: FSDP2, the
-    suite's custom comm or all-reduce hook it went through ("custom G": the
-    custom comms given to group G; "" for FSDP's own). An all-reduce hook's
-    call is a record of its own (op "all_reduce_hook", the numel of the
+    suite's custom comm it went through ("custom G": the custom comms given
+    to group G; "" for FSDP's own). An all-reduce hook's call is not a
+    ``via`` but a record of its own (op "all_reduce_hook", the numel of the
     tensor it was given, ranks 1)."""
 
     phase: str
