@@ -56,13 +56,12 @@ def _mesh(spec: CaseSpec):
     return fsdp2_mesh() if spec.microbatch.mesh is None else hsdp_mesh(spec.microbatch.mesh)
 
 
-def _shard(spec: CaseSpec, built, rec: Recorder) -> None:
+def _shard(spec: CaseSpec, built, rec: Recorder, mesh) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
 
     fully_shard, _, _ = fsdp2_api()
     mb = spec.microbatch
-    mesh = _mesh(spec)
     for grp in shard_order(spec.plan, graph_of(spec)):
         kwargs = {"mesh": mesh}
         if grp.reshard_after_forward is not None:
@@ -103,7 +102,7 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
     rec.shard_group = mesh.get_group() if mesh.ndim == 1 else mesh.get_group("shard")
     t0 = time.perf_counter()
     try:
-        _shard(spec, built, rec)
+        _shard(spec, built, rec, mesh)
     except Exception as e:
         return MicrobatchObservation(**base, error=f"fully_shard: {error_line(e)}", seconds=time.perf_counter() - t0)
     model = built.model
