@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from hypothesis import settings
 
+# the fake tier's world the mesh strategies of the structure tests draw for
+# (HSDP, TP and microbatch meshes); conftest's fake_tier skips any other
+FAKE_WORLD = 4
 CI_EXAMPLES = 500  # the ci profile's max_examples (conformance.run.profiles)
 
 

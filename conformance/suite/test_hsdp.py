@@ -19,24 +19,13 @@ from hypothesis import given, settings
 
 from conformance.areas.hsdp import AREA
 from conformance.strategies.hsdp import hsdp_specs
-from conformance.suite.budget import examples
+from conformance.suite.budget import FAKE_WORLD, examples
 
 HSDP = [inv.id for inv in AREA.invariants]
 STRUCTURE = ["HSDP-LAYOUT", "HSDP-COMMS", "HSDP-DEGENERATE"]  # what the fake tier can compare
-FAKE_WORLD = 4
 # examples(35) per value test: each is three models trained on up to 4 ranks
 # sharing 2 cores (about 0.7 s an example); the module stays near a minute
 # under the ci profile
-
-
-@pytest.fixture(scope="module")
-def fake_tier(engine):
-    """The fake tier's engine only (the value tests below take the others)."""
-    if engine.tier != "fake":
-        pytest.skip("structure on the fake tier; the gloo tier checks it with the values (test_hsdp_fsdp1 / _fsdp2)")
-    if engine.world_size != FAKE_WORLD:
-        pytest.skip(f"the fake tier's world of {engine.world_size} ranks: the meshes drawn for it have {FAKE_WORLD}")
-    return engine
 
 
 def _check(spec, worlds, conformance):

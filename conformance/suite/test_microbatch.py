@@ -22,20 +22,10 @@ from conformance.areas.microbatch import AREA
 from conformance.case.spec import HSDP_MESHES
 from conformance.run import corpus
 from conformance.strategies.microbatch import microbatch_specs
-from conformance.suite.budget import examples
+from conformance.suite.budget import FAKE_WORLD, examples
 
 MICROBATCH = [inv.id for inv in AREA.invariants]
-FAKE_WORLD = 4
 STRUCTURE = ["MB-COMMS", "MB-SHARDED"]  # what the fake tier can compare
-
-
-@pytest.fixture(scope="module")
-def fake_tier(engine):
-    if engine.tier != "fake":
-        pytest.skip("HSDP structure on the fake tier; the gloo tier checks it with the values (test_microbatch_hsdp)")
-    if engine.world_size != FAKE_WORLD:
-        pytest.skip(f"the fake tier's world of {engine.world_size} ranks: the meshes drawn for it have {FAKE_WORLD}")
-    return engine
 
 
 @settings(max_examples=examples(200))

@@ -23,11 +23,10 @@ from hypothesis import given, settings
 
 from conformance.areas.tp import AREA
 from conformance.strategies.tp import tp_specs
-from conformance.suite.budget import examples
+from conformance.suite.budget import FAKE_WORLD, examples
 
 TP = [inv.id for inv in AREA.invariants]
 STRUCTURE = ["TP-LAYOUT"]  # what the fake tier can compare
-FAKE_WORLD = 4
 # examples(8) for the value test: each is four models (2-D, reference, two
 # flat FSDP ones) on up to 4 ranks sharing 2 cores
 
@@ -40,16 +39,6 @@ def tp_worlds(worlds, request):
     # HANGs on a loaded machine whatever --example-deadline said (the release
     # matrix, 2.13.0 gloo-w2, run beside the test suite: 4 ranks on 2 cores).
     return worlds.view(deadline=request.config.getoption("--example-deadline") / 4)
-
-
-@pytest.fixture(scope="module")
-def fake_tier(engine):
-    """The fake tier's engine only (the value test below takes the others)."""
-    if engine.tier != "fake":
-        pytest.skip("structure on the fake tier; the gloo tier checks it with the values (test_tp)")
-    if engine.world_size != FAKE_WORLD:
-        pytest.skip(f"the fake tier's world of {engine.world_size} ranks: the meshes drawn for it have {FAKE_WORLD}")
-    return engine
 
 
 @pytest.mark.needs_ranks
