@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from conformance.areas.schedule.observation import ScheduleObservation
+from conformance.areas.schedule.observation import MicrobatchSeen, ScheduleObservation
 from conformance.case.spec import (
     BufferSpec,
     CaseSpec,
@@ -198,6 +198,12 @@ def test_an_fsdp1_root_with_parameters_casting_under_cast_forward_inputs_is_its_
     res = run("MP-DTYPES", spec, pool)
     assert res.verdict == KNOWN and {fid for _, fid in res.known} == {"fsdp1-root-casts-inputs-despite-cast-root-false"}, res.describe()
     assert all("kind:root-input-cast" in v.tags for v, _ in res.known), res.describe()
+    # the tag narrows the KNOWN to the finding's own cast (to param_dtype): another dtype stays a FAIL
+    mbs = (MicrobatchSeen(0, 0, True, (), "float32", 0.0, fed=("float32",), handed=("float16",)),)
+    obs = [ScheduleObservation(api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0", rounding_noise=(0.0,),
+                               microbatches=mbs) for r in range(2)]
+    other = evaluate("MP-DTYPES", spec, obs)
+    assert other.verdict == FAIL and all("cast:other" in v.tags for v in other.violations), other.describe()
     bare = dataclasses.replace(spec.tree, params=())  # every parameter in a nested unit: the root has no handle
     control = dataclasses.replace(spec, tree=bare, plan=WrapPlan(api="fsdp1", policy=CustomWrap(("block", "head"))))
     res = run("MP-DTYPES", control, pool)

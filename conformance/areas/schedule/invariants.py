@@ -317,8 +317,11 @@ def check_mp_dtypes(spec: CaseSpec, pred: SchedulePrediction, obs: ScheduleObser
             out.append(violation("MP-DTYPES", f"buffer {name} is {d} after training, not {pred.buffer_dtype}", tags, "kind:buffer-dtype"))
     for mb in obs.microbatches:
         if mb.handed is not None and mb.handed != mb.fed:
+            # cast:param-dtype: the inputs cast to param_dtype, as a flag-driven cast would (the finding's form);
+            # cast:other: any other change of what was fed
+            how = "cast:param-dtype" if mb.handed and set(mb.handed) == {pred.compute_dtype} else "cast:other"
             out.append(violation("MP-DTYPES", f"step {mb.step} microbatch {mb.index}: the root's forward got {_floating(mb.handed)} inputs where "
-                                 f"FSDP promises no cast ({_no_cast_setting(spec)}), not {_floating(mb.fed)} as fed", tags, "kind:root-input-cast"))
+                                 f"FSDP promises no cast ({_no_cast_setting(spec)}), not {_floating(mb.fed)} as fed", tags, "kind:root-input-cast", how))
         bad = sorted({d for _, d in mb.reduces if d != pred.reduce_dtype})
         if bad:
             out.append(violation("MP-DTYPES", f"step {mb.step} microbatch {mb.index}: gradients reduced in {bad}, not {pred.reduce_dtype}", tags, "kind:reduce-dtype"))
