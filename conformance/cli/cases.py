@@ -126,12 +126,13 @@ def applicable(inv, spec) -> bool:
     return area_of(inv.id).applies(spec)
 
 
-def check_case_file(spec, selected, backend: str, world_size: int, history=(), *, known: bool = True) -> int:
+def check_case_file(spec, selected, backend: str, world_size: int, history=(), *, known: bool = True, engine=None) -> int:
     """Check ``spec`` against ``selected`` on a fresh engine (a pool, or the
-    fake tier); with ``history`` (load_history), those examples run first
-    on the same ranks. Prints each invariant's verdict; 1 if any failed.
-    ``known=False``: against the oracle alone, the known failures unread,
-    so a recorded finding's deviation fails too (a repro's verdict)."""
+    fake tier), or on ``engine`` (start_engine's pool, started early); with
+    ``history`` (load_history), those examples run first on the same ranks.
+    Prints each invariant's verdict; 1 if any failed. ``known=False``:
+    against the oracle alone, the known failures unread, so a recorded
+    finding's deviation fails too (a repro's verdict). Closes the engine."""
 
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance.run import known as known_mod
@@ -139,7 +140,13 @@ def check_case_file(spec, selected, backend: str, world_size: int, history=(), *
     if getattr(spec, "ckpt", None) is not None or getattr(spec, "schedule", None) is not None:
         if backend == "fake":  # values and world sizes: the suite runs these on real ranks only
             raise UsageError("a checkpoint or training-schedule case needs real ranks: use --backend gloo (or nccl)")
-    base = engine = make_engine(backend, world_size)
+    base = engine = engine if engine is not None else make_engine(backend, world_size)
+    if hasattr(base, "wait_ready"):  # a pool: its ranks joined the group, or one line
+        try:
+            base.wait_ready()
+        except EngineError as e:
+            base.close()
+            raise UsageError(str(e)) from None
     if backend != "fake" and any(getattr(spec, f, None) is not None for f in ("ckpt", "hsdp", "tp")):
         # a save world and a load world, phase by phase; an HSDP or TP case
         # on as many ranks as its mesh has, whatever --world-size says

@@ -3,28 +3,33 @@
 from __future__ import annotations
 
 from conformance.cli.cases import applicable, check_case_file, load_spec
-from conformance.cli.common import BACKENDS, need_distributed
+from conformance.cli.common import BACKENDS, need_distributed, start_engine
 from conformance.cli.errors import UsageError
 
 
 def cmd_check(ns) -> int:
     """Check one CaseSpec JSON against invariants on the fake tier or the pool."""
     spec = load_spec(ns.spec)  # a malformed case is one line before torch is imported
-    # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
-    from conformance import areas as invariants
-    from conformance.run.models import NOT_FOR_MODELS
-
-    try:
-        selected = invariants.select(ns.invariant)
-    except invariants.UnknownInvariant as e:
-        raise UsageError(str(e)) from None
-    need_distributed()
-
-    selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
     # as `run` has them: a report's gloo / NCCL finding came from 2 ranks, a fake-tier one from 4
     world_size = ns.world_size if ns.world_size is not None else (4 if ns.backend == "fake" else 2)
-    return check_case_file(spec, [i for i in selected if spec.plan.api in i.api.split("|") and applicable(i, spec)], ns.backend, world_size,
-                           known=not ns.no_known)
+    engine = start_engine(ns.backend, world_size)  # its fork server imports torch while this process does
+    try:
+        # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
+        from conformance import areas as invariants
+        from conformance.run.models import NOT_FOR_MODELS
+
+        try:
+            selected = invariants.select(ns.invariant)
+        except invariants.UnknownInvariant as e:
+            raise UsageError(str(e)) from None
+        need_distributed()
+
+        selected = [i for i in selected if not (hasattr(spec, "target") and i.id in NOT_FOR_MODELS)]
+        return check_case_file(spec, [i for i in selected if spec.plan.api in i.api.split("|") and applicable(i, spec)], ns.backend,
+                               world_size, known=not ns.no_known, engine=engine)
+    finally:
+        if engine is not None:
+            engine.close()
 
 
 def add_parser(sub) -> None:

@@ -49,6 +49,24 @@ def resolve_tiers(ns) -> list[str]:
     return out
 
 
+def start_engine(backend: str, world_size: int):
+    """A pool for a command that checks one case (check, repro), started
+    before the command imports the areas (and, for gloo, torch): its fork
+    server imports them meanwhile, on another core (RankPool(wait=False);
+    check_case_file waits for it). None on the fake tier, which runs in this
+    process. The caller closes it."""
+    if backend == "fake":
+        return None
+    if backend != "gloo":  # resolve_backend imports torch to count GPUs
+        need_distributed()
+    from conformance.engine.pool import RankPool
+
+    try:
+        return RankPool(world_size=world_size, backend=resolve_backend(backend, world_size), wait=False)
+    except EngineError as e:
+        raise UsageError(str(e)) from None
+
+
 def make_engine(backend: str, world_size: int):
 
     try:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from conformance.cli.cases import applicable, check_case_file, load_case, load_history
-from conformance.cli.common import BACKENDS, need_distributed
+from conformance.cli.common import BACKENDS, need_distributed, start_engine
 from conformance.cli.errors import UsageError
 
 
@@ -15,10 +15,21 @@ def cmd_repro(ns) -> int:
     write its standalone torch-only repro script."""
     spec, inv_id, finding = load_case(ns.spec, ns.finding)  # a malformed case is one line before torch is imported
     history = [] if ns.no_history else load_history(finding, ns.spec)
-    engine = (finding or {}).get("engine") or {}
-    world_size = ns.world_size if ns.world_size is not None else (engine.get("world_size") if history else None) or 2
+    recorded = (finding or {}).get("engine") or {}
+    world_size = ns.world_size if ns.world_size is not None else (recorded.get("world_size") if history else None) or 2
     if history and ns.backend == "fake":
         raise UsageError("the finding's engine.history runs on real ranks: use --backend gloo (or nccl), or --no-history")
+    # its fork server imports torch while this process does (not for --no-run: nothing runs)
+    engine = None if ns.no_run else start_engine(ns.backend, world_size)
+    try:
+        return _repro(ns, spec, inv_id, finding, history, world_size, engine)
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _repro(ns, spec, inv_id, finding, history, world_size, engine) -> int:
+    """The script, then the check on ``engine`` (None: the fake tier, or --no-run)."""
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance import areas as invariants
     from conformance.run.repro import repro_script
@@ -54,7 +65,7 @@ def cmd_repro(ns) -> int:
     stdout = sys.stdout
     sys.stdout = out
     try:
-        return check_case_file(spec, selected, ns.backend, world_size, history)
+        return check_case_file(spec, selected, ns.backend, world_size, history, engine=engine)
     finally:
         sys.stdout = stdout
 

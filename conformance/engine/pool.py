@@ -42,6 +42,9 @@ from conformance.engine.errors import (
 from conformance.engine.scenarios import default_preload, get_scenario
 
 BACKENDS = ("auto", "gloo", "nccl", "fake")
+# --preload of a server that imports what the registered scenarios need
+# (scenarios.default_preload) itself, as the driver would have listed it
+DEFAULT_PRELOAD = "@default"
 # Torchrun / launcher variables a rank must not mistake for its own.
 _LAUNCHER_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -203,7 +206,7 @@ class _ForkServer:
             sys.executable, "-m", "conformance.engine.rank",
             "--world-size", str(pool.world_size), "--backend", pool.backend,
             "--ctl-fd", str(theirs.fileno()), "--parent", str(os.getpid()),
-            "--timeout", str(pool.rank_timeout), "--preload", ",".join(pool.preload),
+            "--timeout", str(pool.rank_timeout), "--preload", ",".join(pool.preload_arg()),
             "--pdeathsig", str(pdeathsig), "--dir", pool._dir,
         ]
         self.log_path = log_path
@@ -354,6 +357,7 @@ class RankPool:
         threads: int = 1,
         share_server_with: "RankPool | None" = None,
         idle_deadline: float | None = IDLE_DEADLINE,
+        wait: bool = True,
     ) -> None:
         self.backend = resolve_backend(backend, world_size)
         if self.backend == "fake":
@@ -368,8 +372,10 @@ class RankPool:
         self.idle_deadline = None if idle_deadline is None else float(idle_deadline)
         self.deadline = float(deadline)
         self.startup_deadline = float(startup_deadline)
-        # None: what the registered scenarios need (scenarios.default_preload)
-        self.preload = default_preload() if preload is None else tuple(preload)
+        # None: what the registered scenarios need (scenarios.default_preload),
+        # worked out by the server itself (DEFAULT_PRELOAD): the driver need
+        # not import the areas, and torch, before the server starts
+        self._preload = None if preload is None else tuple(preload)
         self.threads = threads
         # A pool of another world size may fork its ranks from this one's
         # server (torch imported once per driver, not once per pool): where
@@ -394,13 +400,36 @@ class RankPool:
         _live_pools.add(self)
         _install_exit_handlers()
         try:
-            self._spawn()
-            self._wait_ready()
+            if wait:
+                self._spawn()
+                self._wait_ready()
+            else:
+                self._start_server()
         except BaseException:
             self.close()
             raise
 
     # ---- public ----------------------------------------------------------
+
+    @property
+    def preload(self) -> tuple[str, ...]:
+        """The modules the fork server imports before it forks a rank."""
+        if self._preload is None:
+            self._preload = default_preload()
+        return self._preload
+
+    def preload_arg(self) -> tuple[str, ...]:
+        """``--preload`` for this pool's server: DEFAULT_PRELOAD while the
+        driver has not worked the default out (the server does, the same way)."""
+        return (DEFAULT_PRELOAD,) if self._preload is None else self._preload
+
+    def wait_ready(self) -> None:
+        """Fork the ranks and wait until they joined the group (PoolStartError
+        if they do not): what ``RankPool(..., wait=True)`` does before it
+        returns, and the first ``run`` of a pool made with ``wait=False``."""
+        if self._closed:
+            raise EngineError("this RankPool is closed")
+        self._ensure_ready()
 
     @property
     def pids(self) -> list[int]:
@@ -557,13 +586,9 @@ class RankPool:
 
     # ---- rank processes ----------------------------------------------------
 
-    def _spawn(self) -> None:
-        """Fork a fresh generation of ranks (starting the fork server first if
-        there is none); does not wait for them to join the group."""
-        self.generation += 1
-        self._history.clear()
-        self._ready = False
-        self._spawned_at = time.monotonic()
+    def _start_server(self) -> None:
+        """Start the fork server (or borrow the shared one) if there is none
+        alive; does not wait for it to import torch."""
         if self._server is None or not self._server.alive():
             if self._server is not None and not self._borrowed:
                 self._server.kill()
@@ -573,7 +598,19 @@ class RankPool:
                 self._servers_started += 1
                 os.makedirs(self._dir, exist_ok=True)  # a shared server that shut down removed it
                 self._server = _ForkServer(self, os.path.join(self._dir, f"forkserver-{self._servers_started}.log"))
-                self._server.wait_ready(self._spawned_at + self.startup_deadline)
+
+    def _spawn(self) -> None:
+        """Fork a fresh generation of ranks (starting the fork server first if
+        there is none, and waiting until it is ready); does not wait for the
+        ranks to join the group."""
+        self.generation += 1
+        self._history.clear()
+        self._ready = False
+        self._spawned_at = time.monotonic()
+        self._start_server()
+        if not self._server.ready:
+            # a server started early (wait=False) had its start-up time meanwhile
+            self._server.wait_ready(min(self._server.started_at, self._spawned_at) + self.startup_deadline)
         os.makedirs(self._dir, exist_ok=True)
         store = os.path.join(self._dir, f"store-{self.generation}")
         for r in range(self.world_size):

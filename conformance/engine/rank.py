@@ -107,7 +107,18 @@ def main(argv: list[str] | None = None) -> None:
         pass
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    for mod in filter(None, a.preload.split(",")):
+    from conformance.engine.pool import DEFAULT_PRELOAD
+
+    preload = [m for m in a.preload.split(",") if m]
+    if DEFAULT_PRELOAD in preload:  # what the driver's default_preload() would have listed
+        from conformance.engine.scenarios import default_preload
+
+        try:
+            preload = [m for m in preload if m != DEFAULT_PRELOAD] + list(default_preload())
+        except Exception:  # the scenario that needs it will report the error
+            traceback.print_exc()
+            preload = [m for m in preload if m != DEFAULT_PRELOAD]
+    for mod in preload:
         try:
             __import__(mod)
         except Exception:  # the scenario that needs it will report the error

@@ -134,7 +134,7 @@ def groups(invs: list) -> list[tuple[str, tuple[str, ...], list[str]]]:
     return sorted(out, key=lambda g: min(order[i] for i in g[2]))
 
 
-def make_engine(tier: str, *, world_size: int = 2, fake_world_size: int = 4, deadline: float = 120.0):
+def make_engine(tier: str, *, world_size: int = 2, fake_world_size: int = 4, deadline: float = 120.0, wait: bool = True):
     if tier == "fake":
         from conformance.engine.fake import FakeEngine
 
@@ -142,7 +142,7 @@ def make_engine(tier: str, *, world_size: int = 2, fake_world_size: int = 4, dea
     else:
         from conformance.engine.pool import RankPool
 
-        eng = RankPool(world_size=world_size, backend=tier, deadline=deadline)
+        eng = RankPool(world_size=world_size, backend=tier, deadline=deadline, wait=wait)
     eng.tier = tier
     return eng
 
@@ -175,17 +175,23 @@ def check_model(
 serves the scenarios that load on other world sizes) lets a caller reuse its own; the ones
     made here are closed before returning, so no rank process outlives the
     call. ``progress(line)`` hears one line per invariant and tier done."""
-    check_target(target)
-    invs = model_invariants(invariants)
     bad = [t for t in tiers if t not in TIERS]
     if bad:
         raise ValueError(f"unknown tier {bad[0]!r}; choose from {', '.join(TIERS)}")
-    if session is None:
-        session = Session(repro_dir=Path(repro_dir) if repro_dir else None)
-    run = ModelRun(target, session)
     t0 = time.perf_counter()
     own: list = []
+    # a pool's fork server imports torch while this process imports the
+    # target and runs the tiers before the pool's (its ranks fork when its
+    # tier starts); closed with the rest, a bad target or name included
+    early = {tier: make_engine(tier, world_size=world_size, deadline=deadline, wait=False)
+             for tier in tiers if tier != "fake" and (engines or {}).get(tier) is None}
+    own.extend(early.values())
     try:
+        check_target(target)
+        invs = model_invariants(invariants)
+        if session is None:
+            session = Session(repro_dir=Path(repro_dir) if repro_dir else None)
+        run = ModelRun(target, session)
         for tier in tiers:
             runnable = []
             for inv in invs:
@@ -204,6 +210,9 @@ serves the scenarios that load on other world sizes) lets a caller reuse its own
                 # a caller's Worlds (engine.worlds): its pools serve the
                 # save / load-elsewhere scenarios, its base the others
                 worlds, eng = eng, eng.base
+            if eng is None and tier in early:
+                eng = early[tier]
+                eng.wait_ready()  # its ranks forked and in their group, or PoolStartError, as make_engine raises it
             if eng is None:
                 eng = make_engine(tier, world_size=world_size, fake_world_size=fake_world_size, deadline=deadline)
                 own.append(eng)

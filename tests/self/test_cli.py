@@ -49,6 +49,21 @@ def test_unknown_invariant_is_one_line(tmp_path, cli_in_process):
     assert_one_line_error(cli_in_process("run", "--invariant", "WRAP-NOPE"), "unknown invariant ID 'WRAP-NOPE'")
 
 
+def test_a_pool_that_cannot_start_is_one_line(tmp_path, cli_in_process, monkeypatch):
+    """check and repro start the pool before they import the areas
+    (start_engine) and wait for it after: a start that fails is still one
+    line, and no process is left behind."""
+    path = tmp_path / "case.json"
+    path.write_text(lora_model(num_layers=1).to_json())
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the fork server exits at once
+    assert_one_line_error(cli_in_process("check", path, "--backend", "gloo"), "the pool's fork server did not start")
+    assert_one_line_error(cli_in_process("repro", path, "--backend", "gloo", "-o", tmp_path / "r.py"),
+                          "the pool's fork server did not start")
+    from conformance.engine.pool import _live_pools
+
+    assert not list(_live_pools)
+
+
 def test_unknown_profile_is_one_line(cli_in_process):
     assert_one_line_error(cli_in_process("run", "--profile", "nightly-ish"), "unknown Hypothesis profile")
 
@@ -73,13 +88,15 @@ def test_check_takes_the_world_size_run_gives_the_tier(tmp_path, cli_in_process,
     KNOWN on 2 ranks, as the run said, PASS on 4)."""
     import conformance.cli.check as check_cli
 
-    seen = []
+    seen, started = [], []
     monkeypatch.setattr(check_cli, "check_case_file", lambda spec, selected, backend, world_size, **kw: seen.append(world_size) or 0)
+    # the pool started before the areas are imported (start_engine): as many ranks
+    monkeypatch.setattr(check_cli, "start_engine", lambda backend, world_size: started.append(world_size))
     path = tmp_path / "case.json"
     path.write_text(lora_model(num_layers=1).to_json())
     proc = cli_in_process("check", path, *args)
     assert proc.returncode == 0, proc.stderr
-    assert seen == [world]
+    assert seen == [world] and started == [world]
 
 
 def test_check_and_repro_on_a_good_case(tmp_path):

@@ -24,6 +24,7 @@ from conformance.engine import (
     BackendUnavailable,
     EngineError,
     FakeEngine,
+    PoolStartError,
     RankCrash,
     RankHang,
     RankPool,
@@ -371,6 +372,61 @@ def test_two_pools_at_once_then_close_leaves_no_process():
     with pytest.raises(EngineError, match="closed"):
         a.run("echo", small_spec())
     a.close()  # idempotent
+
+
+@scenario("modules-loaded", test_only=True)
+def modules_loaded(spec) -> dict:
+    """The modules this rank has before the example imports anything (this
+    test module imports no area)."""
+    return {"modules": sorted(m for m in sys.modules if m.startswith("conformance."))}
+
+
+@pytest.mark.gloo
+def test_a_pool_made_without_waiting_forks_its_ranks_at_its_first_example():
+    """RankPool(wait=False), as `check` and `repro` make it before they
+    import the areas: only the fork server starts, and it works out the
+    default preload itself (the driver lists none: DEFAULT_PRELOAD); the
+    first run forks the ranks, which have every module the driver's
+    default_preload() names; closing leaves no process."""
+    from conformance.engine.pool import DEFAULT_PRELOAD
+    from conformance.engine.scenarios import default_preload
+
+    p = RankPool(2, "gloo", DEADLINE, wait=False)
+    try:
+        assert p.pids == [] and alive(p.forkserver_pid)
+        assert p.preload_arg() == (DEFAULT_PRELOAD,)
+        records = p.run("modules-loaded", small_spec(), deadline=60)
+        assert all(r["ok"] for r in records), records
+        assert len(p.pids) == 2
+        for r in records:
+            assert set(default_preload()) <= set(r["value"]["modules"]), r["value"]["modules"]
+        check_echo(p.run("echo", small_spec(3)), 3, p.pids)
+        pids = p.pids + [p.forkserver_pid]
+    finally:
+        p.close()
+    assert wait_gone(pids) == []
+    assert not os.path.exists(p._dir)
+
+
+@pytest.mark.gloo
+def test_a_pool_made_without_waiting_reports_a_failed_start_when_it_is_waited_for(monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the fork server exits at once
+    p = RankPool(2, "gloo", DEADLINE, wait=False)
+    try:
+        with pytest.raises(PoolStartError, match="fork server did not start"):
+            p.wait_ready()
+    finally:
+        p.close()
+    with pytest.raises(EngineError, match="closed"):
+        p.wait_ready()
+
+
+@pytest.mark.gloo
+def test_a_pool_closed_before_it_was_waited_for_leaves_no_process():
+    p = RankPool(2, "gloo", DEADLINE, wait=False)
+    server = p.forkserver_pid
+    p.close()  # its server still importing torch
+    assert wait_gone([server]) == [] and not os.path.exists(p._dir)
 
 
 DRIVER = textwrap.dedent(

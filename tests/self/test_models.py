@@ -411,7 +411,7 @@ def test_bad_target_is_one_line_and_exit_2(user_dir, monkeypatch, capsys, ref, w
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"target {ref!r}" in lines[0] and why in lines[0], err
     assert "Traceback" not in err
-    assert _children() <= before  # no rank process started, none left behind
+    assert _children() <= before  # no rank process left behind (the early pool: closed)
 
 
 # ---- defaults that compare values; output a person can act on ------------------------
