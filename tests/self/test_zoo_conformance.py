@@ -192,16 +192,13 @@ def test_a_lora_fine_tune_catches_a_lifecycle_fault(invariant, lifecycle, api, s
 
 
 @pytest.mark.parametrize("uop, error", [(False, "setStorage"), (True, "'weight' must be 2-D")])
-def test_the_t5_split_shows_as_its_finding_with_the_crash(tmp_path, uop, error):
+def test_the_t5_split_shows_as_its_finding_with_the_crash(tmp_path, uop, error, cli_in_process):
     """FSDP1 ModuleWrapPolicy({T5Stack}) puts the shared embedding in the
     encoder unit, below its users' common ancestor, and accepts it
     (fsdp1-tie-below-lca-not-rejected): the oracle promises no training for
     such a case, but what training does is the finding's consequence, so
     `fsdp-conformance check` on the gloo pool reports PARITY as that finding
     with its crash, never PASS (issue: consequences are findings)."""
-    import subprocess
-    import sys
-
     from conformance.case.model_case import ModelCase
     from conformance.case.spec import TrainPlan, WrapPlan
 
@@ -209,8 +206,8 @@ def test_the_t5_split_shows_as_its_finding_with_the_crash(tmp_path, uop, error):
                      WrapPlan("fsdp1", ModuleWrap(("transformers.models.t5.modeling_t5.T5Stack",)), uop), train=TrainPlan())
     path = tmp_path / "t5.json"
     path.write_text(case.to_json())
-    proc = subprocess.run([sys.executable, "-m", "conformance.cli", "check", str(path), "--backend", "gloo", "--world-size", "2",
-                           "--invariant", "PARITY"], capture_output=True, text=True, timeout=600)
+    # the CLI's main() in this process (cli_in_process): a subprocess would import torch and transformers again
+    proc = cli_in_process("check", path, "--backend", "gloo", "--world-size", "2", "--invariant", "PARITY")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PARITY: KNOWN" in proc.stdout and "KNOWN fsdp1-tie-below-lca-not-rejected: [PARITY] training raised RuntimeError" in proc.stdout
     assert error in proc.stdout and "FSDP accepted it" in proc.stdout
