@@ -298,7 +298,14 @@ class _ForkServer:
             pass
 
     def close(self, wait: float = 5.0) -> None:
-        """Closing the socket tells the server to kill its ranks and exit."""
+        """Closing the socket tells the server to kill its ranks and exit. A
+        server still importing torch (a pool made with wait=False, closed
+        before it was used: a command's bad input) has forked nothing and
+        would notice only once ready, seconds later: it is killed."""
+        self.drain(0.0)
+        if not self.ready and not self.forked:
+            self.kill()
+            return
         try:
             self.sock.close()
         except OSError:
@@ -344,6 +351,11 @@ class RankPool:
     thread) and a parent-pid poll, the ranks by PR_SET_PDEATHSIG on the
     server; the driver also closes every pool at exit and kills their
     processes on SIGTERM. One caller at a time: a pool is not thread-safe.
+
+    ``wait=False`` starts the fork server and returns (a command that has
+    imports of its own to do meanwhile: conformance.cli.common.start_engine);
+    ``wait_ready()``, or the first ``run``, forks the ranks and waits for them,
+    raising PoolStartError there instead of here.
     """
 
     def __init__(

@@ -425,7 +425,8 @@ def test_a_pool_made_without_waiting_reports_a_failed_start_when_it_is_waited_fo
 def test_a_pool_closed_before_it_was_waited_for_leaves_no_process():
     p = RankPool(2, "gloo", DEADLINE, wait=False)
     server = p.forkserver_pid
-    p.close()  # its server still importing torch
+    p.close()  # its server still importing torch: killed, not waited for until it would notice (seconds)
+    assert p._server.proc.returncode == -signal.SIGKILL
     assert wait_gone([server]) == [] and not os.path.exists(p._dir)
 
 
