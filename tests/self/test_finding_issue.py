@@ -25,16 +25,16 @@ def test_every_finding_has_an_issue_title_naming_its_api():
         assert re.match(r"^\[(FSDP1|FSDP2|DCP|TP|nn\.Module)\] \S", k.title) and len(k.title) <= 130, (k.id, k.title)
 
 
-def test_finding_lists_every_finding_without_an_id():
-    proc = cli("finding")
+def test_finding_lists_every_finding_without_an_id(cli_in_process):
+    proc = cli_in_process("finding")
     assert proc.returncode == 0, proc.stderr
     ids = [ln.split()[0] for ln in proc.stdout.splitlines()]
     assert ids == [k.id for k in known.load()]
 
 
-def test_an_unknown_finding_is_one_line_with_the_nearest_ids():
-    assert_one_line_error(cli("finding", "fsdp2-clip-inf-norm"), f"did you mean {FID}")
-    assert_one_line_error(cli("finding", FID, "--format", "yaml"), "invalid choice")
+def test_an_unknown_finding_is_one_line_with_the_nearest_ids(cli_in_process):
+    assert_one_line_error(cli_in_process("finding", "fsdp2-clip-inf-norm"), f"did you mean {FID}")
+    assert_one_line_error(cli_in_process("finding", FID, "--format", "yaml"), "invalid choice")
 
 
 def test_the_issue_body_runs_the_repro_in_every_mode_and_says_what_each_showed():
@@ -55,9 +55,9 @@ def test_the_issue_body_runs_the_repro_in_every_mode_and_says_what_each_showed()
     assert [u["number"] for u in d["upstream"]] == [u.number for u in k.upstream]
 
 
-def test_the_markdown_body_has_every_section_a_maintainer_needs(tmp_path):
+def test_the_markdown_body_has_every_section_a_maintainer_needs(tmp_path, cli_in_process):
     out = tmp_path / "issue.md"
-    proc = cli("finding", "fsdp1-tied-param-flattened-twice", "--no-run", "-o", str(out))
+    proc = cli_in_process("finding", "fsdp1-tied-param-flattened-twice", "--no-run", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     md = out.read_text()
     k = next(k for k in known.load() if k.id == "fsdp1-tied-param-flattened-twice")

@@ -107,9 +107,8 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_unknown_mutant_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "conformance.cli", "selfcheck", "--mutants", "--mutant", "no-such-mutant"],
-                          capture_output=True, text=True, timeout=120)
+def test_unknown_mutant_is_one_line(cli_in_process):
+    proc = cli_in_process("selfcheck", "--mutants", "--mutant", "no-such-mutant")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "unknown mutant 'no-such-mutant'" in proc.stderr
 

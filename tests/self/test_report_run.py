@@ -51,17 +51,17 @@ def test_an_xdist_run_writes_one_merged_report(xdist_run):
     assert "fsdp-conformance" in proc.stdout  # the terminal summary, in CI's quiet mode
 
 
-def test_compare_a_run_with_itself_and_with_garbage(xdist_run, tmp_path):
+def test_compare_a_run_with_itself_and_with_garbage(xdist_run, tmp_path, cli_in_process):
     out, _ = xdist_run
-    same = cli("compare", str(out / "report.json"), str(out / "report.json"))
+    same = cli_in_process("compare", str(out / "report.json"), str(out / "report.json"))
     assert same.returncode == 0 and "0 regressions" in same.stdout, same.stdout + same.stderr
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema": "fsdp-conformance-report", "schema_version": 1, "results": [{"invariant": 1}]}')
-    proc = cli("compare", str(bad), str(out / "report.json"))
+    proc = cli_in_process("compare", str(bad), str(out / "report.json"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "lacks 'invariant'" in proc.stderr
 
 
-def test_repro_reruns_a_finding_from_the_report(xdist_run, tmp_path):
+def test_repro_reruns_a_finding_from_the_report(xdist_run, tmp_path, cli_in_process):
     out, _ = xdist_run
     report = data.load(out / "report.json")
     if not report["findings"]:
@@ -71,9 +71,9 @@ def test_repro_reruns_a_finding_from_the_report(xdist_run, tmp_path):
     proc = cli("repro", str(out / "report.json"), "--finding", f["id"], "--backend", "fake", "-o", str(script))
     assert proc.returncode == (1 if f["kind"] != "KNOWN" else 0), proc.stdout + proc.stderr
     assert f"{f['invariant']}: " in proc.stdout and script.read_text().startswith('"""fsdp-conformance reproduction')
-    several = cli("repro", str(out / "report.json"), "--no-run")
+    several = cli_in_process("repro", str(out / "report.json"), "--no-run")
     assert several.returncode in (0, 2)  # 2: the report has no single failing finding to pick
-    missing = cli("repro", str(out / "report.json"), "--finding", "NOPE/x/y/z")
+    missing = cli_in_process("repro", str(out / "report.json"), "--finding", "NOPE/x/y/z")
     assert missing.returncode == 2 and "no finding 'NOPE/x/y/z'" in missing.stderr
 
 
