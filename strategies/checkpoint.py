@@ -70,7 +70,7 @@ def _fits(spec: CaseSpec) -> bool:
 
 @st.composite
 def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
-    api = pick(draw, ("fsdp2", "fsdp1"))
+    api = pick(draw, tuple(bases))
     spec = draw(bases[api])
     g = ModelGraph(spec)
     canon = [pid for _, pid in g.named_parameters()]  # parameter ids: spec FQNs
@@ -133,15 +133,20 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
     return out
 
 
-def checkpoint_specs(kind: str, *, max_modules: int = 8) -> SearchStrategy[CaseSpec]:
+def checkpoint_specs(kind: str, *, api: str | None = None, max_modules: int = 8) -> SearchStrategy[CaseSpec]:
     """Checkpoint cases for one invariant family: ``full`` (SD-FULL: how the
     full state dict is taken), ``ties`` (TIES-KEPT: a load path; cases with
     ties or shared modules), ``reshard`` (CKPT-RESHARD: save and load plans
     and world sizes, optimizer) and ``optim`` (OPTIM-STATE: as reshard, plus
     requires_grad changes before the save and at the load). Trees have
-    dimensions 1..8, so world sizes 2 and 3 give uneven and empty shards."""
+    dimensions 1..8, so world sizes 2 and 3 give uneven and empty shards.
+    ``api``: the API the case is saved under ("fsdp1" or "fsdp2"; it may
+    load under the other); None draws it."""
     if kind not in KINDS:
         raise InvalidArgument(f"kind={kind!r} must be one of {KINDS}")
+    if api not in (None, "fsdp1", "fsdp2"):
+        raise InvalidArgument(f"api={api!r} must be None, 'fsdp1' or 'fsdp2'")
     check_int(max_modules, "max_modules", min_value=1)
-    bases = {api: _bases(api, max_modules, kind == "ties") for api in ("fsdp1", "fsdp2")}
+    apis = ("fsdp2", "fsdp1") if api is None else (api,)
+    bases = {a: _bases(a, max_modules, kind == "ties") for a in apis}
     return _checkpoint_specs(kind, bases).filter(_fits)

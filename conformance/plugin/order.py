@@ -30,7 +30,7 @@ MIN_SECONDS = 0.5
 def key(path: str | os.PathLike, nodeid: str) -> str:
     """A test's name in the file whatever pytest's rootdir: its file relative
     to the directory that holds the package (a checkout's root), then the
-    rest of its node id (``conformance/suite/test_schedule.py::test_schedule[gloo]``)."""
+    rest of its node id (``conformance/suite/test_schedule.py::test_schedule_fsdp2[gloo]``)."""
     rel = os.path.relpath(Path(path).resolve(), paths.PACKAGE.parent).replace(os.sep, "/")
     return "::".join([rel, *nodeid.split("::")[1:]])
 

@@ -10,7 +10,7 @@ reshard_after_forward and the comm oracle
 (conformance/areas/activation_checkpointing/invariants.py).
 """
 
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 
 from conformance.areas.activation_checkpointing import AREA
 from conformance.run import corpus
@@ -20,26 +20,15 @@ from conformance.suite.budget import examples
 AC = [inv.id for inv in AREA.invariants]
 
 
-def corpus_examples(api: str):
-    """The area's corpus cases of ``api`` as explicit examples (above @given)."""
-
-    def deco(test):
-        for case in reversed([c for c in corpus.cases_for(*AC) if c.spec.plan.api == api]):
-            test = example(spec=case.spec)(test)
-        return test
-
-    return deco
-
-
 @settings(max_examples=examples(100))
-@corpus_examples("fsdp2")
+@corpus.examples(*AC, api="fsdp2")
 @given(spec=ac_specs(api="fsdp2"))
 def test_activation_checkpointing_fsdp2(spec, engine, conformance):
     conformance.check_example(AC, spec, engine, engine.tier)
 
 
 @settings(max_examples=examples(100))
-@corpus_examples("fsdp1")
+@corpus.examples(*AC, api="fsdp1")
 @given(spec=ac_specs(api="fsdp1"))
 def test_activation_checkpointing_fsdp1(spec, engine, conformance):
     conformance.check_example(AC, spec, engine, engine.tier)

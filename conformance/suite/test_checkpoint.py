@@ -33,26 +33,48 @@ def _check(invariants, spec, worlds, conformance):
     conformance.check_example(invariants, spec, worlds, worlds.tier)
 
 
-# Budgets: each API's row checks at least the examples it checked before
-# the areas shared one draw (issue 22's baseline, 0e3063f: SD-FULL fsdp2 60,
-# TIES-KEPT fsdp1 31, CKPT-RESHARD / OPTIM-STATE fsdp2 75); the draw picks
-# the API, and the filter keeps fewer of one, so the budgets are above 100.
-@settings(max_examples=examples(130))
-@corpus.examples(*FULL)
-@given(spec=checkpoint_specs("full"))
-def test_full_state_dict(spec, worlds, conformance):
+# Budgets: each API its own test, each at least the examples its row
+# checked before the areas shared one draw (issue 22's baseline, 0e3063f:
+# SD-FULL fsdp1 45 / fsdp2 60, TIES-KEPT 31 / 74, CKPT-RESHARD and
+# OPTIM-STATE 36 / 75). A drawn API split one budget by chance: 130
+# full-state-dict cases held 53 FSDP2 ones with seed 24850.
+@settings(max_examples=examples(60))
+@corpus.examples(*FULL, api="fsdp1")
+@given(spec=checkpoint_specs("full", api="fsdp1"))
+def test_full_state_dict_fsdp1(spec, worlds, conformance):
     _check(FULL, spec, worlds, conformance)
 
 
-@settings(max_examples=examples(150))
-@corpus.examples(*TIES)
-@given(spec=checkpoint_specs("ties"))
-def test_ties_kept(spec, worlds, conformance):
+@settings(max_examples=examples(70))
+@corpus.examples(*FULL, api="fsdp2")
+@given(spec=checkpoint_specs("full", api="fsdp2"))
+def test_full_state_dict_fsdp2(spec, worlds, conformance):
+    _check(FULL, spec, worlds, conformance)
+
+
+@settings(max_examples=examples(45))
+@corpus.examples(*TIES, api="fsdp1")
+@given(spec=checkpoint_specs("ties", api="fsdp1"))
+def test_ties_kept_fsdp1(spec, worlds, conformance):
     _check(TIES, spec, worlds, conformance)
 
 
-@settings(max_examples=examples(125))
-@corpus.examples(*ROUND_TRIP)
-@given(spec=checkpoint_specs("optim"))
-def test_checkpoint_round_trip(spec, worlds, conformance):
+@settings(max_examples=examples(90))
+@corpus.examples(*TIES, api="fsdp2")
+@given(spec=checkpoint_specs("ties", api="fsdp2"))
+def test_ties_kept_fsdp2(spec, worlds, conformance):
+    _check(TIES, spec, worlds, conformance)
+
+
+@settings(max_examples=examples(50))
+@corpus.examples(*ROUND_TRIP, api="fsdp1")
+@given(spec=checkpoint_specs("optim", api="fsdp1"))
+def test_checkpoint_round_trip_fsdp1(spec, worlds, conformance):
+    _check(ROUND_TRIP, spec, worlds, conformance)
+
+
+@settings(max_examples=examples(85))
+@corpus.examples(*ROUND_TRIP, api="fsdp2")
+@given(spec=checkpoint_specs("optim", api="fsdp2"))
+def test_checkpoint_round_trip_fsdp2(spec, worlds, conformance):
     _check(ROUND_TRIP, spec, worlds, conformance)

@@ -12,24 +12,30 @@ set_requires_gradient_sync docstrings (conformance/areas/schedule/invariants.py)
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from conformance.areas.schedule import AREA
 from conformance.run import corpus
 from conformance.strategies.schedule import schedule_specs
 from conformance.suite.budget import examples
 
-SCHEDULE = [inv.id for inv in AREA.invariants]
 BY_API = {api: [inv.id for inv in AREA.invariants if api in inv.apis] for api in ("fsdp1", "fsdp2")}
 
 
+# Each API its own test and budget: at least the examples each had as a test
+# of its own (issue 22's baseline, 0e3063f: fsdp1 105, fsdp2 110). One draw
+# of either API split one budget by chance (240 gave fsdp2 92 with the ci
+# profile's derandomized draws, fsdp1 101 with seed 24850).
 @pytest.mark.needs_ranks
-# 240: each API at least the examples it had as a test of its own (fsdp2 110, fsdp1 105)
-@settings(max_examples=examples(240))
-@corpus.examples(*SCHEDULE)
-@given(spec=st.one_of(schedule_specs(api="fsdp2"), schedule_specs(api="fsdp1")))
-def test_schedule(spec, engine, conformance):
-    ids = BY_API[spec.plan.api]
-    if conformance.selected is not None and not set(ids) & set(conformance.selected):
-        return  # nothing selected applies to this example's API
-    conformance.check_example(ids, spec, engine, engine.tier)
+@settings(max_examples=examples(115))
+@corpus.examples(*BY_API["fsdp1"], api="fsdp1")
+@given(spec=schedule_specs(api="fsdp1"))
+def test_schedule_fsdp1(spec, engine, conformance):
+    conformance.check_example(BY_API["fsdp1"], spec, engine, engine.tier)
+
+
+@pytest.mark.needs_ranks
+@settings(max_examples=examples(120))
+@corpus.examples(*BY_API["fsdp2"], api="fsdp2")
+@given(spec=schedule_specs(api="fsdp2"))
+def test_schedule_fsdp2(spec, engine, conformance):
+    conformance.check_example(BY_API["fsdp2"], spec, engine, engine.tier)

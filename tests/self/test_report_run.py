@@ -164,9 +164,10 @@ def test_collecting_only_writes_no_report(tmp_path):
 
 @pytest.mark.gloo
 def test_selecting_an_invariant_of_one_api_still_runs_its_area_test(tmp_path):
-    """--invariant MP-PIPELINE (FSDP2 only): the schedule test draws both
-    APIs; an FSDP1 example has nothing selected to check and must not skip
-    the whole test (it did: the row read SKIP)."""
+    """--invariant MP-PIPELINE: the schedule area's tests (one per API)
+    check it on each API's row. Once, one test drew both APIs and an
+    example with nothing selected to check skipped the whole test (the row
+    read SKIP)."""
     proc = cli("run", "--backend", "gloo", "--invariant", "MP-PIPELINE", "--examples", "12", "--profile", "ci",
                "--report-dir", str(tmp_path), "--progress", "quiet")
     report = data.load(tmp_path / "report.json")

@@ -89,13 +89,15 @@ def cases_for(*invariants: str) -> list[CorpusCase]:
     return [c for c in load() if wanted & set(c.invariants)]
 
 
-def examples(*invariants: str, argname: str = "spec"):
+def examples(*invariants: str, argname: str = "spec", api: str | None = None):
     """A decorator adding the corpus cases of ``invariants`` to a @given test
-    as explicit examples (apply it above @given)."""
+    as explicit examples (apply it above @given); ``api``: only the cases
+    whose plan is that API's (a test that draws one API)."""
 
     def deco(test):
         for case in reversed(cases_for(*invariants)):
-            test = example(**{argname: case.spec})(test)
+            if api is None or case.spec.plan.api == api:
+                test = example(**{argname: case.spec})(test)
         return test
 
     return deco
