@@ -15,6 +15,7 @@ from conformance.areas import SCENARIOS, get, scenario_of
 from conformance.areas.common.catalog import NotChecked
 from conformance.case.spec import CaseSpec
 from conformance.case.violation import Violation
+from conformance.engine.errors import ExampleFailed
 from conformance.run import known as known_mod
 
 PASS, FAIL, KNOWN = "PASS", "FAIL", "KNOWN"
@@ -56,6 +57,9 @@ class Timing:
     # the driver's reading of the records as observations, then its oracle,
     # rank agreement, checks and matching (the fake tier reads them the same way)
     check: float = 0.0
+    # HANG or CRASH: the example gave no records (``engine`` is then the
+    # wait until the engine declared it: a deadline, an idle window, a death)
+    failed: str = ""
 
 
 def observations(engine, spec: CaseSpec, scenario: str = "fsdp1", parse: Callable[[dict], Any] | None = None,
@@ -64,7 +68,12 @@ def observations(engine, spec: CaseSpec, scenario: str = "fsdp1", parse: Callabl
     area's observation type (``parse``: a test scenario's)."""
     parse = parse or SCENARIOS[scenario][1].observation.from_dict
     t0 = time.perf_counter()
-    records = engine.run(scenario, spec)
+    try:
+        records = engine.run(scenario, spec)
+    except ExampleFailed as e:
+        if timing is not None:
+            timing.engine, timing.failed = time.perf_counter() - t0, e.verdict or type(e).__name__
+        raise
     t1 = time.perf_counter()
     out = []
     for rec in records:
@@ -140,7 +149,12 @@ def check_example(invariant_ids: list[str], spec: CaseSpec, engine, known: list 
     results: dict[str, CaseResult] = {}
     for scenario, ids in plan_scenarios(invariant_ids).items():
         timing = Timing(scenario)
-        obs = observations(engine, spec, scenario, timing=timing)
+        try:
+            obs = observations(engine, spec, scenario, timing=timing)
+        except ExampleFailed:
+            if timings is not None:  # its wait is the run's time too (the bench says how much)
+                timings.append(timing)
+            raise
         t0 = time.perf_counter()
         sc = SCENARIOS[scenario][1]
         pred = sc.predict(spec)

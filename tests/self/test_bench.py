@@ -98,3 +98,37 @@ def test_reading_the_records_is_the_drivers_check_not_the_engines_time():
     observations(Engine(), None, "echo", parse=slow_parse, timing=timing)
     assert 0.02 <= timing.engine < 0.05 and timing.in_rank == 0.01
     assert timing.check >= 0.05
+
+
+def test_a_hung_example_is_the_engines_wait_not_drawing():
+    """An example that HANGs (a recorded finding's hang waits for its
+    deadline: fsdp2-tp-empty-piece-full-tensor-hang, 15 s a TP example on
+    gloo) gave no Timing: `bench --area tp --tiers gloo --examples 40` put
+    four hangs' 60 s under drawing and Hypothesis (61.4 of 70.8 s) and
+    counted 36 examples of 40. It is an example, its wait is the engine's,
+    and the pool's overhead leaves it out (no rank time of its is known)."""
+    import time
+
+    from conformance.engine.errors import RankHang
+    from conformance.run.runner import check_example
+    from tests.self.cases import two_blocks
+
+    class HangingEngine:
+        def run(self, scenario, spec):
+            time.sleep(0.05)
+            raise RankHang(scenario=scenario, spec=spec, backend="gloo", world_size=2, deadline=0.05, elapsed=0.05, ranks=())
+
+    timings: list = []
+    with pytest.raises(RankHang):
+        check_example(["WRAP-UNITS"], two_blocks(), HangingEngine(), known=[], timings=timings)
+    (t,) = timings
+    assert t.failed == "HANG" and t.engine >= 0.05 and t.in_rank == 0.0 and t.fsdp == 0.0
+
+    ok = {"engine": 1.0, "in_rank": 0.8, "fsdp": 0.5, "check": 0.1}
+    hung = {"engine": 15.0, "in_rank": 0.0, "fsdp": 0.0, "check": 0.0, "failed": "HANG"}
+    row = bench.summarize({"tests": [{"wall": 17.0, "timings": [ok, hung]}]}, wall=20.0, tier="gloo")
+    assert row["examples"] == 2 and row["failed_examples"] == 1 and row["failed_seconds"] == 15.0
+    assert row["drawing_and_hypothesis_seconds"] == pytest.approx(17.0 - 16.0 - 0.1)
+    assert row["pool_overhead_seconds"] == pytest.approx(0.2)
+    line = bench.format_row({"area": "tp", "tier": "gloo", **row, "pytest_exit_status": 0})
+    assert "1 examples HANG or CRASH, 15.0s waiting for them" in line
