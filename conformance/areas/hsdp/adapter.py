@@ -27,6 +27,7 @@ from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_t
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.ranks import any_rank_failed
 from conformance.areas.common.support import add_rank_buffers, cached_layout, case_buffers, fsdp2_mesh, hsdp_mesh, placed
+from conformance.areas.common.timing import Stopwatch
 from conformance.areas.common.training import make_optimizer, reference_loss, reference_noise, stable, train_close
 from conformance.areas.hsdp.observation import HsdpObservation, LocalSeen, StepSeen, ValueSeen
 from conformance.case.build import build, is_sharded, read_attr
@@ -336,45 +337,56 @@ def observe(spec: CaseSpec) -> HsdpObservation:
     base = dict(api=spec.plan.api, rank=rank, world_size=world, backend=str(dist.get_backend()), torch_version=torch.__version__,
                 mesh=tuple(h.mesh))
     t0 = time.perf_counter()
+    # FSDP's time: wrapping, training, reading the full values, flat FSDP,
+    # the sync from rank 0 and the state dicts, not the builds, the
+    # single-process reference or the comparisons
+    fsdp = Stopwatch()
+    obs: dict = dict(base)
+
+    def finish(**kw) -> HsdpObservation:
+        return HsdpObservation(**{**obs, **kw}, fsdp_seconds=fsdp.seconds, seconds=time.perf_counter() - t0)
+
     if h.world != world:
-        return HsdpObservation(**base, wrap_error=f"the case's mesh {h.mesh} needs {h.world} ranks, this world has {world}")
+        return finish(wrap_error=f"the case's mesh {h.mesh} needs {h.world} ranks, this world has {world}")
     fake = base["backend"] == "fake"
     built = placed(build(spec))
     aliases = a1.Aliases(built.model)
     unsharded_keys = tuple(sorted(built.model.state_dict()))
     error = None
-    try:
-        model = wrap_hsdp(spec, built)
-    except Exception as e:  # noqa: BLE001 - FSDP's rejection is the observation
-        error = error_line(e)
+    with fsdp.timing():
+        try:
+            model = wrap_hsdp(spec, built)
+        except Exception as e:  # noqa: BLE001 - FSDP's rejection is the observation
+            error = error_line(e)
     if any_rank_failed(error is not None):
-        return HsdpObservation(**base, wrap_error=error or "another rank's wrapping raised", seconds=time.perf_counter() - t0)
-    shape0 = layout(spec, model, aliases)
-    initial_local = local_tensors(model)
+        return finish(wrap_error=error or "another rank's wrapping raised")
+    with fsdp.timing():
+        shape0 = layout(spec, model, aliases)
+        initial_local = local_tensors(model)
+    obs["layout"] = shape0
     rec = Recorder()
     error = None
-    try:
-        losses, steps = train(spec, model, built.example_input(), rec)
-    except Exception as e:  # noqa: BLE001
-        error = error_line(e)
+    with fsdp.timing():
+        try:
+            losses, steps = train(spec, model, built.example_input(), rec)
+        except Exception as e:  # noqa: BLE001
+            error = error_line(e)
     if any_rank_failed(error is not None):
-        return HsdpObservation(**base, layout=shape0, step_error=error or "another rank's training raised",
-                               seconds=time.perf_counter() - t0)
-    fsdp_seconds = time.perf_counter() - t0
-    obs = dict(base, layout=shape0, steps=tuple(steps), losses=tuple(losses), fsdp_seconds=fsdp_seconds)
+        return finish(step_error=error or "another rank's training raised")
+    obs.update(steps=tuple(steps), losses=tuple(losses))
     if fake:  # the fake group's collectives carry no data: structure and collectives only
-        return HsdpObservation(**obs, seconds=time.perf_counter() - t0)
+        return finish()
 
     # reading the trained model's full values is FSDP's work too (FSDP1:
     # summon_full_params unshards each unit): a raise there is the training's
     error = None
-    try:
-        final = final_values(spec, model, built.model, aliases)
-    except Exception as e:  # noqa: BLE001
-        error = error_line(e)
+    with fsdp.timing():
+        try:
+            final = final_values(spec, model, built.model, aliases)
+        except Exception as e:  # noqa: BLE001
+            error = error_line(e)
     if any_rank_failed(error is not None):
-        return HsdpObservation(**obs, step_error=error or "another rank's read of the trained values raised",
-                               seconds=time.perf_counter() - t0)
+        return finish(step_error=error or "another rank's read of the trained values raised")
     ref = placed(build(spec))
     ref_losses, ref_totals = train_reference(spec, ref.model, ref.example_input())
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
@@ -387,16 +399,17 @@ def observe(spec: CaseSpec) -> HsdpObservation:
     flat_built = placed(build(spec))
     flat_aliases = a1.Aliases(flat_built.model)
     error = None
-    try:
-        flat = wrap_flat(spec, flat_built)
-        flat_layout = layout(spec, flat, flat_aliases)
-        flat_initial = local_tensors(flat)
-        train(spec, flat, flat_built.example_input())
-        flat_final = final_values(spec, flat, flat_built.model, flat_aliases)
-    except Exception as e:  # noqa: BLE001
-        error = error_line(e)
+    with fsdp.timing():
+        try:
+            flat = wrap_flat(spec, flat_built)
+            flat_layout = layout(spec, flat, flat_aliases)
+            flat_initial = local_tensors(flat)
+            train(spec, flat, flat_built.example_input())
+            flat_final = final_values(spec, flat, flat_built.model, flat_aliases)
+        except Exception as e:  # noqa: BLE001
+            error = error_line(e)
     if any_rank_failed(error is not None):
-        return HsdpObservation(**obs, flat_error=error or "another rank's flat FSDP raised", seconds=time.perf_counter() - t0)
+        return finish(flat_error=error or "another rank's flat FSDP raised")
     now_local = local_tensors(model)
     flat_now = local_tensors(flat)
     # a local shard (FSDP1: a flat parameter) mixes names: the worst noise of any
@@ -412,21 +425,22 @@ def observe(spec: CaseSpec) -> HsdpObservation:
     obs.update(vs_flat=_compare(final, flat_final, floor), flat_layout=flat_layout, flat_initial_equal=tuple(same_init),
                flat_final_close=tuple(close_final))
 
-    obs["sync_error"], obs["sync_checked"], obs["sync_differs"] = sync_from_rank0(spec)
+    with fsdp.timing():
+        obs["sync_error"], obs["sync_checked"], obs["sync_differs"] = sync_from_rank0(spec)
     if not unsharded_keys:  # nothing to save: DCP rejects an empty model state dict
-        return HsdpObservation(**obs, seconds=time.perf_counter() - t0)
+        return finish()
     # full state dicts both ways: HSDP's into a fresh flat FSDP, flat FSDP's into a fresh HSDP
     error = None
-    try:
-        fresh_flat = wrap_flat(spec, placed(build(spec)))
-        keys, to_flat = _sd_differs(model, fresh_flat)
-        fresh_hsdp = wrap_hsdp(spec, placed(build(spec)))
-        _, from_flat = _sd_differs(flat, fresh_hsdp)
-        dcp_to_flat = _dcp_differs(model, wrap_flat(spec, placed(build(spec))))
-    except Exception as e:  # noqa: BLE001
-        error = error_line(e)
+    with fsdp.timing():
+        try:
+            fresh_flat = wrap_flat(spec, placed(build(spec)))
+            keys, to_flat = _sd_differs(model, fresh_flat)
+            fresh_hsdp = wrap_hsdp(spec, placed(build(spec)))
+            _, from_flat = _sd_differs(flat, fresh_hsdp)
+            dcp_to_flat = _dcp_differs(model, wrap_flat(spec, placed(build(spec))))
+        except Exception as e:  # noqa: BLE001
+            error = error_line(e)
     if any_rank_failed(error is not None):
-        return HsdpObservation(**obs, sd_error=error or "another rank's state dict raised", seconds=time.perf_counter() - t0)
-    return HsdpObservation(**obs, sd_keys=keys, unsharded_keys=unsharded_keys, sd_to_flat_differs=to_flat, sd_from_flat_differs=from_flat,
-                           dcp_to_flat_differs=dcp_to_flat,
-                           seconds=time.perf_counter() - t0)
+        return finish(sd_error=error or "another rank's state dict raised")
+    return finish(sd_keys=keys, unsharded_keys=unsharded_keys, sd_to_flat_differs=to_flat, sd_from_flat_differs=from_flat,
+                  dcp_to_flat_differs=dcp_to_flat)

@@ -24,6 +24,7 @@ from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_t
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.ranks import any_rank_failed, failed_ranks
 from conformance.areas.common.support import fsdp2_mesh, placed, rank_device
+from conformance.areas.common.timing import Stopwatch
 from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, make_optimizer, reference_loss, reference_noise, stable
 from conformance.areas.tp.observation import LayoutSeen, TpObservation, ValueSeen
 from conformance.areas.tp.oracle import predict_tp
@@ -437,56 +438,68 @@ def observe(spec: CaseSpec) -> TpObservation:
     rank, world = dist.get_rank(), dist.get_world_size()
     base = dict(api="fsdp2", rank=rank, world_size=world, backend=str(dist.get_backend()), torch_version=torch.__version__, mesh=tuple(t.mesh))
     t0 = time.perf_counter()
+    # FSDP's (and DTensor's) time: parallelize_module and fully_shard, reading
+    # the layout and the full values, training, clipping, the state dicts;
+    # not the builds, the single-process reference or the comparisons
+    fsdp = Stopwatch()
+    obs: dict = dict(base)
+
+    def finish(**kw) -> TpObservation:
+        return TpObservation(**{**obs, **kw}, seconds=time.perf_counter() - t0, fsdp_seconds=fsdp.seconds)
+
     if t.world != world:
-        return TpObservation(**base, wrap_error=f"the case's mesh {t.mesh} needs {t.world} ranks, this world has {world}")
+        return finish(wrap_error=f"the case's mesh {t.mesh} needs {t.world} ranks, this world has {world}")
     fake = base["backend"] == "fake"
     built, ref = placed(build(spec)), placed(build(spec))
     aliases, ref_aliases = a1.Aliases(built.model), a1.Aliases(ref.model)
     unsharded = {ref_aliases.param_canon.get(n, n): p.detach().clone() for n, p in ref.model.named_parameters()}
     unsharded_keys = tuple(sorted(ref.model.state_dict()))
     error = None
-    t_wrap = time.perf_counter()
-    try:
-        model = wrap_2d(spec, built)
-    except Exception as e:  # noqa: BLE001
-        error = error_line(e)
+    with fsdp.timing():
+        try:
+            model = wrap_2d(spec, built)
+        except Exception as e:  # noqa: BLE001
+            error = error_line(e)
     if any_rank_failed(error is not None):
-        return TpObservation(**base, wrap_error=error or "another rank's wrapping raised", seconds=time.perf_counter() - t0)
+        return finish(wrap_error=error or "another rank's wrapping raised")
     frozen_before = {ref_aliases.param_canon.get(n, n): p.requires_grad for n, p in ref.model.named_parameters()}
-    obs: dict = dict(base, layout=layout(spec, model, aliases, unsharded, not fake), tp_empty=tp_empty(model, aliases),
-                     requires_grad_changed=requires_grad_changed(model, aliases, frozen_before))
+    with fsdp.timing():
+        obs.update(layout=layout(spec, model, aliases, unsharded, not fake), tp_empty=tp_empty(model, aliases),
+                   requires_grad_changed=requires_grad_changed(model, aliases, frozen_before))
     if fake:  # structure only: the fake tier's collectives carry no data
-        # FSDP's (and DTensor's) work here: parallelize_module, fully_shard and reading the layout
-        return TpObservation(**obs, seconds=time.perf_counter() - t0, fsdp_seconds=time.perf_counter() - t_wrap)
+        return finish()
     # the wrapped model's full values (DTensor.full_tensor's collectives): FSDP's and DTensor's work, not the suite's
     error = None
-    try:
-        now = full_values(model, aliases)
-    except Exception as e:  # noqa: BLE001
-        error = f"full values: {error_line(e)}"
+    with fsdp.timing():
+        try:
+            now = full_values(model, aliases)
+        except Exception as e:  # noqa: BLE001
+            error = f"full values: {error_line(e)}"
     if any_rank_failed(error is not None):
-        return TpObservation(**obs, wrap_error=error or "another rank's read of the full values raised", seconds=time.perf_counter() - t0)
+        return finish(wrap_error=error or "another rank's read of the full values raised")
     obs["full_equal"] = tuple((f, same(v, unsharded.get(f))) for f, v in sorted(now.items()))
 
     dtypes: dict[str, str] = {}
     error = None
-    try:
-        losses = train(spec, model, built.example_input(), aliases, dtypes if t.precision != "none" else None)
-    except Exception as e:  # noqa: BLE001
-        error = error_line(e)
+    with fsdp.timing():
+        try:
+            losses = train(spec, model, built.example_input(), aliases, dtypes if t.precision != "none" else None)
+        except Exception as e:  # noqa: BLE001
+            error = error_line(e)
     if t.precision != "none":  # what forward saw, also where training then raised
         obs["forward_dtypes"] = tuple(sorted(dtypes.items()))
     if any_rank_failed(error is not None):
-        return TpObservation(**obs, step_error=error or "another rank's training raised", seconds=time.perf_counter() - t0)
+        return finish(step_error=error or "another rank's training raised")
     obs["losses"] = tuple(losses)
     if t.precision != "none":
         obs["sharded_dtypes"] = tuple(sorted((aliases.param_canon.get(n, n), str(p.dtype)) for n, p in model.named_parameters()))
-    try:
-        final = full_values(model, aliases)
-    except Exception as e:  # noqa: BLE001
-        error = f"full values: {error_line(e)}"
+    with fsdp.timing():
+        try:
+            final = full_values(model, aliases)
+        except Exception as e:  # noqa: BLE001
+            error = f"full values: {error_line(e)}"
     if any_rank_failed(error is not None):
-        return TpObservation(**obs, step_error=error or "another rank's read of the trained values raised", seconds=time.perf_counter() - t0)
+        return finish(step_error=error or "another rank's read of the trained values raised")
     ref_losses, ref_totals = train_reference(spec, ref.model, ref.example_input())
     refs = {ref_aliases.param_canon.get(n, n): p for n, p in ref.model.named_parameters()}
     vs_reference = _compare(final, refs, TRAIN_RTOL, TRAIN_ATOL)
@@ -506,19 +519,18 @@ def observe(spec: CaseSpec) -> TpObservation:
                vs_reference=vs_reference)
 
     error = None
-    try:
-        obs.update(clip(spec, model, ref.model, aliases, ref_aliases, built.example_input()))
-    except Exception as e:  # noqa: BLE001
-        error = error_line(e)
+    with fsdp.timing():  # clip_grad_norm_ on the 2-D model (the reference's norm beside it: a small part)
+        try:
+            obs.update(clip(spec, model, ref.model, aliases, ref_aliases, built.example_input()))
+        except Exception as e:  # noqa: BLE001
+            error = error_line(e)
     if any_rank_failed(error is not None):
-        return TpObservation(**obs, clip_error=error or "another rank's backward before clipping raised", clip_failed=True,
-                             seconds=time.perf_counter() - t0)
+        return finish(clip_error=error or "another rank's backward before clipping raised", clip_failed=True)
     if t.precision != "none":
         obs["grad_dtypes"] = tuple(sorted((aliases.param_canon.get(n, n), str(p.grad.dtype)) for n, p in model.named_parameters()
                                           if p.grad is not None))
-    fsdp_seconds = time.perf_counter() - t0
     if not unsharded_keys:
-        return TpObservation(**obs, seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds)
+        return finish()
     # each round trip on its own: one that raises leaves the others compared
     done: dict = {}
     errors = []
@@ -530,16 +542,17 @@ def observe(spec: CaseSpec) -> TpObservation:
     )
     for name, run in phases:
         error = None
-        try:
-            done[name] = run()
-        except Exception as e:  # noqa: BLE001
-            error = error_text(e)
+        with fsdp.timing():
+            try:
+                done[name] = run()
+            except Exception as e:  # noqa: BLE001
+                error = error_text(e)
         if any_rank_failed(error is not None):
             errors.append((name, error or "another rank's state dict raised"))
     keys, to_flat = done.get("to-flat", ((), ()))
-    return TpObservation(**obs, sd_errors=tuple(errors), sd_keys=keys, unsharded_keys=unsharded_keys, sd_vs_params=done.get("vs-params", ()),
-                         sd_to_flat_differs=to_flat, sd_from_flat_differs=done.get("from-flat", ()),
-                         dcp_to_flat_differs=done.get("dcp-to-flat", ()), seconds=time.perf_counter() - t0, fsdp_seconds=fsdp_seconds)
+    return finish(sd_errors=tuple(errors), sd_keys=keys, unsharded_keys=unsharded_keys, sd_vs_params=done.get("vs-params", ()),
+                  sd_to_flat_differs=to_flat, sd_from_flat_differs=done.get("from-flat", ()),
+                  dcp_to_flat_differs=done.get("dcp-to-flat", ()))
 
 
 def _trained_flat(spec: CaseSpec, model: nn.Module) -> nn.Module:
