@@ -356,10 +356,12 @@ def observe(spec: CaseSpec) -> ACObservation:
     # the trained model's full values: FSDP's work too (summon_full_params,
     # full_tensor), read on both tiers (a raise there is the training's; the
     # frozen parameters' grad None is structure)
+    t_read = time.perf_counter()
     try:
         final, grads_none = _final(spec, model, built.model, names, frozen)
     except Exception as e:
         error = f"full values: {error_line(e)}"
+    fsdp_seconds += time.perf_counter() - t_read
     if any_rank_failed(error is not None):
         if plain_error is None:  # the same read of the model trained without AC
             try:
@@ -378,10 +380,12 @@ def observe(spec: CaseSpec) -> ACObservation:
             diff = float((value - want).abs().max()) if want.numel() else 0.0
             params.append(GradObservation(fqn, False, False, close, diff, unchanged(value, initial[fqn])))
     keys: tuple[str, ...] = ()
+    t_sd = time.perf_counter()
     try:
         keys = tuple(sorted(model.state_dict()))
     except Exception as e:
         error = re.sub(r"\brank=\d+", "rank=<r>", error_line(e))  # FSDP1's assertion names the rank
+    fsdp_seconds += time.perf_counter() - t_sd
     if any_rank_failed(error is not None):
         error = error or "another rank's state_dict raised"
     return ACObservation(

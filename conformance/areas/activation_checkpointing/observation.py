@@ -41,7 +41,7 @@ class ACObservation(Record):
     calls: tuple[tuple[int, str, int, int, int], ...] = ()
     plain_calls: tuple[tuple[int, str, int, int, int], ...] = ()
     seconds: float = 0.0
-    fsdp_seconds: float = 0.0
+    fsdp_seconds: float = 0.0  # wrapping, training with and without AC, reading the full values and the state dict (the reference excluded)
 
     @property
     def values_meaningful(self) -> bool:

@@ -202,12 +202,14 @@ def observe(spec: CaseSpec) -> ClipObservation:
     obs["scale_finite"] = math.isfinite(ref_norm if own is None else own_norm)
     # the step with the clipped gradients and the read of its full values: FSDP's work too
     read_error = None
+    t_read = time.perf_counter()
     try:
         if trainable:
             _sgd_step(model)
         final, grads_none = _final(spec, model, built.model, aliases, frozen)
     except Exception as e:
         read_error = f"full values: {error_line(e)}"
+    obs["fsdp_seconds"] += time.perf_counter() - t_read
     if failed_ranks(read_error is not None) > 0:
         return ClipObservation(**obs, read_error=read_error or "another rank's step or read after the clip raised",
                                seconds=time.perf_counter() - t0)

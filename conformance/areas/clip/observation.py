@@ -52,7 +52,7 @@ class ClipObservation(Record):
     params: tuple[GradObservation, ...] = ()
     frozen_grads_none: tuple[tuple[str, bool], ...] = ()
     seconds: float = 0.0
-    fsdp_seconds: float = 0.0  # wrapping, backward and clipping under FSDP (the reference's excluded)
+    fsdp_seconds: float = 0.0  # wrapping, backward, clipping, the step and reading the full values under FSDP (the reference's excluded)
 
     @property
     def values_meaningful(self) -> bool:

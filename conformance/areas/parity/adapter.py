@@ -123,10 +123,12 @@ def compare_training(case, steps, rtol: float, atol: float, ref_totals: list[flo
         return TrainObservation(**base, step_error=error_line(e), seconds=time.perf_counter() - t0)
     fsdp_seconds = time.perf_counter() - t0
     ref_losses = steps(ref.model, ref, True)
+    t_final = time.perf_counter()
     try:  # the trained model's full values: FSDP's work too (summon_full_params, full_tensor)
         final, grads_none = _final(case, model, built.model, aliases, frozen)
     except Exception as e:
         return TrainObservation(**base, step_error=f"full values: {error_line(e)}", seconds=time.perf_counter() - t0)
+    fsdp_seconds += time.perf_counter() - t_final
     refs = dict(ref.model.named_parameters(remove_duplicate=False))
     close = {fqn: bool(torch.allclose(value, refs[fqn].detach(), rtol=rtol, atol=atol)) for fqn, value in final.items()}
     if reference64 is not None and not all(close.values()):

@@ -20,7 +20,7 @@ class TrainObservation(RankRecord):
     frozen_grads_none: tuple[tuple[str, bool], ...] = ()
     ref_stable: bool = True  # False: the single-process reference diverged (values not comparable)
     seconds: float = 0.0
-    fsdp_seconds: float = 0.0  # wrapping and the FSDP model's steps (the reference's excluded)
+    fsdp_seconds: float = 0.0  # wrapping, the FSDP model's steps and reading its full values (the reference's excluded)
 
     @property
     def values_meaningful(self) -> bool:

@@ -414,7 +414,7 @@ class Runner:
         self.names = list(self.pred.trainable)  # every canonical FQN
         self.recorder = ForwardRecorder(spec, self.built, self.aliases)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.fsdp_seconds = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps
+        self.fsdp_seconds = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps, reading its full values and gradients
         self.emu: Emulation | None = None  # MP-PIPELINE's reference, made once wrapped
         self.emulation_error: str | None = None
         self.user_cast: UserCast | None = None  # made once wrapped, where FSDP promises no cast of the root's inputs
@@ -740,10 +740,12 @@ class Runner:
         can raise on some ranks only: those then stop here while the others
         wait in its all-gather, a hang inside FSDP)."""
         failed, out = None, {}
+        t_fsdp = time.perf_counter()
         try:
             out = self.full_values()
         except Exception as e:
             failed = e
+        self.fsdp_seconds += time.perf_counter() - t_fsdp  # summon_full_params / full_tensor: FSDP's (and DTensor's) work
         self.agree(obs, where, failed)
         return out
 
@@ -780,7 +782,9 @@ class Runner:
                     err = self.emulate(self.flat_err, g, flat, path, emu)
                 obs["flat"].append(ValueSeen(si, f"<flat parameter of {path or 'the root'}>", None if g is None else _name(g.dtype), g is None, False, None,
                                              emulated_err=err))
+        t_fsdp = time.perf_counter()
         grads = self.full_grads()
+        self.fsdp_seconds += time.perf_counter() - t_fsdp  # unsharded gradients: FSDP's (and DTensor's) work
         # whether a (frozen) parameter has a gradient: FSDP1's own sharded
         # views, where the unsharded gradients of summon_full_params may be zeros
         own = {f: h.grad is None for f, h in self.handles().items()}

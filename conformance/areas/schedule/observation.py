@@ -79,7 +79,7 @@ class ScheduleObservation(RankRecord):
     params: tuple[ValueSeen, ...] = ()
     buffers_after: tuple[tuple[str, str], ...] = ()
     seconds: float = 0.0
-    fsdp_seconds: float = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps (the references excluded)
+    fsdp_seconds: float = 0.0  # wrapping, the FSDP model's microbatches and optimizer steps, reading its full values and gradients (the references excluded)
     emulation_error: str | None = None  # the emulated pipeline (MP-PIPELINE) itself failed here
 
     def comparable(self) -> dict:
