@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from conformance import paths
@@ -51,11 +52,24 @@ def order(items: list, durations: dict[str, float]) -> None:
         items.sort(key=lambda it: -durations.get(key(it.path, it.nodeid), 0.0))
 
 
+def _exists(k: str) -> bool:
+    """Whether the test a key names is still in its file: the file, and a
+    function of that name defined in it (read, not imported)."""
+    file, _, rest = k.partition("::")
+    try:
+        text = (paths.PACKAGE.parent / file).read_text()
+    except OSError:
+        return False
+    name = rest.split("::")[-1].split("[")[0]
+    return re.search(rf"^\s*(?:async\s+)?def {re.escape(name)}\(", text, re.MULTILINE) is not None
+
+
 def store(measured: dict[str, float], path: Path = DURATIONS) -> dict[str, float]:
     """Merge ``measured`` (key -> seconds) into the file: a run of some
-    tests leaves the others' entries; an entry whose test file is gone, or
-    that is now shorter than MIN_SECONDS, is dropped."""
-    merged = {k: v for k, v in load(path).items() if (paths.PACKAGE.parent / k.split("::")[0]).exists()}
+    tests leaves the others' entries; an entry whose test is gone (its file,
+    or its function in the file: a renamed or split test), or that is now
+    shorter than MIN_SECONDS, is dropped."""
+    merged = {k: v for k, v in load(path).items() if _exists(k)}
     merged.update(measured)
     merged = {k: round(v, 2) for k, v in sorted(merged.items()) if v >= MIN_SECONDS}
     tmp = path.with_suffix(".tmp")

@@ -37,12 +37,15 @@ def test_the_longest_recorded_test_goes_first_and_the_rest_keep_their_order():
 
 def test_storing_merges_with_what_the_file_holds(tmp_path):
     """A run of some tests leaves the others' entries; an entry whose file is
-    gone, or now shorter than MIN_SECONDS, is dropped; a broken file is empty."""
+    gone, whose test function is gone from its file (a renamed or split
+    test: the schedule test split by API left test_schedule[gloo] behind),
+    or that is now shorter than MIN_SECONDS, is dropped; a broken file is empty."""
     path = tmp_path / "durations.json"
-    kept = "conformance/suite/test_checkpoint.py::test_checkpoint_round_trip[gloo]"
+    kept = "conformance/suite/test_checkpoint.py::test_checkpoint_round_trip_fsdp2[gloo]"
     path.write_text(json.dumps({kept: 17.0, "conformance/suite/test_gone.py::t": 3.0,
-                                "conformance/suite/test_schedule.py::test_schedule[gloo]": 21.0}))
-    got = order.store({"conformance/suite/test_schedule.py::test_schedule[gloo]": 0.1,
+                                "conformance/suite/test_schedule.py::test_schedule[gloo]": 24.98,
+                                "conformance/suite/test_schedule.py::test_schedule_fsdp1[gloo]": 21.0}))
+    got = order.store({"conformance/suite/test_schedule.py::test_schedule_fsdp1[gloo]": 0.1,
                        "conformance/suite/test_summon.py::test_summon_workaround[gloo]": 1.234}, path)
     assert got == {kept: 17.0, "conformance/suite/test_summon.py::test_summon_workaround[gloo]": 1.23}
     assert order.load(path) == got
