@@ -94,6 +94,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("no-backward-before-save")
         if pred.frozen:
             tags.add("frozen")
+        if pred.frozen_at_load:
+            tags.add("load-frozen")  # the model the checkpoint is loaded into and trained on freezes some parameter
         if pred.mask_changes:
             tags.add("mask-change")
         tags |= {f"shard:{x}" for x in pred.shards}
