@@ -71,16 +71,16 @@ def summarize(data: dict, wall: float, tier: str) -> dict:
     pool_starts = sum(s[1] for test in data["tests"] for s in test.get("pool_starts", []))
     tests_wall = sum(test["wall"] for test in data["tests"]) - pool_starts
     n = len(timings)
-    # examples that gave no records (HANG, CRASH: a recorded finding's hang
-    # waits for its deadline): their wait is the engine's, and no rank time
-    # or FSDP time of theirs is known, so the pool's overhead leaves them out
+    # examples without observations (HANG, CRASH: a recorded finding's hang
+    # waits for its deadline; ERROR: a rank raised): their wait is the
+    # engine's; the pool's overhead is that of the examples that gave records
     failed = [t for t in timings if t.get("failed")]
     failed_seconds = sum(t["engine"] for t in failed)
     fsdp = sum(t["fsdp"] for t in timings)
     engine = sum(t["engine"] for t in timings) - pool_starts
     in_rank = sum(t["in_rank"] for t in timings)
     check = sum(t["check"] for t in timings)
-    overhead = engine - failed_seconds - in_rank
+    overhead = sum(t["engine"] - t["in_rank"] for t in timings if not t.get("failed")) - pool_starts
     return {
         "examples": n, "tests": len(data["tests"]),
         "wall_seconds": wall, "tests_seconds": tests_wall, "startup_seconds": wall - tests_wall, "pool_start_seconds": pool_starts,
@@ -133,8 +133,8 @@ def format_row(r: dict) -> str:
     rates = f"{r['examples_per_s']:7.1f}/s ({r['examples_per_s_without_startup']:.1f}/s after start-up)"
     share = f"FSDP {100 * r['fsdp_share']:4.1f}% of wall ({100 * r['fsdp_share_without_startup']:.1f}% after start-up)"
     pool = f", pool overhead {100 * r['pool_overhead_of_fsdp']:.0f}% of FSDP" if r["tier"] != "fake" else ""
-    if r.get("failed_examples"):  # HANG / CRASH (a recorded finding's hang waits for its deadline)
-        pool += f"; {r['failed_examples']} examples HANG or CRASH, {r['failed_seconds']:.1f}s waiting for them"
+    if r.get("failed_examples"):  # HANG / CRASH / ERROR (a recorded finding's hang waits for its deadline)
+        pool += f"; {r['failed_examples']} examples HANG, CRASH or ERROR, {r['failed_seconds']:.1f}s waiting for them"
     failed = ""
     if r.get("pytest_exit_status", 0) != 0:
         # a failing example is shrunk: hundreds of extra examples, and figures that are not the run's

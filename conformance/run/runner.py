@@ -58,7 +58,8 @@ class Timing:
     # rank agreement, checks and matching (the fake tier reads them the same way)
     check: float = 0.0
     # HANG or CRASH: the example gave no records (``engine`` is then the
-    # wait until the engine declared it: a deadline, an idle window, a death)
+    # wait until the engine declared it: a deadline, an idle window, a death);
+    # ERROR: a rank's scenario raised (ScenarioFailed)
     failed: str = ""
 
 
@@ -75,18 +76,21 @@ def observations(engine, spec: CaseSpec, scenario: str = "fsdp1", parse: Callabl
             timing.engine, timing.failed = time.perf_counter() - t0, e.verdict or type(e).__name__
         raise
     t1 = time.perf_counter()
+    if timing is not None:
+        timing.engine = t1 - t0
+        timing.in_rank = max((r.get("seconds", 0.0) for r in records), default=0.0)
     out = []
     for rec in records:
         if not rec.get("ok"):
             err = rec.get("error") or {}
+            if timing is not None:
+                timing.failed = "ERROR"
             raise ScenarioFailed(
                 f"rank {rec.get('rank')} raised {err.get('type')}: {err.get('message')}\n{err.get('traceback', '')}"
             )
         out.append(parse(rec["value"]))
     if timing is not None:
-        timing.engine = t1 - t0
         timing.check = time.perf_counter() - t1
-        timing.in_rank = max((r.get("seconds", 0.0) for r in records), default=0.0)
         measure = SCENARIOS[scenario][1].fsdp_seconds if scenario in SCENARIOS else None
         timing.fsdp = max((measure(o) for o in out), default=0.0) if measure else 0.0
     return out
@@ -151,7 +155,7 @@ def check_example(invariant_ids: list[str], spec: CaseSpec, engine, known: list 
         timing = Timing(scenario)
         try:
             obs = observations(engine, spec, scenario, timing=timing)
-        except ExampleFailed:
+        except (ExampleFailed, ScenarioFailed):
             if timings is not None:  # its wait is the run's time too (the bench says how much)
                 timings.append(timing)
             raise

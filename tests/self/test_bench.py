@@ -110,7 +110,7 @@ def test_a_hung_example_is_the_engines_wait_not_drawing():
     import time
 
     from conformance.engine.errors import RankHang
-    from conformance.run.runner import check_example
+    from conformance.run.runner import ScenarioFailed, check_example
     from tests.self.cases import two_blocks
 
     class HangingEngine:
@@ -124,6 +124,14 @@ def test_a_hung_example_is_the_engines_wait_not_drawing():
     (t,) = timings
     assert t.failed == "HANG" and t.engine >= 0.05 and t.in_rank == 0.0 and t.fsdp == 0.0
 
+    class RaisingEngine:  # ERROR: a rank's scenario raised; its ranks' time is known
+        def run(self, scenario, spec):
+            return [{"rank": 0, "ok": False, "error": {"type": "RuntimeError", "message": "boom"}, "seconds": 0.03}]
+
+    with pytest.raises(ScenarioFailed):
+        check_example(["WRAP-UNITS"], two_blocks(), RaisingEngine(), known=[], timings=timings)
+    assert timings[1].failed == "ERROR" and timings[1].in_rank == 0.03
+
     ok = {"engine": 1.0, "in_rank": 0.8, "fsdp": 0.5, "check": 0.1}
     hung = {"engine": 15.0, "in_rank": 0.0, "fsdp": 0.0, "check": 0.0, "failed": "HANG"}
     row = bench.summarize({"tests": [{"wall": 17.0, "timings": [ok, hung]}]}, wall=20.0, tier="gloo")
@@ -131,4 +139,4 @@ def test_a_hung_example_is_the_engines_wait_not_drawing():
     assert row["drawing_and_hypothesis_seconds"] == pytest.approx(17.0 - 16.0 - 0.1)
     assert row["pool_overhead_seconds"] == pytest.approx(0.2)
     line = bench.format_row({"area": "tp", "tier": "gloo", **row, "pytest_exit_status": 0})
-    assert "1 examples HANG or CRASH, 15.0s waiting for them" in line
+    assert "1 examples HANG, CRASH or ERROR, 15.0s waiting for them" in line
