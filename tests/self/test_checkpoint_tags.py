@@ -91,3 +91,27 @@ def test_a_list_group_completed_by_an_embedding_refrozen_before_the_save_is_the_
                   frozenset(case_tags_(spec) | {"kind:raised", "phase:train", "error:RuntimeError", "cause:freed-storage"}))
     finding = next(k for k in known.load() if k.id == "fsdp2-frozen-list-group-freed-in-backward")
     assert finding.matches(v, "2.13.0+cpu")
+
+
+def test_the_mask_a_checkpoint_is_loaded_into_is_tagged_and_explains_the_resume_assertion():
+    """load-frozen: the model loaded and trained on freezes some parameter.
+    fsdp1-no-shard-frozen-unit-params-unregistered's resume form hangs on it,
+    not on the save's mask: its corpus case saves every parameter trainable
+    and freezes the tied root weight at the load (selfcheck's 60-example FSDP1
+    round trip, torch 2.13.0: a FAIL while the match asked for "frozen")."""
+    from conformance.areas.checkpoint.oracle import predict_ckpt
+    from conformance.run import corpus
+
+    case = next(c for c in corpus.load() if c.name == "fsdp1-no-shard-frozen-unit-params-unregistered-frozen-at-load")
+    tags = case_tags(case.spec, predict_ckpt(case.spec))
+    assert "load-frozen" in tags and "frozen" not in tags
+    thawed_spec = dataclasses.replace(case.spec, ckpt=dataclasses.replace(case.spec.ckpt, load_frozen=()))
+    assert "load-frozen" not in case_tags(thawed_spec, predict_ckpt(thawed_spec))
+    # what the failure adds: where it raised, and the error's cause (the shared parameter a plain Tensor)
+    raised = {"kind:raised", "error:AssertionError", "raised:AssertionError", "phase:resume", "rank:0", "cause:shared-param-not-parameter"}
+    v = Violation("OPTIM-STATE", "rank 0: resume raised AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>",
+                  frozenset(tags | raised))
+    finding = next(k for k in known.load() if k.id == case.finding)
+    assert known.match(v, [finding], "2.13.0") is finding
+    thawed = frozenset((tags - {"load-frozen"}) | raised)  # the same failure with nothing frozen at the load: not this finding
+    assert known.match(Violation("OPTIM-STATE", v.message, thawed), [finding], "2.13.0") is None
