@@ -4,6 +4,8 @@ to the installed package or the current directory, never to a checkout."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -26,3 +28,32 @@ def shown(p) -> str:
         return str(p.relative_to(Path.cwd()))
     except ValueError:
         return str(p)
+
+
+# Where the checkpoints of a run's examples go (a round trip's DCP directory,
+# HSDP's and TP's save-and-load): a RAM-backed filesystem where the machine
+# has one. DCP's FileSystemWriter writes and fsyncs a file per rank and the
+# metadata; the drawn models' checkpoints are kilobytes, and a save and load
+# of one (eight 16x16 tensors, one process) took 6.3-6.9 ms on /dev/shm
+# against 7.9-10.3 ms on this machine's disk (2026-12-07, three rounds of
+# 40). FSDP_CONFORMANCE_SCRATCH names another directory.
+SCRATCH_ENV = "FSDP_CONFORMANCE_SCRATCH"
+_RAM_DIRS = ("/dev/shm",)
+
+
+def scratch_root() -> str | None:
+    """The directory checkpoint scratch directories are made in:
+    $FSDP_CONFORMANCE_SCRATCH, else the first writable RAM-backed directory,
+    else None (tempfile's default, $TMPDIR)."""
+    chosen = os.environ.get(SCRATCH_ENV)
+    if chosen:
+        return chosen
+    for d in _RAM_DIRS:
+        if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK):
+            return d
+    return None
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new, empty directory for one example's checkpoint (the caller removes it)."""
+    return tempfile.mkdtemp(prefix=prefix, dir=scratch_root())

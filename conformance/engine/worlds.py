@@ -9,11 +9,11 @@ world, all in one temporary directory that is always removed."""
 from __future__ import annotations
 
 import shutil
-import tempfile
 
 from conformance.case.spec import CaseSpec
 from conformance.engine.errors import EngineError
 from conformance.engine.scenarios import get_scenario
+from conformance.paths import scratch_dir
 
 TMP_PREFIX = "fsdp-conformance-ckpt-"
 
@@ -76,7 +76,7 @@ class Worlds:
         if not phases:
             return self._run(ck.save_world, scenario, spec)
         save, load = phases
-        d = tempfile.mkdtemp(prefix=TMP_PREFIX)
+        d = scratch_dir(TMP_PREFIX)
         self.dirs_made.append(d)
         try:
             saved = self._run(ck.save_world, save, spec, {"dir": d})

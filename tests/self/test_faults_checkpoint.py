@@ -129,3 +129,31 @@ def test_hang_or_crash_is_reported_and_the_run_goes_on(phases, verdict, pool):
     assert not any(os.path.exists(d) for d in w.dirs_made)
     # the pool was rebuilt: the next example runs
     assert session.check("CKPT-RESHARD", spec, worlds(pool), "gloo").verdict == PASS
+
+
+def test_a_round_trip_checkpoints_in_the_scratch_directory(pool, tmp_path, monkeypatch):
+    """The round trip's directory is made under FSDP_CONFORMANCE_SCRATCH
+    (default: a RAM-backed directory, conformance.paths.scratch_root) and
+    removed after its example."""
+    from conformance import paths
+
+    monkeypatch.setenv(paths.SCRATCH_ENV, str(tmp_path))
+    w = worlds(pool)
+    res = run("CKPT-RESHARD", lm(ROUNDTRIP), w)
+    assert res.verdict == PASS, res.describe()
+    assert [os.path.dirname(d) for d in w.dirs_made] == [str(tmp_path)]
+    assert os.listdir(tmp_path) == []
+
+
+def test_scratch_root_is_the_named_directory_else_a_writable_ram_one_else_tempfiles(tmp_path, monkeypatch):
+    from conformance import paths
+
+    monkeypatch.delenv(paths.SCRATCH_ENV, raising=False)
+    monkeypatch.setattr(paths, "_RAM_DIRS", (str(tmp_path / "absent"), str(tmp_path)))
+    assert paths.scratch_root() == str(tmp_path)
+    monkeypatch.setattr(paths, "_RAM_DIRS", (str(tmp_path / "absent"),))
+    assert paths.scratch_root() is None  # tempfile's own default ($TMPDIR)
+    monkeypatch.setenv(paths.SCRATCH_ENV, str(tmp_path / "named"))
+    assert paths.scratch_root() == str(tmp_path / "named")
+    monkeypatch.setenv(paths.SCRATCH_ENV, "")
+    assert paths.scratch_root() is None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shutil
-import tempfile
 import time
 
 import torch
@@ -33,6 +32,7 @@ from conformance.areas.hsdp.observation import HsdpObservation, LocalSeen, StepS
 from conformance.case.build import build, is_sharded, read_attr
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
+from conformance.paths import scratch_dir
 
 # the flat (1-D) FSDP1 strategy each hybrid one applies within its shard group
 FLAT_STRATEGY = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}
@@ -248,7 +248,7 @@ def _dcp_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[str, ...]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    where = [tempfile.mkdtemp(prefix=DCP_PREFIX) if dist.get_rank() == 0 else None]
+    where = [scratch_dir(DCP_PREFIX) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where, src=0)
     try:
         dcp.save(get_model_state_dict(model_from), checkpoint_id=where[0])

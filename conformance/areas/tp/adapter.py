@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import tempfile
 import time
 
 import torch
@@ -31,6 +30,7 @@ from conformance.areas.tp.oracle import predict_tp
 from conformance.case.build import build, is_sharded
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
+from conformance.paths import scratch_dir
 
 MESH_DIMS = ("dp", "tp")
 DCP_PREFIX = "fsdp-conformance-tp-"
@@ -409,7 +409,7 @@ def dcp_differs(model_from: nn.Module, model_to: nn.Module) -> tuple[str, ...]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    where = [tempfile.mkdtemp(prefix=DCP_PREFIX) if dist.get_rank() == 0 else None]
+    where = [scratch_dir(DCP_PREFIX) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where, src=0)
     try:
         dcp.save(get_model_state_dict(model_from), checkpoint_id=where[0])
