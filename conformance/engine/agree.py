@@ -4,7 +4,7 @@ theirs (conformance.areas.common.ranks: whether any rank failed at a point
 of the schedule, whether every rank saw the same thing).
 
 A pool's ranks run on one host, so this goes over Unix datagram sockets
-in the pool's folder instead of a gloo all-reduce: about 15 µs a round
+(abstract names on Linux, files in the pool's folder elsewhere) instead of a gloo all-reduce: about 15 µs a round
 against gloo's 0.3 ms on an idle machine here and 1-2 ms under the suite's
 load (its TCP loop thread has to be scheduled), and an autowrap example
 agrees once, a schedule one about nine times. Elsewhere (torchrun, the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 
 _MSG = struct.Struct("<qqq")  # round, rank, value
 _CHANNEL: list = []  # [the default group it was made for, the channel]
@@ -65,17 +66,38 @@ class Channel:
         return [got[i] for i in range(self.world_size)]
 
 
+def address(folder: str) -> str:
+    """This rank's socket address: on Linux an abstract name (no file, and
+    no limit from sun_path's 108 bytes: under a $TMPDIR of 70 characters the
+    pool folder's path was too long to bind, and no pool started); elsewhere
+    a file in ``folder``."""
+    if sys.platform.startswith("linux"):
+        return f"\0fsdp-conformance-agree-{os.getpid()}"
+    return os.path.join(folder, f"agree-{os.getpid()}")
+
+
 def setup(store, rank: int, world_size: int, folder: str, timeout: float) -> None:
-    """A pool rank's channel, made after its process group: a socket in
-    ``folder`` (the pool's), its path published on ``store`` and the
-    others' read from it (the store's get waits for them)."""
+    """A pool rank's channel, made after its process group: a socket
+    (``address``), its address published on ``store`` and the others' read
+    from it (the store's get waits for them). Where some rank cannot bind
+    its socket (a path too long for sun_path) no rank has a channel: every
+    caller all-reduces on the gloo group instead, all ranks alike."""
     import torch.distributed as dist
 
-    path = os.path.join(folder, f"agree-{os.getpid()}")
+    _CHANNEL.clear()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
+    path = address(folder)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        path = ""
     store.set(f"conformance-agree/{rank}", path)
     paths = [store.get(f"conformance-agree/{r}").decode() for r in range(world_size)]
+    if not all(paths):
+        if path:
+            sock.close()
+        return
     _CHANNEL[:] = [dist.distributed_c10d._get_default_group(), Channel(rank, world_size, paths, sock, timeout)]
 
 

@@ -177,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
                 ctl.close()
                 _rank_main(msg["rank"], msg.get("world_size", a.world_size), msg.get("backend", a.backend),
                            msg["store"], msg["log"], fds[0], fds[1], msg.get("timeout", a.timeout))
+            except BaseException:
+                # to the rank's log (once _rank_main has opened it): the
+                # driver's "did not start" then ends with its last line
+                traceback.print_exc()
+                sys.stderr.flush()
             finally:
                 os._exit(1)  # never back into the server's loop
         for fd in fds:

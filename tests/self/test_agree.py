@@ -4,6 +4,7 @@ and all_ranks_equal use instead of a gloo all-reduce: every rank's value in
 rank order, a round that arrives early kept for its turn, a silent or
 out-of-step peer an error, never a wrong answer."""
 
+import os
 import socket
 import threading
 
@@ -102,3 +103,40 @@ def test_full_tensors_equals_full_tensor_bitwise(fault_pools, world):
         assert v["keys"][-3:] == ["replicated", "plain", "none"], v
         assert all(v["same"].values()), v["same"]
         assert v["shapes"]["shard3"] == [2, 5, 3] and v["shapes"]["shard7"] == [0, 3], v["shapes"]
+
+
+@pytest.mark.gloo
+def test_a_pool_starts_and_agrees_under_a_long_tmpdir(fault_pools, tmp_path, monkeypatch):
+    """A pool folder under a long $TMPDIR: a socket file there would pass
+    sun_path's 108 bytes (the pool did not start: "gloo rank 0 of 2 did not
+    start"); the ranks still start and agree over the channel."""
+    import tempfile
+
+    import tests.self.rank_scenarios  # noqa: F401  (registers the scenario)
+    from conformance.engine.pool import RankPool
+
+    base = fault_pools(2)
+    long_tmp = tmp_path / ("t" * 60)
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    with RankPool(2, "gloo", deadline=60.0, preload=base.preload, share_server_with=base) as pool:
+        assert len(os.path.join(pool._dir, "agree-1234567")) > 108
+        records = pool.run("agree-on-ranks", lora_model(num_layers=1, seed=4))
+    assert all(r["ok"] and r["value"]["channel"] for r in records), records
+
+
+def test_where_a_rank_cannot_bind_its_socket_no_rank_has_a_channel(tmp_path, monkeypatch):
+    """Off Linux the socket is a file in the pool's folder; where its path
+    is too long to bind, the rank publishes no address and no rank of the
+    pool makes a channel (all of them all-reduce on gloo instead)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(agree.sys, "platform", "darwin")
+    assert agree.address("/pool") == f"/pool/agree-{os.getpid()}"
+    store = dist.HashStore()
+    agree.setup(store, 0, 1, str(tmp_path / ("d" * 120)), 1.0)  # too long: bind fails
+    assert store.get("conformance-agree/0") == b"" and agree.channel() is None
+    store = dist.HashStore()
+    store.set("conformance-agree/1", "")  # the other rank could not bind
+    agree.setup(store, 0, 2, str(tmp_path), 1.0)
+    assert store.get("conformance-agree/0") == str(tmp_path / f"agree-{os.getpid()}").encode() and agree.channel() is None

@@ -32,6 +32,7 @@ from conformance.engine import (
     scenario_names,
 )
 from conformance.engine.scenarios import scenario
+from tests.self.torchrun import torchrun_env
 
 pytestmark = pytest.mark.selfcheck
 
@@ -422,6 +423,15 @@ def test_a_pool_made_without_waiting_reports_a_failed_start_when_it_is_waited_fo
 
 
 @pytest.mark.gloo
+def test_a_rank_that_fails_to_start_names_why():
+    """A rank whose start raised (here init_process_group, patched in the
+    fork server by a preloaded module): the pool's error ends with the
+    exception, which the rank wrote to its log before it exited."""
+    with pytest.raises(PoolStartError, match=r"rank 0 of 1 did not start \(exited\): RuntimeError: injected: this rank cannot join its group"):
+        RankPool(1, "gloo", DEADLINE, preload=("tests.self.broken_start",))
+
+
+@pytest.mark.gloo
 def test_a_pool_closed_before_it_was_waited_for_leaves_no_process():
     p = RankPool(2, "gloo", DEADLINE, wait=False)
     server = p.forkserver_pid
@@ -607,7 +617,7 @@ def test_torchrun_entry(tmp_path):
             "-m", "conformance.engine.torchrun", "--scenario", "echo", "--specs", str(specs),
             "--seed", "100", "--backend", "gloo", "--out", str(out),
         ],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True, text=True, timeout=180, env=torchrun_env(tmp_path),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "conformance torchrun OK: scenario=echo backend=gloo world_size=2 examples=2 agree=2" in proc.stdout
@@ -616,6 +626,8 @@ def test_torchrun_entry(tmp_path):
     for x in lines:
         assert x["agree"] and [r["value"]["rank"] for r in x["records"]] == [0, 1]
         assert x["records"][0]["value"]["pid"] != x["records"][1]["value"]["pid"]
+    # torchrun's own log directory went to this test's directory, not /tmp
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("torchelastic_")], list(tmp_path.iterdir())
 
 
 @scenario("test:dtensor-op-on-a-one-rank-mesh", test_only=True)
