@@ -11,6 +11,7 @@ import pytest
 
 from conformance.run import corpus, repros
 from conformance.run.repro import repro_script
+from tests.self.torchrun import torchrun_env
 
 pytestmark = pytest.mark.selfcheck
 
@@ -37,7 +38,7 @@ def test_a_python_run_of_a_two_rank_case_says_so(tmp_path):
 @pytest.mark.gloo
 def test_the_two_rank_run_shows_the_inner_exception(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(_script(tmp_path))]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=torchrun_env(tmp_path))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "note:" not in run.stdout
     verdict, line = repros.verdict_of(run.stdout)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from conformance.run import repros
 from conformance.run.repro import repro_script
 from conformance.strategies.groups import fsdp2_case_specs
+from tests.self.torchrun import torchrun_env
 
 pytestmark = pytest.mark.selfcheck
 
@@ -46,6 +47,6 @@ def test_fsdp2_script_runs_under_torchrun(tmp_path):
     path = tmp_path / "repro.py"
     path.write_text(repro_script(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=torchrun_env(tmp_path))
     assert run.returncode == 0, run.stderr[-2000:]
     assert repros.verdict_of(run.stdout)[0] is not None, run.stdout[-2000:]
