@@ -47,9 +47,12 @@ CASE = {case.to_json()!r}
 INVARIANT = {inv!r}
 
 if __name__ == "__main__":
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        f.write(CASE)
-    args = ["check", f.name, "--backend", os.environ.get("BACKEND", "gloo"), "--world-size", os.environ.get("WORLD_SIZE", "2")]
-    sys.exit(main(args + (["--invariant", INVARIANT] if INVARIANT else [])))
+    with tempfile.TemporaryDirectory() as tmp:  # the case file goes with it
+        path = os.path.join(tmp, "case.json")
+        with open(path, "w") as f:
+            f.write(CASE)
+        args = ["check", path, "--backend", os.environ.get("BACKEND", "gloo"), "--world-size", os.environ.get("WORLD_SIZE", "2")]
+        rc = main(args + (["--invariant", INVARIANT] if INVARIANT else []))
+    sys.exit(rc)
 '''
     return "\n".join(head) + "\n" + body

@@ -58,6 +58,10 @@ class RunResult:
     verdict: str | None  # "DEVIATION" | "AS SPECIFIED" | None (no verdict line, or several)
     line: str  # the verdict line ("" when none)
     timed_out: bool = False
+    # what the script left in its $TMPDIR (torchrun's own torchelastic_* log
+    # directory aside): files a script should have removed, e.g. a case file
+    # a user's every run would leave in /tmp
+    left_behind: tuple[str, ...] = ()
 
 
 def docstring(path: Path | str) -> str:
@@ -145,7 +149,9 @@ def run(path: Path | str, mode: Mode, *, timeout: float = 120, python: str = sys
         env.pop(var, None)  # a caller under torchrun must not make a python run join its group
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="fsdp-repro-") as cwd:
-        env["TMPDIR"] = cwd  # a script's checkpoints (tempfile.mkdtemp) go with it
+        tmp = os.path.join(cwd, "tmp")
+        os.mkdir(tmp)
+        env["TMPDIR"] = tmp  # a script's checkpoints (tempfile.mkdtemp) go with it
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:
@@ -158,8 +164,9 @@ def run(path: Path | str, mode: Mode, *, timeout: float = 120, python: str = sys
             timed_out = True
         finally:
             _kill_group(proc)  # ranks a dead launcher left behind
+        left = tuple(sorted(n for n in os.listdir(tmp) if not n.startswith("torchelastic_")))
     verdict, line = verdict_of(output)
-    return RunResult(cmd, -9 if timed_out else proc.returncode, output, verdict, line, timed_out)
+    return RunResult(cmd, -9 if timed_out else proc.returncode, output, verdict, line, timed_out, left)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

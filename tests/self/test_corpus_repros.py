@@ -47,3 +47,4 @@ def test_the_script_of_each_finding_s_corpus_case_shows_it(case, tmp_path):
     res = repros.run(path, mode, timeout=300, python=sys.executable)
     want = "DEVIATION" if known.in_range(torch.__version__, k.torch) else "AS SPECIFIED"
     assert res.returncode == 0 and res.verdict == want, f"{mode.command}: exit {res.returncode}, {res.line!r}\n{res.output[-3000:]}"
+    assert not res.left_behind, f"{mode.command} left {res.left_behind} in its $TMPDIR"

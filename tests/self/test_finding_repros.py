@@ -118,11 +118,26 @@ def test_repro_shows_its_finding(path, mode):
     res = repros.run(path, mode, timeout=240, python=sys.executable)
     tail = res.output[-3000:]
     assert res.returncode == 0 and res.verdict is not None, f"{mode.command}: exit {res.returncode}, verdict line {res.line!r}\n{tail}"
+    assert not res.left_behind, f"{mode.command} left {res.left_behind} in its $TMPDIR"
     if not mode.shown:
         want = "AS SPECIFIED"  # the header says this mode cannot show it: the script must not claim it does
     else:
         want = "DEVIATION" if in_range(torch.__version__, k.torch) else "AS SPECIFIED"
     assert res.verdict == want, f"{mode.command} on torch {torch.__version__} (finding's range {k.torch}): {res.line}\n{tail}"
+
+
+def test_what_a_script_leaves_in_its_tmpdir_is_reported(tmp_path):
+    """repros.run gives each script a $TMPDIR of its own and reports what the
+    script left there (torchrun's own log directory aside): every generated
+    repro is run so in the repros tests, which expect nothing left."""
+    leaks = tmp_path / "leaks.py"
+    leaks.write_text("import tempfile\ntempfile.NamedTemporaryFile(suffix='.json', delete=False).close()\n"
+                     "tempfile.mkdtemp(prefix='torchelastic_')\nprint('AS SPECIFIED: ok')\n")
+    tidy = tmp_path / "tidy.py"
+    tidy.write_text("import tempfile\nwith tempfile.NamedTemporaryFile(suffix='.json'):\n    pass\nprint('AS SPECIFIED: ok')\n")
+    left = repros.run(leaks, repros.Mode("python leaks.py", True), timeout=60).left_behind
+    assert len(left) == 1 and left[0].endswith(".json"), left
+    assert repros.run(tidy, repros.Mode("python tidy.py", True), timeout=60).left_behind == ()
 
 
 def test_measure_runs_every_mode_and_gives_one_release_verdict_per_finding(tmp_path):

@@ -498,9 +498,12 @@ def test_a_lifecycle_model_case_repro_replays_it_on_real_ranks(tmp_path):
     script.write_text(repro_script(case, ["[OPTIM-STATE] a line"], "OPTIM-STATE"))
     text = script.read_text()
     assert '"BACKEND", "gloo"' in text and case.to_json() in text
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(tmp_path, with_user_dir=False),
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env={**_env(tmp_path, with_user_dir=False), "TMPDIR": str(scratch)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OPTIM-STATE: PASS" in proc.stdout, proc.stdout + proc.stderr
+    assert list(scratch.iterdir()) == []  # the case file it checks went with its run
 
 
 # ---- the lifecycle on a model: validation, SKIP reasons -------------------------------

@@ -177,12 +177,14 @@ def check(path, backend, world):
 
 
 if __name__ == "__main__":
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        f.write(CASE)
-    backend = os.environ.get("BACKEND")
-    rc, out = check(f.name, backend or "fake", os.environ.get("WORLD_SIZE", "4"))
-    if backend is None and not rc and VALUES_UNCHECKED.reason in out:  # the fake tier compares no values: two gloo ranks do
-        rc, out = check(f.name, "gloo", os.environ.get("WORLD_SIZE", "2"))
+    with tempfile.TemporaryDirectory() as tmp:  # the case file goes with it
+        path = os.path.join(tmp, "case.json")
+        with open(path, "w") as f:
+            f.write(CASE)
+        backend = os.environ.get("BACKEND")
+        rc, out = check(path, backend or "fake", os.environ.get("WORLD_SIZE", "4"))
+        if backend is None and not rc and VALUES_UNCHECKED.reason in out:  # the fake tier compares no values: two gloo ranks do
+            rc, out = check(path, "gloo", os.environ.get("WORLD_SIZE", "2"))
     print(f"DEVIATION: fsdp-conformance check reports a violation (exit status {{rc}})" if rc else
           "AS SPECIFIED: fsdp-conformance check reports no violation", flush=True)
 '''
