@@ -58,10 +58,14 @@ class RunResult:
     verdict: str | None  # "DEVIATION" | "AS SPECIFIED" | None (no verdict line, or several)
     line: str  # the verdict line ("" when none)
     timed_out: bool = False
-    # what the script left in its $TMPDIR (torchrun's own torchelastic_* log
-    # directory aside): files a script should have removed, e.g. a case file
+    # what the script left in its $TMPDIR (torch's own directories aside):
+    # files a script should have removed, e.g. a case file or a checkpoint
     # a user's every run would leave in /tmp
     left_behind: tuple[str, ...] = ()
+
+
+# torch's own in $TMPDIR: torchrun's log directory, inductor's cache
+_TORCH_OWN = ("torchelastic_", "torchinductor_")
 
 
 def docstring(path: Path | str) -> str:
@@ -164,7 +168,7 @@ def run(path: Path | str, mode: Mode, *, timeout: float = 120, python: str = sys
             timed_out = True
         finally:
             _kill_group(proc)  # ranks a dead launcher left behind
-        left = tuple(sorted(n for n in os.listdir(tmp) if not n.startswith("torchelastic_")))
+        left = tuple(sorted(n for n in os.listdir(tmp) if not n.startswith(_TORCH_OWN)))
     verdict, line = verdict_of(output)
     return RunResult(cmd, -9 if timed_out else proc.returncode, output, verdict, line, timed_out, left)
 

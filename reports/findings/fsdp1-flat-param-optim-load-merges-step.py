@@ -21,6 +21,7 @@ Run: torchrun --nproc-per-node 2 fsdp1-flat-param-optim-load-merges-step.py
 """
 
 import os
+import shutil
 import socket
 import tempfile
 import warnings
@@ -46,12 +47,22 @@ def init():
     dist.init_process_group("gloo")
 
 
+SCRATCH = []  # rank 0's checkpoint directories: finish() removes them
+
+
+def scratch():
+    SCRATCH.append(tempfile.mkdtemp())
+    return SCRATCH[-1]
+
+
 def finish(deviation, as_specified):
     """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, deviation)
     dist.barrier()
     if dist.get_rank() == 0:
+        for d in SCRATCH:  # every rank is past the barrier: done with them
+            shutil.rmtree(d, ignore_errors=True)
         found = next((d for d in seen if d), None)
         print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
     print(end="", flush=True)
@@ -76,7 +87,7 @@ def steps(model, opt):
 def main():
     init()
     warnings.simplefilter("ignore")
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    path = [scratch() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)
     model = Net()
     fully_shard(model)

@@ -25,6 +25,7 @@ Run: torchrun --nproc-per-node 2 fsdp1-shared-module-state-dict-drops-aliases.py
 """
 
 import os
+import shutil
 import socket
 import tempfile
 import warnings
@@ -48,12 +49,22 @@ def init():
     dist.init_process_group("gloo")
 
 
+SCRATCH = []  # rank 0's checkpoint directories: finish() removes them
+
+
+def scratch():
+    SCRATCH.append(tempfile.mkdtemp())
+    return SCRATCH[-1]
+
+
 def finish(deviation, as_specified):
     """Rank 0 prints the verdict last: DEVIATION if a rank saw one (None: it saw none)."""
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, deviation)
     dist.barrier()
     if dist.get_rank() == 0:
+        for d in SCRATCH:  # every rank is past the barrier: done with them
+            shutil.rmtree(d, ignore_errors=True)
         found = next((d for d in seen if d), None)
         print(f"DEVIATION: {found}" if found else f"AS SPECIFIED: {as_specified}", flush=True)
     print(end="", flush=True)
@@ -95,7 +106,7 @@ def main():
     names = sorted(osd["state"]), [g["params"] for g in osd["param_groups"]]
     if names != (["proj.weight"], [["proj.weight"]]):
         wrong.append(f"get_state_dict's optimizer state and param_groups name {names}, the unwrapped model proj.weight")
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    path = [scratch() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)
     model = net()
     fully_shard(model)

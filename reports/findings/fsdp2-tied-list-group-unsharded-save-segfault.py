@@ -59,8 +59,9 @@ def main():
         return child(*(a == "1" for a in sys.argv[1:4]))
     failed = []
     for tie, forward, reshard in ((True, True, False), (False, True, False), (True, False, False), (True, True, True)):
-        proc = subprocess.run([sys.executable, __file__, str(int(tie)), str(int(forward)), str(int(reshard))],
-                              capture_output=True, text=True, timeout=120)
+        with tempfile.TemporaryDirectory() as tmp:  # the child's checkpoint (it may crash before it could remove it)
+            proc = subprocess.run([sys.executable, __file__, str(int(tie)), str(int(forward)), str(int(reshard))],
+                                  capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": tmp})
         if proc.returncode:
             how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
             failed.append(f"tie={tie}, forward without backward={forward}, reshard_after_forward={reshard}: {how}")

@@ -128,11 +128,11 @@ def test_repro_shows_its_finding(path, mode):
 
 def test_what_a_script_leaves_in_its_tmpdir_is_reported(tmp_path):
     """repros.run gives each script a $TMPDIR of its own and reports what the
-    script left there (torchrun's own log directory aside): every generated
+    script left there (torch's own directories aside): every generated
     repro is run so in the repros tests, which expect nothing left."""
     leaks = tmp_path / "leaks.py"
     leaks.write_text("import tempfile\ntempfile.NamedTemporaryFile(suffix='.json', delete=False).close()\n"
-                     "tempfile.mkdtemp(prefix='torchelastic_')\nprint('AS SPECIFIED: ok')\n")
+                     "tempfile.mkdtemp(prefix='torchelastic_')\ntempfile.mkdtemp(prefix='torchinductor_')\nprint('AS SPECIFIED: ok')\n")
     tidy = tmp_path / "tidy.py"
     tidy.write_text("import tempfile\nwith tempfile.NamedTemporaryFile(suffix='.json'):\n    pass\nprint('AS SPECIFIED: ok')\n")
     left = repros.run(leaks, repros.Mode("python leaks.py", True), timeout=60).left_behind
