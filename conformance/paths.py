@@ -5,6 +5,7 @@ to the installed package or the current directory, never to a checkout."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -55,5 +56,38 @@ def scratch_root() -> str | None:
 
 
 def scratch_dir(prefix: str) -> str:
-    """A new, empty directory for one example's checkpoint (the caller removes it)."""
-    return tempfile.mkdtemp(prefix=prefix, dir=scratch_root())
+    """A new, empty directory for one example's checkpoint (the caller
+    removes it), named ``<prefix><pid>-``: the first call of a process also
+    removes the ``prefix`` directories of processes no longer alive (a run
+    killed with SIGKILL removes none of its own, and on /dev/shm they would
+    hold memory until the machine restarts)."""
+    root = scratch_root()
+    _sweep_once(root if root is not None else tempfile.gettempdir(), prefix)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)
+
+
+_swept: set[tuple[str, str]] = set()
+
+
+def _sweep_once(root: str, prefix: str) -> None:
+    if (root, prefix) in _swept:
+        return
+    _swept.add((root, prefix))
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

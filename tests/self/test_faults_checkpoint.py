@@ -157,3 +157,24 @@ def test_scratch_root_is_the_named_directory_else_a_writable_ram_one_else_tempfi
     assert paths.scratch_root() == str(tmp_path / "named")
     monkeypatch.setenv(paths.SCRATCH_ENV, "")
     assert paths.scratch_root() is None
+
+
+def test_a_scratch_directory_of_a_process_no_longer_alive_is_removed(tmp_path, monkeypatch):
+    """A killed run cannot remove its checkpoint directories: the next
+    process's first scratch_dir removes those whose process is gone, and
+    only those (a live process's, or a name without a pid, stay)."""
+    import subprocess
+    import sys
+
+    from conformance import paths
+
+    monkeypatch.setenv(paths.SCRATCH_ENV, str(tmp_path))
+    monkeypatch.setattr(paths, "_swept", set())
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    prefix = "fsdp-conformance-ckpt-"
+    for name in (f"{prefix}{gone}-dead", f"{prefix}{os.getpid()}-alive", f"{prefix}nopid", f"other-{gone}-x"):
+        (tmp_path / name).mkdir()
+    made = paths.scratch_dir(prefix)
+    assert os.path.basename(made).startswith(f"{prefix}{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{prefix}{os.getpid()}-alive", f"{prefix}nopid", f"other-{gone}-x", os.path.basename(made)])
