@@ -31,37 +31,51 @@ def shown(p) -> str:
         return str(p)
 
 
-# Where the checkpoints of a run's examples go (a round trip's DCP directory,
-# HSDP's and TP's save-and-load): a RAM-backed filesystem where the machine
-# has one. DCP's FileSystemWriter writes and fsyncs a file per rank and the
-# metadata; the drawn models' checkpoints are kilobytes, and a save and load
-# of one (eight 16x16 tensors, one process) took 6.3-6.9 ms on /dev/shm
-# against 7.9-10.3 ms on this machine's disk (2026-12-07, three rounds of
-# 40). FSDP_CONFORMANCE_SCRATCH names another directory.
+# Where the checkpoints of a run's drawn examples go (a round trip's DCP
+# directory, HSDP's and TP's save-and-load): a RAM-backed filesystem where
+# the machine has one with room. DCP's FileSystemWriter writes and fsyncs a
+# file per rank and the metadata; the drawn models' checkpoints are
+# kilobytes, and a save and load of one (eight 16x16 tensors, one process)
+# took 6.3-6.9 ms on /dev/shm against 7.9-10.3 ms on this machine's disk
+# (2026-12-07, three rounds of 40). A real model's checkpoint (``small=False``)
+# goes to $TMPDIR: it can be gigabytes, and a container's /dev/shm is 64 MiB
+# by default (a full one would make the save raise: a false deviation).
+# FSDP_CONFORMANCE_SCRATCH names the directory for both.
 SCRATCH_ENV = "FSDP_CONFORMANCE_SCRATCH"
 _RAM_DIRS = ("/dev/shm",)
+_RAM_MIN_FREE = 1 << 30  # bytes free in a RAM directory for it to be used
 
 
-def scratch_root() -> str | None:
+def scratch_root(*, small: bool = True) -> str | None:
     """The directory checkpoint scratch directories are made in:
-    $FSDP_CONFORMANCE_SCRATCH, else the first writable RAM-backed directory,
-    else None (tempfile's default, $TMPDIR)."""
+    $FSDP_CONFORMANCE_SCRATCH, else for ``small`` checkpoints the first
+    writable RAM-backed directory with 1 GiB free, else None (tempfile's
+    default, $TMPDIR)."""
     chosen = os.environ.get(SCRATCH_ENV)
     if chosen:
         return chosen
-    for d in _RAM_DIRS:
-        if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK):
+    for d in _RAM_DIRS if small else ():
+        if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK) and _free(d) >= _RAM_MIN_FREE:
             return d
     return None
 
 
-def scratch_dir(prefix: str) -> str:
+def _free(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def scratch_dir(prefix: str, *, small: bool = True) -> str:
     """A new, empty directory for one example's checkpoint (the caller
-    removes it), named ``<prefix><pid>-``: the first call of a process also
-    removes the ``prefix`` directories of processes no longer alive (a run
-    killed with SIGKILL removes none of its own, and on /dev/shm they would
-    hold memory until the machine restarts)."""
-    root = scratch_root()
+    removes it; ``small``: a drawn case's, see scratch_root), named
+    ``<prefix><pid>-``: the first call of a process also removes the
+    ``prefix`` directories of processes no longer alive there (a run killed
+    with SIGKILL removes none of its own, and on /dev/shm they would hold
+    memory until the machine restarts)."""
+    root = scratch_root(small=small)
     _sweep_once(root if root is not None else tempfile.gettempdir(), prefix)
     return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)
 

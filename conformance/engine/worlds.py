@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 
+from conformance.case.model_case import ModelCase
 from conformance.case.spec import CaseSpec
 from conformance.engine.errors import EngineError
 from conformance.engine.scenarios import get_scenario
@@ -76,7 +77,7 @@ class Worlds:
         if not phases:
             return self._run(ck.save_world, scenario, spec)
         save, load = phases
-        d = scratch_dir(TMP_PREFIX)
+        d = scratch_dir(TMP_PREFIX, small=not isinstance(spec, ModelCase))  # a real model's can be gigabytes
         self.dirs_made.append(d)
         try:
             saved = self._run(ck.save_world, save, spec, {"dir": d})

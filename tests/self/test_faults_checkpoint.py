@@ -151,10 +151,14 @@ def test_scratch_root_is_the_named_directory_else_a_writable_ram_one_else_tempfi
     monkeypatch.delenv(paths.SCRATCH_ENV, raising=False)
     monkeypatch.setattr(paths, "_RAM_DIRS", (str(tmp_path / "absent"), str(tmp_path)))
     assert paths.scratch_root() == str(tmp_path)
+    assert paths.scratch_root(small=False) is None  # a real model's checkpoint: $TMPDIR
+    monkeypatch.setattr(paths, "_RAM_MIN_FREE", paths._free(str(tmp_path)) + (1 << 40))
+    assert paths.scratch_root() is None  # too little room (a container's 64 MiB /dev/shm)
+    monkeypatch.setattr(paths, "_RAM_MIN_FREE", 1 << 30)
     monkeypatch.setattr(paths, "_RAM_DIRS", (str(tmp_path / "absent"),))
     assert paths.scratch_root() is None  # tempfile's own default ($TMPDIR)
     monkeypatch.setenv(paths.SCRATCH_ENV, str(tmp_path / "named"))
-    assert paths.scratch_root() == str(tmp_path / "named")
+    assert paths.scratch_root() == paths.scratch_root(small=False) == str(tmp_path / "named")
     monkeypatch.setenv(paths.SCRATCH_ENV, "")
     assert paths.scratch_root() is None
 
@@ -178,3 +182,31 @@ def test_a_scratch_directory_of_a_process_no_longer_alive_is_removed(tmp_path, m
     assert os.path.basename(made).startswith(f"{prefix}{os.getpid()}-")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"{prefix}{os.getpid()}-alive", f"{prefix}nopid", f"other-{gone}-x", os.path.basename(made)])
+
+
+def test_a_real_model_round_trip_checkpoints_in_tmpdir_not_ram(tmp_path, monkeypatch):
+    """A model case's checkpoint can be gigabytes: its directory is made in
+    $TMPDIR, a drawn case's in the RAM directory."""
+    import tempfile
+
+    from conformance import paths
+    from conformance.case.model_case import ModelCase
+    from conformance.engine.worlds import Worlds
+
+    ram, disk = tmp_path / "ram", tmp_path / "disk"
+    ram.mkdir()
+    disk.mkdir()
+    monkeypatch.delenv(paths.SCRATCH_ENV, raising=False)
+    monkeypatch.setattr(paths, "_RAM_DIRS", (str(ram),))
+    monkeypatch.setattr(tempfile, "tempdir", str(disk))
+    made = []
+
+    def save_fails(world_size, scenario, spec, args=None):  # the save phase only: where its directory is
+        made.append(os.path.dirname(args["dir"]))
+        return [{"ok": False, "error": "stop here"}]
+
+    w = Worlds(object())
+    monkeypatch.setattr(w, "_run", save_fails)
+    w.run("ckpt-roundtrip", ModelCase("conformance.models.toy_target:target", ckpt=ROUNDTRIP))
+    w.run("ckpt-roundtrip", lm(ROUNDTRIP))
+    assert made == [str(disk), str(ram)]
