@@ -135,6 +135,62 @@ def test_structural_fault_is_caught(invariant, fault, kind, changes, fake_engine
         assert_caught(run(invariant, spec, fake_engine), kind)
 
 
+@pytest.mark.fake
+@pytest.mark.parametrize("case", ["drawn", "model"])
+def test_the_bench_s_fsdp_time_is_fsdp_s_work_not_the_reference_s_or_the_observation_s(case, fake_engine, monkeypatch):
+    """What the bench counts as a fully_shard example's FSDP time
+    (obs.seconds + backward_seconds): fully_shard, registration, the calls
+    and backward; not the unsharded reference's calls or the suite's reading
+    of the groups' states and outputs after each call (each slowed by SLOW
+    here)."""
+    import time
+
+    from conformance.areas.common.fsdp2_adapter import fsdp2_api
+    from conformance.areas.fully_shard import adapter
+    from conformance.case.model_case import ModelCase
+
+    SLOW = 0.1
+    FSDPModule = fsdp2_api()[1]
+    real_states, real_callable, real_shard = adapter._group_states, adapter.method_callable, adapter.shard
+    slept = []
+
+    def nap():
+        slept.append(SLOW)
+        time.sleep(SLOW)
+
+    def slow_states(*a):
+        nap()
+        return real_states(*a)
+
+    def slow_reference(model, spec, index):
+        fn = real_callable(model, spec, index)
+        if isinstance(model, FSDPModule):
+            return fn
+
+        def call(*a, **k):
+            nap()
+            return fn(*a, **k)
+
+        return call
+
+    def slow_compare(*a):
+        nap()
+        return real_compare(*a)
+
+    spec = lm() if case == "drawn" else ModelCase("conformance.models.toy_target:target", plan=WrapPlan(api="fsdp2"))
+    fake_engine.run("fsdp2", spec)  # the process's first fully_shard imports what it needs (a quarter second)
+    real_compare = adapter.compare
+    monkeypatch.setattr(adapter, "_group_states", slow_states)
+    monkeypatch.setattr(adapter, "method_callable", slow_reference)
+    monkeypatch.setattr(adapter, "compare", slow_compare)
+    obs = fake_engine.run("fsdp2", spec)[0]["value"]
+    assert obs["calls"] and not any(c["error"] for c in obs["calls"]), obs["calls"]
+    assert len(slept) >= 2 and obs["seconds"] + obs["backward_seconds"] < SLOW, (obs["seconds"], slept)
+    # and fully_shard's own time is counted
+    monkeypatch.setattr(adapter, "shard", lambda *a: (time.sleep(SLOW), real_shard(*a))[1])
+    assert fake_engine.run("fsdp2", spec)[0]["value"]["seconds"] >= SLOW
+
+
 # ---- inside the ranks of a gloo pool (values) -------------------------------------
 
 

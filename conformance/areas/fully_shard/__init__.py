@@ -22,7 +22,7 @@ AREA = Area(
     scenarios=(
         AreaScenario("fsdp2", scenario.fsdp2, FSDP2Observation, _predict,
                      ranks_tags=lambda case, pred, obs: fsdp2_case_tags(case, pred),
-                     fsdp_seconds=lambda obs: obs.seconds + obs.backward_seconds),  # fully_shard, registration, the calls, backward
+                     fsdp_seconds=lambda obs: obs.seconds + obs.backward_seconds),  # fully_shard, registration, the calls, backward, the read (adapter.observe)
     ),
     applies=lambda case: case.plan.api == "fsdp2",
     unavailable=lambda case: fsdp2_unavailable(),

@@ -17,6 +17,7 @@ from conformance.areas.common.fsdp1_adapter import Aliases
 from conformance.areas.common.fsdp2_adapter import count_collectives, error_line, fsdp2_api, full_tensor, full_tensors, shard, watch_method
 from conformance.areas.common.observation import CallObservation, GradObservation
 from conformance.areas.common.support import on_rank_device, placed, unchanged
+from conformance.areas.common.timing import Stopwatch
 from conformance.areas.common.training import FORWARD_ATOL, FORWARD_RTOL
 from conformance.areas.fully_shard.observation import FSDP2Observation, GroupObservation, ProbeObservation, RegistrationObservation
 from conformance.case.build import Built, build, call_args, is_sharded, method_callable, read_attr, set_probe
@@ -178,20 +179,24 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
     built, ref = placed(build(spec)), placed(build(spec))
     aliases = Aliases(built.model)
     initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
-    t0 = time.perf_counter()
+    # FSDP's work: fully_shard, registration, the calls (with the collective
+    # counting and read watching they run under), backward, the full values'
+    # read; not the suite's own reading of groups, probes and outputs
+    fsdp = Stopwatch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            shard(spec, built)
+            with fsdp.timing():
+                shard(spec, built)
         except Exception as e:  # a rejection is an observation
-            return FSDP2Observation(**base, wrap_error=error_line(e), seconds=time.perf_counter() - t0)
+            return FSDP2Observation(**base, wrap_error=error_line(e), seconds=fsdp.seconds)
         groups = observed_groups(built.model, aliases)
-        regs = register(spec, built, ref)
+        with fsdp.timing():
+            regs = register(spec, built, ref)
         missing = missing_names(spec, built)
     shown = tuple(dict.fromkeys(str(w.message).splitlines()[0] for w in caught if issubclass(w.category, UserWarning)))
     probe = _Probe(aliases, initial)
     calls, outs, ref_outs = [], [], []
-    ref_seconds = 0.0  # the unsharded reference's calls: not FSDP's time
     old = set_probe(probe)
     index = 0
     try:
@@ -203,17 +208,15 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
                 start = len(probe.records)
                 owner = read_attr(built.model, spec.methods[call.method].module) if call.method >= 0 else None
                 try:
-                    with count_collectives() as comm, watch_method(owner) as watch:
+                    with fsdp.timing(), count_collectives() as comm, watch_method(owner) as watch:
                         probe.watch = watch
                         out = method_callable(built.model, spec, call.method)(*args, **kwargs)
                 except Exception as e:
                     calls.append(CallObservation(index, call.method, 0, None, None, error_line(e), _group_states(built.model, groups),
                                                  watch.nested, watch.sharded_reads))
                     raise _Stop from None
-                t_ref = time.perf_counter()
                 with _no_probe():
                     want = method_callable(ref.model, spec, call.method)(*args, **kwargs)
-                ref_seconds += time.perf_counter() - t_ref
                 diff = float((out.detach() - want.detach()).abs().max()) if out.shape == want.shape else float("inf")
                 close = out.shape == want.shape and bool(torch.allclose(out.detach(), want.detach(), rtol=FORWARD_RTOL, atol=FORWARD_ATOL))
                 calls.append(
@@ -230,11 +233,10 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
         pass
     finally:
         set_probe(old)
-    seconds = time.perf_counter() - t0 - ref_seconds
     obs = dict(base, groups=tuple(groups), registrations=tuple(regs), missing=tuple(missing), calls=tuple(calls),
-               probes=tuple(probe.records), warnings=shown, seconds=seconds)
+               probes=tuple(probe.records), warnings=shown)
     if any(c.error for c in calls):
-        return FSDP2Observation(**obs, ties_intact=_ties(built.model, aliases))
+        return FSDP2Observation(**obs, ties_intact=_ties(built.model, aliases), seconds=fsdp.seconds)
     grads, ran, berr, rerr = (), False, None, None
     backward_seconds = 0.0
     if outs and any(o.requires_grad for o in outs):
@@ -247,9 +249,10 @@ def observe(spec: CaseSpec) -> FSDP2Observation:
         except Exception as e:
             berr = error_line(e)
     if berr is None:
-        grads, rerr = _read_grads(built.model, ref.model, initial)
+        with fsdp.timing():
+            grads, rerr = _read_grads(built.model, ref.model, initial)
     return FSDP2Observation(**obs, backward_ran=ran, backward_error=berr, grads=grads, read_error=rerr,
-                            ties_intact=_ties(built.model, aliases), backward_seconds=backward_seconds)
+                            ties_intact=_ties(built.model, aliases), seconds=fsdp.seconds, backward_seconds=backward_seconds)
 
 
 class _Stop(Exception):
@@ -345,13 +348,14 @@ def observe_fsdp2(case: ModelCase) -> FSDP2Observation:
     aliases = Aliases(built.model)
     initial = {f: p.detach().clone() for f, p in ref.model.named_parameters(remove_duplicate=False)}
     target = built.target
-    t0 = time.perf_counter()
+    fsdp = Stopwatch()  # FSDP's work, as observe() times it: not the reference's calls or the comparisons
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            shard(case, built)
+            with fsdp.timing():
+                shard(case, built)
         except Exception as e:  # a rejection is an observation
-            return FSDP2Observation(**base, wrap_error=error_line(e), seconds=time.perf_counter() - t0)
+            return FSDP2Observation(**base, wrap_error=error_line(e), seconds=fsdp.seconds)
         groups = observed_groups(built.model, aliases)
         ref_funcs = {m.name: _method_func(type(ref.model), m.name) for m in case.methods}
         regs = []
@@ -359,7 +363,8 @@ def observe_fsdp2(case: ModelCase) -> FSDP2Observation:
             error = None
             if m.register:
                 try:
-                    register_fsdp_forward_method(built.model, m.name)
+                    with fsdp.timing():
+                        register_fsdp_forward_method(built.model, m.name)
                 except Exception as e:
                     error = error_line(e)
             same = _method_func(type(ref.model), m.name) is ref_funcs[m.name] and m.name not in ref.model.__dict__
@@ -378,7 +383,7 @@ def observe_fsdp2(case: ModelCase) -> FSDP2Observation:
             kwargs = on_rank_device(method_kwargs(target, by_name[name], case.seed))
             fn, ref_fn = getattr(built.model, name), getattr(ref.model, name)
         try:
-            with count_collectives() as comm, watch_method(built.model if call.method >= 0 else None) as watch:
+            with fsdp.timing(), count_collectives() as comm, watch_method(built.model if call.method >= 0 else None) as watch:
                 out = fn(**kwargs)
         except Exception as e:
             calls.append(CallObservation(index, call.method, 0, None, None, error_line(e), _group_states(built.model, groups),
@@ -394,19 +399,21 @@ def observe_fsdp2(case: ModelCase) -> FSDP2Observation:
             except Exception as e:
                 return FSDP2Observation(**base, groups=tuple(groups), registrations=tuple(regs), missing=tuple(missing),
                                         calls=tuple(calls), backward_error=f"loss: {error_line(e)}", warnings=shown,
-                                        seconds=time.perf_counter() - t0)
+                                        seconds=fsdp.seconds)
     obs = dict(base, groups=tuple(groups), registrations=tuple(regs), missing=tuple(missing), calls=tuple(calls),
                warnings=shown)
     if any(c.error for c in calls):
-        return FSDP2Observation(**obs, ties_intact=_ties(built.model, aliases), seconds=time.perf_counter() - t0)
+        return FSDP2Observation(**obs, ties_intact=_ties(built.model, aliases), seconds=fsdp.seconds)
     ran, berr = False, None
     if loss is not None and loss.requires_grad:
         try:
-            loss.backward()
+            with fsdp.timing():
+                loss.backward()
             ref_loss.backward()
             ran = True
         except Exception as e:
             berr = error_line(e)
-    grads, rerr = _read_grads(built.model, ref.model, initial) if berr is None else ((), None)
+    with fsdp.timing():
+        grads, rerr = _read_grads(built.model, ref.model, initial) if berr is None else ((), None)
     return FSDP2Observation(**obs, backward_ran=ran, backward_error=berr, grads=grads, read_error=rerr,
-                            ties_intact=_ties(built.model, aliases), seconds=time.perf_counter() - t0)
+                            ties_intact=_ties(built.model, aliases), seconds=fsdp.seconds)

@@ -45,7 +45,7 @@ class FSDP2Observation(RankRecord):
     grads: tuple[GradObservation, ...] = ()
     ties_intact: tuple[tuple[str, bool], ...] = ()  # canonical FQN -> aliases one tensor (after the calls)
     warnings: tuple[str, ...] = ()  # UserWarnings while sharding and registering
-    seconds: float = 0.0  # inside fully_shard, registration and the calls (the reference's calls excluded)
+    seconds: float = 0.0  # FSDP's work: fully_shard, registration, the calls (under the suite's collective counting), the full values' read
     backward_seconds: float = 0.0  # the sharded model's backward (FSDP's hooks and reduce-scatters)
 
 
