@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -91,10 +92,25 @@ def _sweep_once(root: str, prefix: str) -> None:
         names = os.listdir(root)
     except OSError:
         return
+    now = time.time()
     for name in names:
         pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        path = os.path.join(root, name)
+        # and untouched for STALE_AFTER: a pid this process cannot see may be
+        # a live run's in another PID namespace sharing the directory, whose
+        # examples end within their deadlines
+        if pid.isdigit() and not _alive(int(pid)) and _age(path, now) > STALE_AFTER:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+STALE_AFTER = 600.0  # seconds
+
+
+def _age(path: str, now: float) -> float:
+    try:
+        return now - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _alive(pid: int) -> bool:

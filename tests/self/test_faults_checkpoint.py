@@ -165,10 +165,12 @@ def test_scratch_root_is_the_named_directory_else_a_writable_ram_one_else_tempfi
 
 def test_a_scratch_directory_of_a_process_no_longer_alive_is_removed(tmp_path, monkeypatch):
     """A killed run cannot remove its checkpoint directories: the next
-    process's first scratch_dir removes those whose process is gone, and
-    only those (a live process's, or a name without a pid, stay)."""
+    process's first scratch_dir removes those whose process is gone and
+    which are ten minutes old, and only those (a live process's, a recent
+    one, a name without a pid stay)."""
     import subprocess
     import sys
+    import time
 
     from conformance import paths
 
@@ -176,12 +178,16 @@ def test_a_scratch_directory_of_a_process_no_longer_alive_is_removed(tmp_path, m
     monkeypatch.setattr(paths, "_swept", set())
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     prefix = "fsdp-conformance-ckpt-"
-    for name in (f"{prefix}{gone}-dead", f"{prefix}{os.getpid()}-alive", f"{prefix}nopid", f"other-{gone}-x"):
+    old = time.time() - paths.STALE_AFTER - 60
+    for name in (f"{prefix}{gone}-dead", f"{prefix}{gone}-recent", f"{prefix}{os.getpid()}-alive", f"{prefix}nopid", f"other-{gone}-x"):
         (tmp_path / name).mkdir()
+        if not name.endswith("-recent"):
+            os.utime(tmp_path / name, (old, old))
     made = paths.scratch_dir(prefix)
     assert os.path.basename(made).startswith(f"{prefix}{os.getpid()}-")
+    # a recent one may be a live run's in another PID namespace: it stays
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"{prefix}{os.getpid()}-alive", f"{prefix}nopid", f"other-{gone}-x", os.path.basename(made)])
+        [f"{prefix}{gone}-recent", f"{prefix}{os.getpid()}-alive", f"{prefix}nopid", f"other-{gone}-x", os.path.basename(made)])
 
 
 def test_a_real_model_round_trip_checkpoints_in_tmpdir_not_ram(tmp_path, monkeypatch):
