@@ -75,29 +75,40 @@ def test_a_row_whose_tests_failed_says_so():
     assert bench.failed_rows({"rows": [ok, bad]}) == [bad]
 
 
-def test_reading_the_records_is_the_drivers_check_not_the_engines_time():
+def test_reading_the_records_is_the_drivers_check_not_the_engines_time(monkeypatch):
     """The pool's overhead is what running the scenario in ranks adds: the
     engine's run() less the ranks' time in it. Reading the records as
     observations is the driver's own work, which the fake tier does the same
     way; counted in the engine's time it read as pool overhead (a fifth of
-    autowrap's 1.28 ms an example)."""
+    autowrap's 1.28 ms an example). The engine and the parse move the
+    runner's clock on (20 s and 50 s) instead of sleeping: a loaded
+    machine's scheduling cannot blur the two."""
     import time
+    import types
 
+    from conformance.run import runner
     from conformance.run.runner import Timing, observations
+
+    moved = [0.0]
+
+    def advance(seconds):
+        moved[0] += seconds
+
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + moved[0]))
 
     class Engine:
         def run(self, scenario, spec):
-            time.sleep(0.02)
+            advance(20.0)
             return [{"rank": 0, "ok": True, "value": {}, "seconds": 0.01}]
 
     def slow_parse(value):
-        time.sleep(0.05)
+        advance(50.0)
         return value
 
     timing = Timing("echo")
     observations(Engine(), None, "echo", parse=slow_parse, timing=timing)
-    assert 0.02 <= timing.engine < 0.05 and timing.in_rank == 0.01
-    assert timing.check >= 0.05
+    assert 20.0 <= timing.engine < 50.0 and timing.in_rank == 0.01
+    assert timing.check >= 50.0
 
 
 def test_a_hung_example_is_the_engines_wait_not_drawing():
