@@ -57,3 +57,27 @@ def test_no_rerun_is_not_tagged():
 def test_a_microbatch_that_skips_the_embedding_is_not_tagged():
     spec = _with_step(_case(), microbatches=(Microbatch(skip=("embed1",)),))
     assert TAG not in _tags(spec)
+
+
+def test_the_checkpoint_cases_backward_in_the_fully_shard_area_is_the_finding(fake_engine):
+    """Thorough seed 3683's checkpoint case (tests/self/data, the save's
+    training raised there) through the fully_shard area: its backward raises
+    "setStorage ... storage of size 0" under the finding's tag; with the
+    root's shared name gone (model0 runs once, no re-run after the Embedding
+    completed the group) it trains. Another backward error with the same tags
+    stays a FAIL."""
+    from pathlib import Path
+
+    from conformance.case.model_case import case_from_json
+    from conformance.run import known
+    from conformance.run.runner import check_example, evaluate, observations
+
+    spec = case_from_json((Path(__file__).parent / "data" / "ckpt-group-rerun-after-frozen-embedding.json").read_text())
+    [res] = check_example(["FSDP2-FROZEN"], spec, fake_engine, known.load())
+    assert res.verdict == "KNOWN" and {fid for _, fid in res.known} == {"fsdp2-list-group-reentered-loses-grad"}, res.describe()
+    assert TAG in res.known[0][0].tags
+    once = dataclasses.replace(spec, shared=tuple(s for s in spec.shared if s.parent != ""))
+    [res] = check_example(["FSDP2-FROZEN"], once, fake_engine, known.load())
+    assert res.verdict == "PASS", res.describe()
+    obs = [dataclasses.replace(o, backward_error="RuntimeError: something else") for o in observations(fake_engine, spec, "fsdp2")]
+    assert evaluate("FSDP2-FROZEN", spec, obs, known.load()).verdict == "FAIL"

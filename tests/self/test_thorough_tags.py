@@ -223,3 +223,32 @@ def test_a_frozen_tied_unit_resumed_on_one_rank_is_the_no_shard_finding(invarian
     # loaded on two ranks (FULL_SHARD really shards): not that mechanism
     two = dataclasses.replace(TIED_ROOT, ckpt=dataclasses.replace(TIED_ROOT.ckpt, load_world=2))
     assert _ckpt1(two, invariant, AS_PARAMS, "resume").verdict == "FAIL"
+
+
+# Thorough seed 3683: CKPT-RESHARD and OPTIM-STATE on fully_shard([model0.embed1,
+# model0.model2.proj0]) where model0 runs twice (the root's shared0) and proj0
+# twice in each run (model0.shared0 is model2): the frozen Embedding completes
+# the group before a re-run, and the save side's first training step raised
+# "setStorage ... storage of size 0". fsdp2-list-group-reentered-loses-grad's
+# mechanism, which the checkpoint area did not tag (it kept the list-group tags
+# of fsdp2-frozen-list-group-freed-in-backward only); checked with its torch-only
+# repro on one rank: without either shared name, or with the Embedding
+# trainable, it trains.
+RERUN_CKPT = case_from_json((DATA / "ckpt-group-rerun-after-frozen-embedding.json").read_text())
+FREED_1x1 = FREED.replace("[6, 4], strides [4, 1]", "[1, 1], strides [1, 1]").replace("size of 96", "size of 4")
+
+
+@pytest.mark.parametrize("invariant", ["CKPT-RESHARD", "OPTIM-STATE"])
+def test_the_save_sides_training_over_a_group_rerun_after_a_frozen_embedding_is_the_reentered_finding(invariant):
+    assert RERUN_CKPT.plan.groups[0].modules == ("model0.embed1", "model0.model2.proj0") and len(RERUN_CKPT.shared) == 2
+    res = _ckpt(RERUN_CKPT, invariant, FREED_1x1, "train")
+    assert res.verdict == "KNOWN" and _known(res) == {"fsdp2-list-group-reentered-loses-grad"}, res.describe()
+    # without the root's shared name model0 runs once: no re-run after the Embedding completed the group
+    once = dataclasses.replace(RERUN_CKPT, shared=tuple(s for s in RERUN_CKPT.shared if s.parent != ""))
+    assert _ckpt(once, invariant, FREED_1x1, "train").verdict == "FAIL"
+    # the Embedding trainable: its output needs a gradient, not that mechanism
+    tree = _requires_grad(_requires_grad(RERUN_CKPT.tree, "model0.embed1", True), "model0.model2.proj0", True)  # proj0.weight is its tie
+    trainable = dataclasses.replace(RERUN_CKPT, tree=tree)
+    assert _ckpt(trainable, invariant, FREED_1x1, "train").verdict == "FAIL"
+    # another error of the same case: not that finding
+    assert _ckpt(RERUN_CKPT, invariant, "RuntimeError: something else", "train").verdict == "FAIL"

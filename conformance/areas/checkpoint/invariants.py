@@ -14,7 +14,7 @@ from conformance.areas.checkpoint.observation import CkptObservation
 from conformance.areas.checkpoint.oracle import CkptPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
-from conformance.areas.common.fsdp2_oracle import fsdp2_case_tags, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import list_group_tags, predict_fsdp2
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL
 from conformance.areas.common.violations import fsdp1_cause_tags, violation
 from conformance.case.model_case import is_model_case
@@ -66,8 +66,10 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
         tags.add("container-subclass")  # a ModuleList/ModuleDict subclass with a forward, given to fully_shard
     if spec.plan.api == "fsdp2" and not is_model_case(spec):
         # the save's training: a list group whose last module's output needs
-        # no gradient (fsdp2-frozen-list-group-freed-in-backward)
-        tags |= {t for t in fsdp2_case_tags(spec, predict_fsdp2(spec, torch.__version__)) if t.startswith("group:multi-frozen-embedding")}
+        # no gradient (fsdp2-frozen-list-group-freed-in-backward), or one of
+        # whose modules runs again after a frozen Embedding completed it
+        # (fsdp2-list-group-reentered-loses-grad)
+        tags |= list_group_tags(spec, predict_fsdp2(spec, torch.__version__))
     if pred is not None:
         if any(len(group) > 2 for group in pred.tied):
             tags.add("aliases:3+")  # one Parameter under three or more names
