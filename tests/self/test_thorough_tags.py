@@ -252,3 +252,64 @@ def test_the_save_sides_training_over_a_group_rerun_after_a_frozen_embedding_is_
     assert _ckpt(trainable, invariant, FREED_1x1, "train").verdict == "FAIL"
     # another error of the same case: not that finding
     assert _ckpt(RERUN_CKPT, invariant, "RuntimeError: something else", "train").verdict == "FAIL"
+
+
+# Thorough seed 195964: MP-DTYPES, MP-PIPELINE and ACCUM (FSDP1, gloo) on
+# Sequential(Embedding, frozen Linear), the Linear its own NO_SHARD unit,
+# use_orig_params=True: step 0's microbatch that skips the Embedding runs the
+# all-frozen unit in a forward no backward follows; it registers the
+# reshard-only hook state on inputs needing no gradient, the next
+# microbatch's forward finds it registered and registers none, and the unit
+# is left holding plain-tensor views (_catch_all_reshard passes NO_SHARD
+# over); unfrozen at step 2, 1.weight's gradient misses the optimizer's
+# parameter (lost: None in a torch-only reduction on one rank and two).
+# fsdp1-no-shard-frozen-unit-params-unregistered's end state, reached through
+# the stale hook state instead of an input needing no gradient.
+LEFT = "unit:no-shard-frozen-left-unsharded"
+
+
+def _stale_case():
+    from conformance.run import corpus
+
+    return next(c.spec for c in corpus.load() if c.name == "fsdp1-no-shard-frozen-unit-params-unregistered-stale-reshard-hook")
+
+
+def _schedule_tags(spec, world_size=2):
+    from conformance.areas.schedule.invariants import case_tags
+    from conformance.areas.schedule.oracle import predict_schedule
+
+    return case_tags(spec, predict_schedule(spec), world_size)
+
+
+def test_a_frozen_no_shard_unit_run_forward_only_then_with_a_backward_is_left_unsharded():
+    from conformance.case.spec import CustomWrap, Microbatch
+
+    spec = _stale_case()
+    steps = spec.schedule.steps
+    assert [mb.skip for mb in steps[0].microbatches] == [(), ("0",), ()] and steps[0].frozen == ("1.weight",) and steps[2].frozen == ()
+    assert LEFT in _schedule_tags(spec)
+    # the Embedding runs in every microbatch (no forward-only one): torch trains, no tag
+    every = dataclasses.replace(steps[0], microbatches=tuple(Microbatch(skip=()) for _ in steps[0].microbatches))
+    assert LEFT not in _schedule_tags(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, steps=(every, *steps[1:]))))
+    # use_orig_params=False: no tag (torch trains)
+    assert LEFT not in _schedule_tags(dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, use_orig_params=False)))
+    # the unit FULL_SHARD: resharded after forward on two ranks (torch trains); one rank runs it as NO_SHARD
+    full = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, policy=CustomWrap(targets=("1",))))
+    assert LEFT not in _schedule_tags(full) and LEFT in _schedule_tags(full, world_size=1)
+    # never unfrozen: nothing reads the views
+    frozen = dataclasses.replace(steps[2], frozen=("1.weight",))
+    assert LEFT not in _schedule_tags(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, steps=(*steps[:2], frozen))))
+
+
+def test_the_left_unsharded_finding_takes_a_lost_gradient_not_a_rounding():
+    import torch
+
+    from conformance.areas.common.violations import violation
+    from conformance.run import known
+
+    spec = _stale_case()
+    tags = _schedule_tags(spec) | {"backend:gloo"}
+    lost = violation("MP-PIPELINE", "step 2: gradient of 1.weight differs from the emulated pipeline's by 0.671", tags, "kind:grad", "off:large")
+    assert known.match(lost, known.load(), torch.__version__).id == "fsdp1-no-shard-frozen-unit-params-unregistered"
+    rounding = violation("MP-PIPELINE", "step 0: gradient of 0.weight differs from the emulated pipeline's by 3.79e-06", tags, "kind:grad", "off:rounding")
+    assert known.match(rounding, known.load(), torch.__version__) is None

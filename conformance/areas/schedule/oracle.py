@@ -407,7 +407,15 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, 
     gives the unit's flat parameter none: "unused", it reads none of the
     unit's trainable parameters; "frozen", the unit is all frozen then and
     its input needs no gradient (else FSDP registers its reshard-only hook
-    on that input). The pre-backward hook unshards the unit (the original
+    on that input), or it does but an earlier forward-only microbatch (its
+    loss needing no gradient) ran the all-frozen unit since the last
+    backward: that forward registered the reshard-only hook state on inputs
+    no backward reaches, this forward finds it registered and registers
+    none, and the backward's final callback only drops the stale state
+    (thorough seed 195964: Sequential(Embedding, frozen Linear), the Linear
+    a NO_SHARD unit, a microbatch skipping the Embedding between two that
+    run it; unfrozen two steps later, its gradient was lost). The
+    pre-backward hook unshards the unit (the original
     parameters swapped for plain tensor views); no post-backward hook runs,
     and _catch_all_reshard takes NO_SHARD's flat parameter for already
     resharded: named_parameters() lacks the views. What reads it then:
@@ -435,37 +443,44 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, 
     for u in _no_shard_units(spec, world_size):
         managed = set(u.managed)
         left, left_trainable = None, set()
+        stale = False  # a forward-only microbatch ran the all-frozen unit since the last backward
         for st in spec.schedule.steps:
             frozen = set(st.frozen)
             gradient = False  # a microbatch of this step gave the unit a gradient
             for mb in st.microbatches:
-                read = managed & used_params(spec, mb.skip)
+                used = used_params(spec, mb.skip)
+                read = managed & used
                 if left and (read - frozen or read & frozen & left_trainable):
                     out[u.path] = left
                     break
-                how = _leaves_unsharded(spec, u, frozen, mb.skip)
+                how = _leaves_unsharded(spec, u, frozen, mb.skip, stale)
                 if how and gradient:
                     out[u.path] = how
                     break
                 if how and not left:
                     left, left_trainable = how, managed - frozen
                 gradient = gradient or (st.sync_every and bool(read - frozen))  # a synchronized one: not the no_sync() finding's
+                if used - frozen:  # a backward: its final callback drops every unit's hook state
+                    stale = False
+                elif _runs(u.path, mb.skip) and not managed - frozen:
+                    stale = True
             if u.path in out:
                 break
     return dict(sorted(out.items()))
 
 
-def _leaves_unsharded(spec: CaseSpec, u, frozen: set[str], skip: tuple[str, ...]) -> str | None:
+def _leaves_unsharded(spec: CaseSpec, u, frozen: set[str], skip: tuple[str, ...], stale: bool = False) -> str | None:
     """How a microbatch (its frozen set and skips) leaves the NO_SHARD unit
     ``u`` holding plain-tensor views (see no_shard_units_left_unsharded):
-    "unused", "frozen", or None where it does not."""
+    "unused", "frozen", or None where it does not. ``stale``: the unit's
+    reshard-only hook state is left from a forward-only microbatch."""
     trainable = set(u.managed) - frozen
     used = used_params(spec, skip)
     if not _runs(u.path, skip) or trainable & used or not reads_through(spec, skip, u.path) - frozen:
         return None
     if trainable:
         return "unused"
-    if not reads_through(spec, skip, u.path, before=True) - frozen:
+    if stale or not reads_through(spec, skip, u.path, before=True) - frozen:
         return "frozen"
     return None
 
