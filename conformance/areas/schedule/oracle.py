@@ -443,7 +443,11 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, 
     for u in _no_shard_units(spec, world_size):
         managed = set(u.managed)
         left, left_trainable = None, set()
-        stale = False  # a forward-only microbatch ran the all-frozen unit since the last backward
+        # the unit's hook state since the last backward: None (none), else
+        # whether its flat parameter was trainable at the forward-only
+        # microbatch that registered it (FSDP registers once; False: the
+        # reshard-only hook, on inputs no backward reaches)
+        registered: bool | None = None
         for st in spec.schedule.steps:
             frozen = set(st.frozen)
             gradient = False  # a microbatch of this step gave the unit a gradient
@@ -453,7 +457,7 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, 
                 if left and (read - frozen or read & frozen & left_trainable):
                     out[u.path] = left
                     break
-                how = _leaves_unsharded(spec, u, frozen, mb.skip, stale)
+                how = _leaves_unsharded(spec, u, frozen, mb.skip, stale=registered is False)
                 if how and gradient:
                     out[u.path] = how
                     break
@@ -461,9 +465,9 @@ def no_shard_units_left_unsharded(spec: CaseSpec, world_size: int) -> dict[str, 
                     left, left_trainable = how, managed - frozen
                 gradient = gradient or (st.sync_every and bool(read - frozen))  # a synchronized one: not the no_sync() finding's
                 if used - frozen:  # a backward: its final callback drops every unit's hook state
-                    stale = False
-                elif _runs(u.path, mb.skip) and not managed - frozen:
-                    stale = True
+                    registered = None
+                elif _runs(u.path, mb.skip) and registered is None:
+                    registered = bool(managed - frozen)
             if u.path in out:
                 break
     return dict(sorted(out.items()))
