@@ -223,6 +223,36 @@ class ModelGraph:
                     out.append(pid)
         return out
 
+    def reads_through(self, skip: tuple[str, ...], path: str | None, *, before: bool = False) -> set[str]:
+        """Canonical FQNs of the parameters the case's generic forward
+        (conformance.case.build), passing over the modules at ``skip`` (spec
+        paths), has read when the module at ``path`` returns (its own subtree
+        included), or with ``before`` when it starts (what its input depends
+        on); ``path`` None: the whole forward. A module's own parameters,
+        then its children in order, a shared module once. A CaseSpec's
+        graph only."""
+        skipped = set(skip)
+        out: set[str] = set()
+        seen: set[str] = set()
+
+        def visit(nid: str) -> bool:  # True once ``path`` has returned (``before``: is entered)
+            if before and nid == path:
+                return True
+            if nid in seen:
+                return False
+            seen.add(nid)
+            out.update(self.param_fqn[pid] for _, pid in self.nodes[nid].params)
+            for name, child in self.nodes[nid].children:
+                # a skip names a registration in the spec's own tree; a
+                # shared module's second name is never skipped
+                tree_child = child == (f"{nid}.{name}" if nid else name)
+                if not (tree_child and child in skipped) and visit(child):
+                    return True
+            return nid == path
+
+        visit("")
+        return out
+
     def post_order(self) -> list[str]:
         """Node ids in the post-order spec source 000 promises: a DFS over
         named_children() in registration order, each module once (at its first

@@ -12,15 +12,24 @@ timeout, so that a hang shows as a timeout:
   parameter gets no gradient on rank 1, whose post-backward hook never
   runs; rank 0 times out in the reduce-scatter;
 - partly (one unit, rank 1 skips c only): trains as single-process
-  training does (the flat gradient holds zeros for c): as specified.
+  training does (the flat gradient holds zeros for c): as specified;
+- backward (b a frozen unit of its own, a and c in the root's, rank 1
+  skips a): b runs on both ranks, but only rank 0's b output needs a
+  gradient (a's), so only rank 0 runs b's pre-backward hook and
+  all-gathers b; rank 1 goes on to the root's reduce-scatter; the ranks
+  time out (a hang).
 
-Root cause: FSDP1's all-gather comes from a unit's pre-forward hook, its
+Root cause: FSDP1's all-gather comes from a unit's pre-forward hook (and,
+resharded, from its pre-backward hook on outputs that require grad), its
 reduce-scatter from the flat parameter's AccumulateGrad hook: a unit one
-rank does not call, or that gets no gradient there, issues neither.
+rank does not call, or that gets no gradient there, issues neither; a
+frozen unit whose output needs no gradient on one rank is not all-gathered
+in that rank's backward.
 
 Finding: fsdp1-rank-divergent-unit-hangs
 Run: torchrun --nproc-per-node 2 fsdp1-rank-divergent-unit-hangs.py own
 Run: torchrun --nproc-per-node 2 fsdp1-rank-divergent-unit-hangs.py unused
+Run: torchrun --nproc-per-node 2 fsdp1-rank-divergent-unit-hangs.py backward
 Not shown by: torchrun --nproc-per-node 2 fsdp1-rank-divergent-unit-hangs.py partly: the unit's other parameters give it a gradient on rank 1
 Not shown by: python fsdp1-rank-divergent-unit-hangs.py own: one rank has nothing to diverge from
 """
@@ -67,10 +76,14 @@ class Head(nn.Linear):
     pass
 
 
+class Mid(nn.Linear):
+    pass
+
+
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), Head(3, 3)
+        self.a, self.b, self.c = nn.Linear(3, 3), Mid(3, 3), Head(3, 3)
         self.skip = ()
 
     def forward(self, x):
@@ -89,10 +102,13 @@ def main():
     torch.manual_seed(0)
     model = Model().to(DEVICE)
     inner = model
-    # "own": c a unit of its own (a and b stay in the root's); else one unit
-    policy = ModuleWrapPolicy({Head}) if form == "own" else None
+    # "own": c a unit of its own (a and b stay in the root's); "backward":
+    # b, frozen, a unit of its own (a and c in the root's); else one unit
+    if form == "backward":
+        inner.b.requires_grad_(False)
+    policy = {"own": ModuleWrapPolicy({Head}), "backward": ModuleWrapPolicy({Mid})}.get(form)
     model = FSDP(model, auto_wrap_policy=policy, process_group=group, device_id=DEVICE, use_orig_params=True)
-    skip = {"own": ("c",), "unused": ("a", "b", "c"), "partly": ("c",)}[form]
+    skip = {"own": ("c",), "unused": ("a", "b", "c"), "partly": ("c",), "backward": ("a",)}[form]
     inner.skip = skip if rank == 1 else ()
     x = torch.randn(2, 3, device=DEVICE) * (1 + rank)
     deviation = None

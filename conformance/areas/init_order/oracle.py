@@ -81,6 +81,8 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
         skip_trains = bool(below)
         tags.add("skip:trainable" if below else "skip:no-trainable")
         tags |= _skip_tags(training, below, plan.skip)
+        if _frozen_unit_backward_on_rank0_only(training, g, plan.skip):
+            tags.add("skip:frozen-unit-backward-one-rank")
     return InitPrediction(training, plan, training.applicable, api == "fsdp1", skip_trains, frozenset(tags))
 
 
@@ -109,3 +111,30 @@ def _skip_tags(training: TrainingPrediction, below: set[str], skip: str) -> set[
             continue
         tags.add("skip:group-unused" if unused == trainable else "skip:group-partly-used")
     return tags
+
+
+def _frozen_unit_backward_on_rank0_only(training: TrainingPrediction, g, skip: str) -> bool:
+    """FSDP1: a non-root unit every parameter of which is frozen, whose module
+    rank 1 calls, and whose output needs a gradient on rank 0 but not on
+    rank 1 (the skipped module was all that made its input need one). FSDP1
+    hooks a unit's pre-backward (the all-gather of a resharded unit) on the
+    forward outputs that require grad, so only rank 0 runs that unit's
+    backward. A parameter's forward value needs a gradient where some
+    parameter of its unit is trainable (with use_orig_params=True a frozen
+    one is then a view of a flat parameter that requires grad), an unmanaged
+    one where it is trainable itself."""
+    if training.fsdp1 is None:
+        return False
+    trainable = set(training.trainable)
+    owner = {f: u for u in training.fsdp1.units for f in u.managed}
+
+    def needs_grad(reads: set[str]) -> bool:
+        return any(f in trainable or (f in owner and set(owner[f].managed) & trainable) for f in reads)
+
+    for u in training.fsdp1.units:
+        nid = g.resolve_module(u.path)
+        if not u.path or not u.managed or set(u.managed) & trainable or _under(nid, skip):
+            continue
+        if needs_grad(g.reads_through((), nid)) and not needs_grad(g.reads_through((skip,), nid)):
+            return True
+    return False

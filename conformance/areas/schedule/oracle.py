@@ -239,24 +239,7 @@ def used_params(spec: CaseSpec, skip: tuple[str, ...]) -> set[str]:
     g = graph_of(spec)
     if is_model_case(spec):
         return {f for f, _ in g.named_parameters()} - params_without_grad(spec.target)
-    skipped = set(skip)
-    out: set[str] = set()
-    seen: set[str] = set()
-
-    def visit(nid: str) -> None:
-        if nid in seen:
-            return
-        seen.add(nid)
-        out.update(g.param_fqn[pid] for _, pid in g.nodes[nid].params)
-        for name, child in g.nodes[nid].children:
-            # a skip names a registration in the spec's own tree; a shared
-            # module's second name is never skipped
-            tree_child = child == (f"{nid}.{name}" if nid else name)
-            if not (tree_child and child in skipped):
-                visit(child)
-
-    visit("")
-    return out
+    return g.reads_through(tuple(skip), None)
 
 
 def frozen_unit_passes_input_through(spec: CaseSpec, frozen: set[str], skip: tuple[str, ...]) -> bool:
@@ -307,34 +290,6 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-def reads_through(spec: CaseSpec, skip: tuple[str, ...], path: str, *, before: bool = False) -> set[str]:
-    """Canonical FQNs of the parameters a forward that passes over ``skip``
-    has read when the module at ``path`` returns (its own subtree included),
-    or with ``before`` when it starts (what its input depends on): the
-    forward visits a module's parameters, then its children in order
-    (used_params' order, stopped there)."""
-    g = graph_of(spec)
-    skipped = set(skip)
-    out: set[str] = set()
-    seen: set[str] = set()
-
-    def visit(nid: str) -> bool:  # True once ``path`` has returned (``before``: is entered)
-        if before and nid == path:
-            return True
-        if nid in seen:
-            return False
-        seen.add(nid)
-        out.update(g.param_fqn[pid] for _, pid in g.nodes[nid].params)
-        for name, child in g.nodes[nid].children:
-            tree_child = child == (f"{nid}.{name}" if nid else name)
-            if not (tree_child and child in skipped) and visit(child):
-                return True
-        return nid == path
-
-    visit("")
-    return out
-
-
 def units_dropping_synced_grad(spec: CaseSpec) -> tuple[str, ...]:
     """FSDP1: the sharded units (canonical paths; NO_SHARD keeps no separate
     sharded gradient) some trainable parameter of which a microbatch of a
@@ -360,7 +315,7 @@ def units_dropping_synced_grad(spec: CaseSpec) -> tuple[str, ...]:
             got_grad = False
             for mb in st.microbatches:
                 used = used_params(spec, mb.skip)
-                if got_grad and not trainable & used and _runs(u.path, mb.skip) and reads_through(spec, mb.skip, u.path) - frozen:
+                if got_grad and not trainable & used and _runs(u.path, mb.skip) and graph_of(spec).reads_through(mb.skip, u.path) - frozen:
                     out.add(u.path)
                 got_grad = got_grad or bool(trainable & used)
     return tuple(sorted(out))
@@ -480,11 +435,11 @@ def _leaves_unsharded(spec: CaseSpec, u, frozen: set[str], skip: tuple[str, ...]
     reshard-only hook state is left from a forward-only microbatch."""
     trainable = set(u.managed) - frozen
     used = used_params(spec, skip)
-    if not _runs(u.path, skip) or trainable & used or not reads_through(spec, skip, u.path) - frozen:
+    if not _runs(u.path, skip) or trainable & used or not graph_of(spec).reads_through(skip, u.path) - frozen:
         return None
     if trainable:
         return "unused"
-    if stale or not reads_through(spec, skip, u.path, before=True) - frozen:
+    if stale or not graph_of(spec).reads_through(skip, u.path, before=True) - frozen:
         return "frozen"
     return None
 
