@@ -611,3 +611,31 @@ def test_an_unsynced_no_shard_unit_keeps_its_low_precision_gradient(invariant):
         res = grad_dtype(spec)
         assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNSYNCED}, res.describe()
         assert grad_dtype(runs).verdict == "FAIL"
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_tied_no_shard_unit_left_unsharded_by_a_microbatch_before_the_last(invariant):
+    """The tied form of fsdp1-no-shard-unused-unit-params-unregistered where
+    the unit is left so by a microbatch before the step's last (thorough
+    seed 191916010): the root unit (NO_SHARD) holds norm2.weight tied to
+    norm1.weight, the first microbatch skips both norms, and the next
+    microbatch's forward, at its post-forward reshard (_use_sharded_views ->
+    _use_unsharded_views(as_params=True) for NO_SHARD), asserts on the tied
+    name before the step-end summon is reached. Untied, sharded, or with the
+    first microbatch reading norm1, it is not that mechanism and the same
+    raise is a FAIL."""
+    from conformance.areas.schedule.oracle import no_shard_tied_left_unsharded
+
+    spec = _case(f"{LEFT}-tied-next-forward")
+    (step,) = spec.schedule.steps
+    assert step.microbatches[0].skip == ("norm1", "norm2") and step.microbatches[-1].skip == () and spec.ties
+    error = "AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>"
+    assert no_shard_tied_left_unsharded(spec, 2) == {"unused"}
+    res = _raised(spec, invariant, "step 0 microbatch 1", error)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {LEFT}, res.describe()
+    untied = dataclasses.replace(spec, ties=())
+    sharded = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, sharding_strategy="FULL_SHARD"))
+    first_reads = _steps(spec, dataclasses.replace(step, microbatches=(dataclasses.replace(step.microbatches[0], skip=("norm2",)), *step.microbatches[1:])))
+    for other in (untied, sharded, first_reads):
+        assert not no_shard_tied_left_unsharded(other, 2), other
+        assert _raised(other, invariant, "step 0 microbatch 1", error).verdict == "FAIL", other

@@ -446,28 +446,33 @@ def _leaves_unsharded(spec: CaseSpec, u, frozen: set[str], skip: tuple[str, ...]
 
 def no_shard_tied_left_unsharded(spec: CaseSpec, world_size: int) -> set[str]:
     """FSDP1, use_orig_params=True: how NO_SHARD units holding a tied
-    parameter (two names) are left holding plain-tensor views by the last
-    microbatch of a step that runs them ("unused" or "frozen", as in
+    parameter (two names) are left holding plain-tensor views by a
+    microbatch that runs them ("unused" or "frozen", as in
     no_shard_units_left_unsharded: no post-backward hook runs, and
     _catch_all_reshard takes the flat parameter for already resharded).
-    The next unshard is then the summon_full_params the step ends with (the
-    gradients' with_grads=True read, or the values'), outside forward and
-    backward: _use_unsharded_views(as_params=True) re-registers the tied
-    name from its primary, which is a plain tensor, and asserts
-    ("as_params=True type(prim_param)=<class 'torch.Tensor'>"). "frozen":
-    ci seed 777123; "unused" (a BlockList unit whose microbatch skips both
-    its tied Linears): thorough seed 539271. A low param_dtype unshards
-    into a buffer of its own, and the summon does not assert (the corpus
-    case with param_dtype bfloat16 trains, checked on gloo)."""
+    Whatever re-registers the views next asserts: the summon_full_params
+    the step ends with (the gradients' with_grads=True read, or the
+    values'), or a later microbatch's forward, whose post-forward reshard
+    of a NO_SHARD unit is _use_sharded_views ->
+    _use_unsharded_views(as_params=True). That re-registers the tied name
+    from its primary, which is a plain tensor, and asserts ("as_params=True
+    type(prim_param)=<class 'torch.Tensor'>"). "frozen": ci seed 777123;
+    "unused" (a BlockList unit whose microbatch skips both its tied
+    Linears): thorough seed 539271; "unused" by a step's first microbatch,
+    the next one's forward asserting: thorough seed 191916010 (a torch-only
+    torchrun reduction asserts the same, untied or FULL_SHARD it trains). A
+    low param_dtype unshards into a buffer of its own, and the summon does
+    not assert (the corpus case with param_dtype bfloat16 trains, checked on
+    gloo)."""
     pr = spec.schedule.precision
     if is_model_case(spec) or spec.plan.api != "fsdp1" or not spec.plan.use_orig_params or (pr is not None and pr.param_dtype not in (None, "float32")):
         return set()
     out = set()
     for u in _tied_no_shard_units(spec, world_size):
         for st in spec.schedule.steps:
-            running = [mb for mb in st.microbatches if _runs(u.path, mb.skip)]
-            if running and (how := _leaves_unsharded(spec, u, set(st.frozen), running[-1].skip)):
-                out.add(how)
+            for mb in st.microbatches:
+                if _runs(u.path, mb.skip) and (how := _leaves_unsharded(spec, u, set(st.frozen), mb.skip)):
+                    out.add(how)
     return out
 
 
