@@ -286,6 +286,31 @@ def test_uneven_steps_in_a_load_unit(ckpt, uneven):
     assert ("load-unit:uneven-steps" in case_tags(spec, pred)) is uneven
 
 
+@pytest.mark.parametrize("uop", [False, True], ids=["flat-uneven", "orig-params"])
+def test_ranks_ending_with_different_merged_steps_is_the_merge_finding(uop):
+    """Thorough seed 191916010 (2.13.0, gloo, 3 ranks): the merged step is
+    the last write into one shared tensor, and the ranks did not end with
+    the same one (rank 0's weight.step, rank 2's proj0.weight.step differed
+    from the saved). The RANKS-AGREE violation carries the case's tags (the
+    area's ranks_tags), so fsdp1-flat-param-optim-load-merges-step explains
+    it where a load unit holds uneven steps; with use_orig_params=True
+    (each parameter keeps its own step) the same disagreement is a FAIL."""
+    from conformance.areas.checkpoint.observation import CkptObservation
+    from conformance.run.runner import evaluate
+
+    spec = _two_linears(CheckpointPlan(steps=2, refreeze=("proj0.weight",), load_frozen=(), save_world=2, load_world=2,
+                                       load_plan=WrapPlan(api="fsdp1", use_orig_params=uop)))
+    obs = [CkptObservation(kind="roundtrip", api="fsdp1", rank=r, world_size=2, backend="gloo", torch_version="2.13.0",
+                           optim_diff=(diff,)) for r, diff in enumerate(("proj0.weight.step", "proj1.weight.step"))]
+    res = evaluate("CKPT-RESHARD", spec, obs)
+    ranks_known = [fid for v, fid in res.known if v.invariant == "RANKS-AGREE"]
+    ranks_failed = [v for v in res.violations if v.invariant == "RANKS-AGREE"]
+    if uop:
+        assert ranks_failed and not ranks_known, res.describe()
+    else:
+        assert ranks_known == ["fsdp1-flat-param-optim-load-merges-step"] and not ranks_failed, res.describe()
+
+
 def test_uneven_steps_in_separate_units_are_not_merged():
     """ModuleWrapPolicy({Linear}): proj0 and proj1 are units of their own, each
     flat parameter has one step count."""

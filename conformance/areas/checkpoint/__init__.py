@@ -16,8 +16,8 @@ def _fsdp_seconds(obs: CkptObservation) -> float:
 
 
 def _scenario(name, run=None, phases=()):
-    return AreaScenario(name, run, CkptObservation, predict_ckpt, failure_tags=invariants.failure_tags, phases=phases,
-                        fsdp_seconds=_fsdp_seconds)
+    return AreaScenario(name, run, CkptObservation, predict_ckpt, ranks_tags=invariants.ranks_tags,
+                        failure_tags=invariants.failure_tags, phases=phases, fsdp_seconds=_fsdp_seconds)
 
 
 AREA = Area(

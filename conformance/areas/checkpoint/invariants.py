@@ -458,6 +458,13 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     return out
 
 
+def ranks_tags(spec: CaseSpec, pred: CkptPrediction, obs: list) -> set[str]:
+    """A rank disagreement's facts: the case's tags (a known failure whose
+    mechanism makes the ranks' state differ, such as a load's rank-dependent
+    order of writes, is then KNOWN on it)."""
+    return case_tags(spec, pred)
+
+
 def failure_tags(spec: CaseSpec, pred: CkptPrediction) -> set[str]:
     """A HANG or CRASH of a checkpoint example: the case's tags, the
     oracle's facts included (a rank torch itself kills in a known code path
