@@ -363,6 +363,10 @@ def simulate_fsdp2(spec: CaseSpec, world: int, c: FSDP2Comm, input_grad: bool = 
     if any(m in groups and not isinstance(groups[m][3], bool) and any(len(params[f][0]) >= 2 for f in groups[m][1])
            for m in c.shard_dim1):
         notes.add("int-reshard-of-shard-dim1")  # a Shard(1) matrix resharded to the int world after forward
+    if any(m in groups and not isinstance(groups[m][3], bool) and any(len(params[f][0]) >= 2 and params[f][0][0] == 1 for f in groups[m][1])
+           for m in c.shard_dim1):
+        # ... a one-row one: the forward's reshard raises on some ranks only (the others then wait)
+        notes.add("int-reshard-of-shard-dim1-one-row")
     def via(m: str) -> str:
         return f"custom {groups[m][0]}" if m in c.custom_comms else ""
 

@@ -30,7 +30,7 @@ AREA = Area(
     title="FSDP2 schedule APIs per microbatch: gradient sync, resharding, explicit unshard / reshard, Shard(1), unshard in backward, recovery from an aborted iteration, all-reduce hooks, custom comms, unused parameters, a separate reduce-scatter group, CPU offload",
     invariants=invariants.INVARIANTS,
     scenarios=(AreaScenario("microbatch", scenario.microbatch, MicrobatchObservation, predict_microbatch,
-                            fsdp_seconds=lambda obs: obs.seconds),),
+                            failure_tags=invariants.failure_tags, fsdp_seconds=lambda obs: obs.seconds),),
     applies=lambda case: getattr(case, "microbatch", None) is not None,
     unavailable=_unavailable,
     repro=repro.microbatch_script,

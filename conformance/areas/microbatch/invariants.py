@@ -38,6 +38,18 @@ DOCS = ("FSDPModule docstrings: set_requires_gradient_sync (\"gradient accumulat
 
 
 def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> set[str]:
+    return _tags(spec, pred, obs.world_size)
+
+
+def failure_tags(spec: CaseSpec, pred: MicrobatchPrediction) -> set[str]:
+    """A HANG or CRASH of a microbatch example (no observation): the case's
+    tags, the oracle's notes for its mesh's world (a gloo pair without one),
+    so that a finding whose mechanism stops some ranks is KNOWN on it."""
+    world = spec.microbatch.mesh[0] * spec.microbatch.mesh[1] if spec.microbatch.mesh is not None else 2
+    return _tags(spec, pred, world)
+
+
+def _tags(spec: CaseSpec, pred: MicrobatchPrediction, world: int) -> set[str]:
     mb = spec.microbatch
     steps = mb.microbatches
     tags = {"api:fsdp2", f"microbatches:{min(len(steps), 3)}"}
@@ -70,7 +82,7 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
         tags |= list_group_tags(spec, predict_fsdp2(spec, torch.__version__))
     if _frozen_int_reshard_group(spec):
         tags.add("group:frozen-int-reshard")  # see fsdp2-frozen-int-reshard-group-not-last-backward
-    return tags | set(pred.expect(obs.world_size).notes)
+    return tags | set(pred.expect(world).notes)
 
 
 def _frozen_int_reshard_group(spec: CaseSpec) -> bool:
