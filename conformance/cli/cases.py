@@ -136,7 +136,7 @@ def check_case_file(spec, selected, backend: str, world_size: int, history=(), *
 
     # torch and the areas: imported by the commands that need them (the CLI parses, and rejects bad input, without)
     from conformance.run import known as known_mod
-    from conformance.run.runner import FAIL, check_example, plan_scenarios
+    from conformance.run.runner import FAIL, check_example, known_engine_failure, plan_scenarios
     if getattr(spec, "ckpt", None) is not None or getattr(spec, "schedule", None) is not None:
         if backend == "fake":  # values and world sizes: the suite runs these on real ranks only
             raise UsageError("a checkpoint or training-schedule case needs real ranks: use --backend gloo (or nccl)")
@@ -147,9 +147,12 @@ def check_case_file(spec, selected, backend: str, world_size: int, history=(), *
         except EngineError as e:
             base.close()
             raise UsageError(str(e)) from None
-    if backend != "fake" and any(getattr(spec, f, None) is not None for f in ("ckpt", "hsdp", "tp")):
-        # a save world and a load world, phase by phase; an HSDP or TP case
-        # on as many ranks as its mesh has, whatever --world-size says
+    mb = getattr(spec, "microbatch", None)
+    if backend != "fake" and (any(getattr(spec, f, None) is not None for f in ("ckpt", "hsdp", "tp"))
+                              or (mb is not None and mb.mesh is not None)):
+        # a save world and a load world, phase by phase; an HSDP or TP case,
+        # or a microbatch sequence on a 2-D mesh, on as many ranks as its
+        # mesh has, whatever --world-size says
         from conformance.engine.worlds import Worlds
 
         engine = Worlds(base)
@@ -165,8 +168,8 @@ def check_case_file(spec, selected, backend: str, world_size: int, history=(), *
         for group in plan_scenarios(ids).values():
             try:
                 got.update((res.invariant, res) for res in check_example(group, spec, engine, known_failures))
-            except ExampleFailed as e:
-                got.update((i, e) for i in group)
+            except ExampleFailed as e:  # KNOWN where a finding describes it, as `run` records it
+                got.update((i, known_engine_failure(i, spec, e, known_failures) or e) for i in group)
         worst = 0
         for i in ids:
             res = got[i]

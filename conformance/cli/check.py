@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--invariant", action="append")
     p.add_argument("--backend", default="fake", choices=BACKENDS)
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks (default: run's, 4 on the fake tier and 2 on a pool; an HSDP or TP case takes its mesh's)")
+                   help="ranks (default: run's, 4 on the fake tier and 2 on a pool; an HSDP, TP or 2-D-mesh microbatch case takes its mesh's)")
     p.add_argument("--no-known", action="store_true",
                    help="against the oracle alone: a recorded finding's deviation is a FAIL (exit 1), as a repro's verdict needs")
     p.set_defaults(fn=cmd_check)

@@ -143,6 +143,18 @@ def plan_scenarios(invariant_ids: list[str]) -> dict[str, list[str]]:
     return by
 
 
+def known_engine_failure(invariant: str, spec: CaseSpec, e: ExampleFailed, known_failures: list) -> CaseResult | None:
+    """A HANG / CRASH of ``invariant`` on ``spec`` that a known failure
+    describes, as a KNOWN result (only for areas that register their case
+    tags for it: AreaScenario.failure_tags); None: a failure."""
+    sc = scenario_of(invariant)
+    if sc.failure_tags is None:
+        return None
+    v = Violation(invariant, str(e).splitlines()[0], frozenset(sc.failure_tags(spec, sc.predict(spec)) | {f"kind:{e.verdict.lower()}"}))
+    k = known_mod.match(v, known_failures, torch.__version__)
+    return None if k is None else CaseResult(invariant, spec, KNOWN, known=[(v, k.id)])
+
+
 def check_example(invariant_ids: list[str], spec: CaseSpec, engine, known: list | None = None,
                   timings: list[Timing] | None = None) -> list[CaseResult]:
     """Every invariant of ``invariant_ids`` on one example: each scenario

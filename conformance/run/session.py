@@ -15,17 +15,16 @@ import pytest
 import torch
 from hypothesis import event
 
-from conformance.areas import CATALOG, area_of, get, scenario_of
+from conformance.areas import CATALOG, area_of, get
 from conformance.areas.common import support
 from conformance.case.spec import CaseSpec
 from conformance.case.tree import walk
-from conformance.case.violation import Violation
 from conformance.engine.errors import ExampleFailed
 from conformance.run import corpus as corpus_mod
 from conformance.run import known as known_mod
 from conformance.run.features import case_features
 from conformance.run.repro import repro_script
-from conformance.run.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, Timing, check_example
+from conformance.run.runner import FAIL, KNOWN, PASS, CaseResult, ScenarioFailed, Timing, check_example, known_engine_failure
 
 EXPECTTEST_HINT = "expected-output snapshots: rerun with EXPECTTEST_ACCEPT=1 to accept new texts"
 
@@ -356,15 +355,9 @@ class Session:
     def _known_engine_failure(self, invariant: str, spec: CaseSpec, e, seconds: float, tier: str) -> CaseResult | None:
         """A HANG / CRASH that a known failure describes (only for invariants
         that register their case tags for it): recorded KNOWN."""
-        sc = scenario_of(invariant)
-        if sc.failure_tags is None:
-            return None
-        v = Violation(invariant, str(e).splitlines()[0], frozenset(sc.failure_tags(spec, sc.predict(spec)) | {f"kind:{e.verdict.lower()}"}))
-        k = known_mod.match(v, self.known, torch.__version__)
-        if k is None:
-            return None
-        res = CaseResult(invariant, spec, KNOWN, known=[(v, k.id)])
-        self.record(res, tier, seconds)
+        res = known_engine_failure(invariant, spec, e, self.known)
+        if res is not None:
+            self.record(res, tier, seconds)
         return res
 
     def _annotate(self, err: BaseException, spec: CaseSpec, invariant: str, lines: list[str], res: CaseResult | None = None) -> None:

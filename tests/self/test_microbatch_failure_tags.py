@@ -56,3 +56,35 @@ def test_a_hang_without_the_one_row_reshard_is_a_failure():
     two_rows = _with_proj0(CASE, (2, 4), (2,))  # the backward's IndexError on every rank, not a hang
     for other in (shard0, resharded, two_rows):
         assert _hang(other) is None, other
+
+
+class _HangingEngine:
+    """An engine whose every example hangs on 4 ranks (a pool's HANG)."""
+
+    tier = backend = "gloo"
+    world_size = 4
+    deadline = 15.0
+
+    def run(self, scenario, spec, *args, **kwargs):
+        from conformance.engine.errors import RankHang, RankState
+
+        raise RankHang(scenario=scenario, spec=spec, backend="gloo", world_size=4, deadline=15.0, elapsed=15.0,
+                          ranks=(RankState(rank=0, pid=1, state="returned"), RankState(rank=1, pid=2, state="running")))
+
+    def close(self):
+        pass
+
+
+def test_check_reports_a_known_hang_as_run_records_it(capsys):
+    """`fsdp-conformance check` on the case gives the verdict `run` records:
+    KNOWN (exit 0) on this finding's hang; the same hang of a case without
+    the one-row reshard stays HANG (exit 1)."""
+    from conformance.areas import select
+    from conformance.cli.cases import check_case_file
+
+    invariants = select(["MB-GRADS"])
+    assert check_case_file(CASE, invariants, "gloo", 4, engine=_HangingEngine()) == 0
+    assert f"MB-GRADS: KNOWN\n  KNOWN {FINDING}: [MB-GRADS] HANG" in capsys.readouterr().out
+    shard0 = dataclasses.replace(CASE, microbatch=dataclasses.replace(CASE.microbatch, shard_dim1=()))
+    assert check_case_file(shard0, invariants, "gloo", 4, engine=_HangingEngine()) == 1
+    assert "MB-GRADS: HANG" in capsys.readouterr().out
