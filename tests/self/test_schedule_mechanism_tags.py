@@ -639,3 +639,28 @@ def test_a_tied_no_shard_unit_left_unsharded_by_a_microbatch_before_the_last(inv
     for other in (untied, sharded, first_reads):
         assert not no_shard_tied_left_unsharded(other, 2), other
         assert _raised(other, invariant, "step 0 microbatch 1", error).verdict == "FAIL", other
+
+
+@pytest.mark.parametrize("invariant", ["ACCUM", "MP-DTYPES"])
+def test_a_frozen_view_read_under_no_sync_gives_the_unit_a_gradient(invariant):
+    """fsdp1-no-sync-unit-unused-in-last-microbatch through a frozen
+    parameter (thorough seed 914417134, torch 2.13.0, gloo): FULL_SHARD,
+    use_orig_params=True; under no_sync() the second microbatch reads only
+    the BlockList unit's frozen blocklist0.0.weight, a view of the unit's
+    flat parameter, which requires grad (its Linears are trainable), so the
+    unit gets a gradient; the last microbatch skips the unit and its
+    backward asserts on _saved_grad_shard. With that microbatch skipping
+    the whole BlockList, no gradient reaches the unit under no_sync() and
+    the same raise is a FAIL."""
+    from conformance.areas.schedule.oracle import units_unsynced_by_last_microbatch
+
+    spec = _case(f"{UNSYNCED}-frozen-view")
+    (step,) = spec.schedule.steps
+    assert step.frozen == ("blocklist0.0.weight",) and step.microbatches[1].skip == ("blocklist0.1",)
+    error = "AssertionError: All sharded parameters that received a gradient in the post-backward should use `_saved_grad_shard`"
+    assert units_unsynced_by_last_microbatch(spec) == ("blocklist0",)
+    res = _raised(spec, invariant, "step 0 microbatch 2", error)
+    assert res.verdict == "KNOWN" and {f for _, f in res.known} == {UNSYNCED}, res.describe()
+    skipped = _steps(spec, dataclasses.replace(step, microbatches=(step.microbatches[0], dataclasses.replace(step.microbatches[1], skip=("blocklist0",)), step.microbatches[2])))
+    assert not units_unsynced_by_last_microbatch(skipped)
+    assert _raised(skipped, invariant, "step 0 microbatch 2", error).verdict == "FAIL"

@@ -269,11 +269,16 @@ def frozen_unit_passes_input_through(spec: CaseSpec, frozen: set[str], skip: tup
 
 
 def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
-    """FSDP1: the units (canonical paths) some trainable parameter of which a
-    no_sync() microbatch of a step uses while the step's last (synchronizing)
-    microbatch uses none of them: the no_sync docstring promises their
-    accumulated gradient is synchronized by that microbatch, whose backward
-    never runs their post-backward hook."""
+    """FSDP1: the units (canonical paths) whose flat parameter a no_sync()
+    microbatch of a step gives a gradient while the step's last
+    (synchronizing) microbatch gives it none: the no_sync docstring promises
+    their accumulated gradient is synchronized by that microbatch, whose
+    backward never runs their post-backward hook. A microbatch gives it one
+    where it reads a trainable parameter of the unit, or, with
+    use_orig_params=True, any parameter of a unit with a trainable one (a
+    frozen parameter's forward value is then a view of the flat parameter,
+    which requires grad: thorough seed 914417134, the BlockList unit's frozen
+    Linear the only one read under no_sync())."""
     if is_model_case(spec) or spec.plan.api != "fsdp1":
         return ()
     units = predict_fsdp1(spec).units
@@ -285,7 +290,8 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
         last = used_params(spec, st.microbatches[-1].skip)
         for u in units:
             trainable = set(u.managed) - set(st.frozen)
-            if trainable & earlier and not trainable & last:
+            gives_grad = set(u.managed) if trainable and spec.plan.use_orig_params else trainable
+            if gives_grad & earlier and not gives_grad & last:
                 out.add(u.path)
     return tuple(sorted(out))
 
