@@ -388,3 +388,34 @@ def test_a_crash_of_a_tied_reversed_list_group_save_is_known(order, reversed_):
         pytest.skip(f"recorded for torch {entry.torch}")
     k = known.match(v, known.load(), torch.__version__)
     assert (k is not None and k.id == entry.id) is reversed_
+
+
+def test_a_list_group_reached_first_through_a_shared_name_is_the_segfault_finding():
+    """fsdp2-tied-list-group-unsharded-save-segfault (thorough seed
+    914417134, torch 2.13.0, gloo: rank 0 killed by signal 11 in the save):
+    fully_shard([proj0, proj1], reshard_after_forward=False) over a tie,
+    listed in registration order, but proj1 is registered earlier under
+    model0.model0 as shared0, so the state dict's traversal reaches proj1
+    before proj0, whose hook is the group's. Tagged, its CRASH is KNOWN;
+    without that shared name it saves (`check`: PASS), is not tagged, and
+    the same CRASH stays a failure."""
+    from pathlib import Path
+
+    from conformance.areas.checkpoint.invariants import failure_tags
+    from conformance.case.violation import Violation
+    from conformance.run import known
+
+    spec = CaseSpec.from_json((Path(__file__).parent / "data" / "ckpt-list-group-shared-name-reached-first-segfault.json").read_text())
+    assert [g.modules for g in spec.plan.groups] == [("model0.model1.proj0", "model0.model1.proj1")]
+    no_alias = dataclasses.replace(spec, shared=tuple(s for s in spec.shared if s.parent != "model0.model0"))
+
+    def crash(case):
+        tags = failure_tags(case, predict_ckpt(case))
+        v = Violation("CKPT-RESHARD", "CRASH: scenario 'ckpt-save' on 2 gloo ranks", frozenset(tags | {"kind:crash"}))
+        return tags, known.match(v, known.load(), "2.13.0")
+
+    tags, match = crash(spec)
+    assert "group:multi-no-reshard-tie-reversed" in tags and match is not None
+    assert match.id == "fsdp2-tied-list-group-unsharded-save-segfault"
+    tags, match = crash(no_alias)
+    assert "group:multi-no-reshard-tie-reversed" not in tags and match is None

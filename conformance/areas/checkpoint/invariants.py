@@ -20,7 +20,6 @@ from conformance.areas.common.violations import fsdp1_cause_tags, violation
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
-from conformance.case.tree import walk
 from conformance.case.violation import Violation, set_diff
 
 catalog = Catalog()
@@ -114,8 +113,14 @@ def container_given_to_fully_shard(spec: CaseSpec, load) -> bool:
 
 def _tie_in_unresharded_list_group(spec: CaseSpec) -> bool:
     """The save plan's fully_shard([b, a, ...], reshard_after_forward=False),
-    its modules listed out of registration order, holds both ends of a tied
-    Parameter (fsdp2-tied-list-group-unsharded-save-segfault)."""
+    whose first listed module is not the first of its modules that the
+    state dict's traversal reaches, holds both ends of a tied Parameter
+    (fsdp2-tied-list-group-unsharded-save-segfault: FSDP2's state-dict hook
+    sits on the first listed module). The traversal visits every name,
+    a shared module's too: listed in registration order, [proj0, proj1]
+    with proj1 also registered earlier under another parent is reached
+    proj1 first (thorough seed 914417134, torch 2.13.0: the save
+    segfaulted)."""
     if spec.plan.api != "fsdp2" or is_model_case(spec):
         # a real model's ties are not (module, source) pairs of its case:
         # not told (a match this tag needs then stays a FAIL)
@@ -124,10 +129,19 @@ def _tie_in_unresharded_list_group(spec: CaseSpec) -> bool:
     def under(path: str, mods) -> bool:
         return any(path == m or path.startswith(m + ".") or m == "" for m in mods)
 
-    order = {path: i for i, (path, _) in enumerate(walk(spec.tree))}
+    graph = graph_of(spec)
+    order: dict[str, int] = {}  # node id -> when Module.state_dict's recursion first reaches it
+
+    def visit(nid: str, depth: int) -> None:
+        order.setdefault(nid, len(order))
+        if depth < 32:  # a shared module is reached under each of its names
+            for _, child in graph.nodes[nid].children:
+                visit(child, depth + 1)
+
+    visit("", 0)
     for g in spec.plan.groups:
         if len(g.modules) > 1 and g.reshard_after_forward is False:
-            listed = [order.get(m, -1) for m in g.modules]
+            listed = [order.get(graph.resolve_module(m), -1) for m in g.modules]
             if listed == sorted(listed):
                 continue  # given in registration order: saves (checked, torch 2.13.0)
             for t in spec.ties:
