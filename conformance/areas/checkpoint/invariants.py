@@ -130,15 +130,8 @@ def _tie_in_unresharded_list_group(spec: CaseSpec) -> bool:
         return any(path == m or path.startswith(m + ".") or m == "" for m in mods)
 
     graph = graph_of(spec)
-    order: dict[str, int] = {}  # node id -> when Module.state_dict's recursion first reaches it
-
-    def visit(nid: str, depth: int) -> None:
-        order.setdefault(nid, len(order))
-        if depth < 32:  # a shared module is reached under each of its names
-            for _, child in graph.nodes[nid].children:
-                visit(child, depth + 1)
-
-    visit("", 0)
+    # node id -> when Module.state_dict's recursion (every name, pre-order) first reaches it
+    order = {nid: i for i, (_, nid) in enumerate(graph.named_modules())}
     for g in spec.plan.groups:
         if len(g.modules) > 1 and g.reshard_after_forward is False:
             listed = [order.get(graph.resolve_module(m), -1) for m in g.modules]
