@@ -14,7 +14,7 @@ from conformance.areas.checkpoint.observation import CkptObservation
 from conformance.areas.checkpoint.oracle import CkptPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
-from conformance.areas.common.fsdp2_oracle import list_group_tags, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import group_rerun_after_frozen_embedding, list_group_tags, predict_fsdp2
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL
 from conformance.areas.common.violations import fsdp1_cause_tags, violation
 from conformance.case.model_case import is_model_case
@@ -149,8 +149,11 @@ def _outside(pred: CkptPrediction, obs: CkptObservation) -> NotChecked:
     return NotChecked(f"this torch cannot run it: {obs.skipped}")
 
 
-def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str], pred: CkptPrediction | None = None) -> list[Violation] | NotChecked:
-    """One violation per distinct error (ranks may raise differently)."""
+def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str], pred: CkptPrediction | None = None,
+            lost: frozenset[str] = frozenset()) -> list[Violation] | NotChecked:
+    """One violation per distinct error (ranks may raise differently).
+    ``lost``: the parameters whose gradient the save's training loses
+    (_rerun_group_params)."""
     aliases = {a for group in pred.tied for a in group[1:]} if pred is not None else set()
     firsts = {group[0] for group in pred.tied} if pred is not None else set()
     out, seen = [], set()
@@ -161,8 +164,27 @@ def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[st
         etype = o.error.split(":")[0]
         where = "rank:0" if o.rank == 0 else "rank:nonzero"
         out.append(violation(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where,
-                      *cause_tags(o.error, aliases, firsts)))
+                      *cause_tags(o.error, aliases, firsts, lost)))
     return out
+
+
+def _rerun_group_params(spec: CaseSpec, pred: CkptPrediction) -> frozenset[str]:
+    """Every name of the trainable parameters of the save plan's FSDP2 list
+    groups that run forward again after a frozen Embedding completed them
+    (group:rerun-after-frozen-embedding): the save's training loses their
+    gradient (fsdp2-list-group-reentered-loses-grad), so that they end the
+    training without optimizer state where single-process training gives
+    them some (thorough seed 2902025126, torch 2.13.0: fully_shard([embed1,
+    layers0.0]) with layers0 registered twice; the load asked for
+    "optim.state.layers0.0.weight.momentum_buffer", which the save lacked)."""
+    if spec.plan.api != "fsdp2" or is_model_case(spec):
+        return frozenset()
+    g = graph_of(spec)
+    frozen = {g.param_fqn[pid] for pid in g.param_fqn if not g.requires_grad(pid)}  # as built: the case tag's mask
+    groups = predict_fsdp2(spec, torch.__version__).groups
+    lost = {fqn for grp in groups if len(grp.modules) > 1 and group_rerun_after_frozen_embedding(spec, [grp], frozen)
+            for fqn in grp.managed if fqn not in frozen}
+    return frozenset(n for group in pred.tied if group[0] in lost for n in group) | lost
 
 
 def _diff_tags(diff) -> tuple[str, ...]:
@@ -239,14 +261,15 @@ def _refreeze_in_unsharded_group(spec: CaseSpec) -> bool:
     return any(grp.managed and not grp.reshard and unfrozen & set(grp.managed) for grp in predict_fsdp2(spec, torch.__version__).groups)
 
 
-def cause_tags(error: str, aliases=frozenset(), firsts=frozenset()) -> tuple[str, ...]:
+def cause_tags(error: str, aliases=frozenset(), firsts=frozenset(), lost=frozenset()) -> tuple[str, ...]:
     """What a CheckpointException wraps (the adapter writes 'CheckpointException:
     rank R: InnerType: message'): its type, and which of DCP's load-plan
     checks it is, so that a finding matches one cause, not every
     CheckpointException. For a missing key or a size mismatch, the key it
     names (key:model, key:optim-state, key:param-groups) and key:alias when
     its FQN is not the first of a Parameter's names (``aliases``: those
-    other names; ``firsts``: the first names of Parameters that have several)."""
+    other names; ``firsts``: the first names of Parameters that have several);
+    key:lost-grad when its FQN is one of ``lost`` (_rerun_group_params)."""
     if "out of bounds for storage of size 0" in error:
         return ("cause:freed-storage",)  # a parameter read over its freed unsharded storage
     if "its data is not allocated yet" in error:
@@ -284,6 +307,8 @@ def cause_tags(error: str, aliases=frozenset(), firsts=frozenset()) -> tuple[str
         fqn = key[len("model."):]
     if fqn is not None and fqn in aliases:
         tags.append("key:alias")
+    if fqn is not None and fqn in lost:
+        tags.append("key:lost-grad")
     return tuple(tags)
 
 
@@ -399,7 +424,7 @@ def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) ->
     # (fsdp2-gloo-reduce-scatter-avg-sums)
     tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
     if obs.error:
-        return _raised("CKPT-RESHARD", obs, tags, pred)
+        return _raised("CKPT-RESHARD", obs, tags, pred, _rerun_group_params(spec, pred))
     if not obs.values_meaningful:
         return VALUES_UNCHECKED
     out = []
@@ -429,12 +454,13 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     # (fsdp2-gloo-reduce-scatter-avg-sums)
     tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
     if obs.error:
-        return _raised("OPTIM-STATE", obs, tags, pred)
+        return _raised("OPTIM-STATE", obs, tags, pred, _rerun_group_params(spec, pred))
     if not obs.values_meaningful:
         return VALUES_UNCHECKED
     out = []
     alias = {a: group[0] for group in pred.tied for a in group}
     frozen_save, frozen_load = set(pred.frozen_at_save), set(pred.frozen_at_load)
+    lost = _rerun_group_params(spec, pred)
 
     def entries(names) -> dict[str, list[str]]:
         by: dict[str, list[str]] = {}
@@ -448,6 +474,8 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
         for canon in sorted(ref - set(by)):
             extra = ["at-save:frozen" if canon in frozen_save else "at-save:trainable",
                      "at-load:frozen" if canon in frozen_load else "at-load:trainable"]
+            if canon in lost:
+                extra.append("param:lost-grad")  # its gradient lost in the save's training (_rerun_group_params)
             out.append(violation("OPTIM-STATE", f"{canon} had optimizer state; the {what} state has none", tags, f"kind:lost-at-{kind}", *extra))
         for canon in sorted(set(by) - ref):
             out.append(violation("OPTIM-STATE", f"{canon} has {what} optimizer state; single-process training gave it none", tags, f"kind:extra-at-{kind}"))
