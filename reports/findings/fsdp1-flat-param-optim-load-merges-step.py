@@ -16,6 +16,10 @@ single flat parameter must have scalar state with the same value"), but it
 only ever sees the merged value. Expected: the loaded state is the saved one,
 or that ValueError. With use_orig_params=True the steps load as saved.
 
+On 3 ranks dcp.load raises first ("Missing key in checkpoint state_dict:
+optim.param_groups"): rank 2's shard of the flat parameter holds nothing of
+`a`, which is fsdp1-sharded-optim-empty-shard, another finding.
+
 Run: python fsdp1-flat-param-optim-load-merges-step.py
 Run: torchrun --nproc-per-node 2 fsdp1-flat-param-optim-load-merges-step.py
 """
