@@ -64,6 +64,21 @@ class FSDP1Prediction:
         return next(u for u in self.units if u.path == path)
 
 
+def grad_carrying(units, trainable, use_orig_params: bool) -> set[str]:
+    """The managed parameters (canonical FQNs) of ``units`` whose forward
+    value requires grad under FSDP1: the ``trainable`` ones and, with
+    use_orig_params=True, every parameter of a unit that has a trainable one
+    (a frozen parameter's forward value is then a view of the unit's flat
+    parameter, which requires grad: FlatParamHandle._use_unsharded_views).
+    A read of one gives the unit a gradient and makes its output need one."""
+    trainable = set(trainable)
+    out = set()
+    for u in units:
+        mine = set(u.managed) & trainable
+        out |= set(u.managed) if mine and use_orig_params else mine
+    return out
+
+
 def ignored_sets(g: ModelGraph, plan: WrapPlan) -> tuple[set[str], set[str]]:
     """(ignored node ids, ignored param ids): ignored modules with everything
     below them, their parameters, and the ignored parameters themselves."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from conformance.areas.common.fsdp1_oracle import grad_carrying
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard, list_group_tags
 from conformance.areas.common.training_oracle import TrainingPrediction, predict_training
 from conformance.areas.common.violations import tie_within_one_module
@@ -81,7 +82,7 @@ def predict_init(spec: CaseSpec) -> InitPrediction:
         skip_trains = bool(below)
         tags.add("skip:trainable" if below else "skip:no-trainable")
         tags |= _skip_tags(training, below, plan.skip)
-        if _frozen_unit_backward_on_rank0_only(training, g, plan.skip):
+        if _frozen_unit_backward_on_rank0_only(training, g, plan.skip, spec.plan.use_orig_params):
             tags.add("skip:frozen-unit-backward-one-rank")
     return InitPrediction(training, plan, training.applicable, api == "fsdp1", skip_trains, frozenset(tags))
 
@@ -113,23 +114,22 @@ def _skip_tags(training: TrainingPrediction, below: set[str], skip: str) -> set[
     return tags
 
 
-def _frozen_unit_backward_on_rank0_only(training: TrainingPrediction, g, skip: str) -> bool:
+def _frozen_unit_backward_on_rank0_only(training: TrainingPrediction, g, skip: str, use_orig_params: bool) -> bool:
     """FSDP1: a non-root unit every parameter of which is frozen, whose module
     rank 1 calls, and whose output needs a gradient on rank 0 but not on
     rank 1 (the skipped module was all that made its input need one). FSDP1
     hooks a unit's pre-backward (the all-gather of a resharded unit) on the
     forward outputs that require grad, so only rank 0 runs that unit's
-    backward. A parameter's forward value needs a gradient where some
-    parameter of its unit is trainable (with use_orig_params=True a frozen
-    one is then a view of a flat parameter that requires grad), an unmanaged
-    one where it is trainable itself."""
+    backward. A parameter's forward value needs a gradient where it is
+    trainable or, managed, where grad_carrying says so (a frozen one in a
+    unit with a trainable one, under use_orig_params=True)."""
     if training.fsdp1 is None:
         return False
     trainable = set(training.trainable)
-    owner = {f: u for u in training.fsdp1.units for f in u.managed}
+    carrying = grad_carrying(training.fsdp1.units, trainable, use_orig_params) | trainable
 
     def needs_grad(reads: set[str]) -> bool:
-        return any(f in trainable or (f in owner and set(owner[f].managed) & trainable) for f in reads)
+        return bool(carrying & set(reads))
 
     for u in training.fsdp1.units:
         nid = g.resolve_module(u.path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from conformance.areas.common.fsdp1_oracle import predict_fsdp1
+from conformance.areas.common.fsdp1_oracle import grad_carrying, predict_fsdp1
 from conformance.case.model_case import is_model_case
 from conformance.case.spec import CaseSpec, CustomWrap, MethodStep, Precision
 from conformance.case.target import graph_of, params_without_grad, runs_in
@@ -289,8 +289,7 @@ def units_unsynced_by_last_microbatch(spec: CaseSpec) -> tuple[str, ...]:
         earlier = set().union(*(used_params(spec, mb.skip) for mb in st.microbatches[:-1]))
         last = used_params(spec, st.microbatches[-1].skip)
         for u in units:
-            trainable = set(u.managed) - set(st.frozen)
-            gives_grad = set(u.managed) if trainable and spec.plan.use_orig_params else trainable
+            gives_grad = grad_carrying([u], set(u.managed) - set(st.frozen), spec.plan.use_orig_params)
             if gives_grad & earlier and not gives_grad & last:
                 out.add(u.path)
     return tuple(sorted(out))
