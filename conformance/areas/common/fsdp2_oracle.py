@@ -113,6 +113,11 @@ class FSDP2Prediction:
     # parameter of another group directly (FSDP2 keeps a parameter alive for
     # backward only through its own module's forward; spec source 004)
     backward_promised: bool = True
+    # per list group, how many passes the calls start (one backward follows
+    # them all; 0 for a one-module group): a list group whose module runs
+    # again after the group completed, in one call or a later one, has two
+    # or more
+    group_passes: tuple[int, ...] = ()
 
     def group_index(self, module: str) -> int | None:
         return next((i for i, g in enumerate(self.groups) if module in g.modules), None)
@@ -231,8 +236,9 @@ def fsdp2_prediction(
     if not why and any(len(grp.modules) > 1 for grp in order) and torch_release(torch_version) < LIST_FORM_SINCE:
         why = f"fully_shard([a, b]) needs torch >= {LIST_FORM_SINCE[0]}.{LIST_FORM_SINCE[1]}"
     sim_calls: tuple[CallPrediction, ...] = ()
+    passes: tuple[int, ...] = ()
     if not why and not (splits and tie_check):
-        sim_calls = _simulate(methods, calls, g, order, groups, owner, opaque)
+        sim_calls, passes = _simulate(methods, calls, g, order, groups, owner, opaque)
     tied = []
     for fqn, pid in g.named_parameters():
         aliases = g.aliases(pid)
@@ -253,6 +259,7 @@ def fsdp2_prediction(
         resharded=tuple(g.module_path[m] for m in resharded),
         shared_modules=g.shared_modules(),
         backward_promised=not _reads_other_groups(methods, calls, g, order, owner),
+        group_passes=passes,
     )
 
 
@@ -274,6 +281,7 @@ class _Sim:
         self.sharded = [True] * len(groups)
         self.active = [0] * len(groups)
         self.pending: list[set[str]] = [set() for _ in groups]
+        self.passes = [0] * len(groups)  # passes started, every call counted (FSDP2Prediction.group_passes)
         self.iter_root: int | None = None
         self.reset_call()
 
@@ -296,6 +304,7 @@ class _Sim:
             self.exact = False
             if not self.pending[gi]:
                 self.pending[gi] = set(self.groups_modules(gi))
+                self.passes[gi] += 1
         if self.sharded[gi] and gi not in self.empty:
             self.unshards += 1
             self.sharded[gi] = False
@@ -423,7 +432,9 @@ def _opaque_call(sim: "_Sim", call: MethodCall, m: ForwardMethod | None, index: 
     )
 
 
-def _simulate(methods, calls, g: ModelGraph, order, groups, owner, opaque: bool = False) -> tuple[CallPrediction, ...]:
+def _simulate(methods, calls, g: ModelGraph, order, groups, owner, opaque: bool = False) -> tuple[tuple[CallPrediction, ...], tuple[int, ...]]:
+    """Each call's prediction, and how many passes of each group the calls
+    started (FSDP2Prediction.group_passes)."""
     sim = _Sim(g, order, groups, owner)
     out: list[CallPrediction] = []
     index = 0
@@ -484,8 +495,8 @@ def _simulate(methods, calls, g: ModelGraph, order, groups, owner, opaque: bool 
             )
             index += 1
             if sim.raises:
-                return tuple(out)  # the adapter stops at a call that raises
-    return tuple(out)
+                return tuple(out), tuple(sim.passes)  # the adapter stops at a call that raises
+    return tuple(out), tuple(sim.passes)
 
 
 def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
@@ -509,10 +520,13 @@ def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
         tags.add("group:multi-frozen-embedding")
     if any(len(g.modules) > 1 for g in pred.groups) and group_rerun_after_frozen_embedding(spec, pred.groups, _frozen_fqns(spec)):
         tags.add("group:rerun-after-frozen-embedding")  # see that function
-    if any(len(g.modules) > 1 and not g.reshard and any(_frozen_embedding(spec, m) for m in g.modules) and _runs_twice(spec, g.modules)
-           for g in pred.groups):
-        # the same, reshard_after_forward=False: the group runs twice in one
-        # forward (a module of it registered under two names)
+    if any(len(g.modules) > 1 and not g.reshard and any(_frozen_embedding(spec, m) for m in g.modules)
+           and (_runs_twice(spec, g.modules) or (i < len(pred.group_passes) and pred.group_passes[i] > 1))
+           for i, g in enumerate(pred.groups)):
+        # the same, reshard_after_forward=False: the group runs twice before
+        # the backward (a module of it registered under two names, or the
+        # case's calls running it twice: thorough seed 166287154, a
+        # registered method that runs the root's forward, called twice)
         tags.add("group:multi-frozen-embedding-rerun")
     if any(c.root_group_partial for c in pred.calls):
         # a call whose first FSDP group is a list group it runs only in part
