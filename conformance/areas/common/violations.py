@@ -48,9 +48,16 @@ def fsdp1_cause_tags(error: str) -> set[str]:
 def freed_storage_tags(error: str) -> set[str]:
     """``error:freed-storage`` for a parameter read over its unsharded storage
     after FSDP freed it ("setStorage: ... out of bounds for storage of size
-    0"): the error of fsdp2-frozen-list-group-freed-in-backward, which its
-    rules name so that a different raise with the same tags is a FAIL."""
-    return {"error:freed-storage"} if "out of bounds for storage of size 0" in error else set()
+    0"), ``error:data-not-allocated`` for a freed (resized to 0) unsharded
+    parameter used as it is ("The tensor has a non-zero number of elements,
+    but its data is not allocated yet": a LayerNorm's backward): the errors
+    of fsdp2-frozen-list-group-freed-in-backward, which its rules name so
+    that a different raise with the same tags is a FAIL."""
+    if "out of bounds for storage of size 0" in error:
+        return {"error:freed-storage"}
+    if "its data is not allocated yet" in error:
+        return {"error:data-not-allocated"}
+    return set()
 
 
 def tie_within_one_module(spec) -> bool:

@@ -51,8 +51,9 @@ def error_tag(text: str) -> str:
         return "error:load-state-dict"
     if "Timed out" in text:
         return "error:timeout"
-    if freed_storage_tags(text):
-        return "error:freed-storage"  # a parameter read over its freed unsharded storage
+    freed = freed_storage_tags(text)
+    if freed:
+        return freed.pop()  # a parameter read over its freed unsharded storage, or used freed
     return "error:other"
 
 
