@@ -14,7 +14,7 @@ from conformance.areas.checkpoint.observation import CkptObservation
 from conformance.areas.checkpoint.oracle import CkptPrediction
 from conformance.areas.common.catalog import VALUES_UNCHECKED, Catalog, NotChecked
 from conformance.areas.common.fsdp2_oracle import container_given_to_fully_shard as given
-from conformance.areas.common.fsdp2_oracle import group_rerun_after_frozen_embedding, list_group_tags, predict_fsdp2
+from conformance.areas.common.fsdp2_oracle import list_group_tags, predict_fsdp2, rerun_group_lost_params
 from conformance.areas.common.training import TRAIN_ATOL, TRAIN_RTOL
 from conformance.areas.common.violations import fsdp1_cause_tags, violation
 from conformance.case.model_case import is_model_case
@@ -179,11 +179,7 @@ def _rerun_group_params(spec: CaseSpec, pred: CkptPrediction) -> frozenset[str]:
     "optim.state.layers0.0.weight.momentum_buffer", which the save lacked)."""
     if spec.plan.api != "fsdp2" or is_model_case(spec):
         return frozenset()
-    g = graph_of(spec)
-    frozen = {g.param_fqn[pid] for pid in g.param_fqn if not g.requires_grad(pid)}  # as built: the case tag's mask
-    groups = predict_fsdp2(spec, torch.__version__).groups
-    lost = {fqn for grp in groups if len(grp.modules) > 1 and group_rerun_after_frozen_embedding(spec, [grp], frozen)
-            for fqn in grp.managed if fqn not in frozen}
+    lost = rerun_group_lost_params(spec, predict_fsdp2(spec, torch.__version__).groups)
     return frozenset(n for group in pred.tied if group[0] in lost for n in group) | lost
 
 
@@ -460,7 +456,6 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     out = []
     alias = {a: group[0] for group in pred.tied for a in group}
     frozen_save, frozen_load = set(pred.frozen_at_save), set(pred.frozen_at_load)
-    lost = _rerun_group_params(spec, pred)
 
     def entries(names) -> dict[str, list[str]]:
         by: dict[str, list[str]] = {}
@@ -474,8 +469,8 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
         for canon in sorted(ref - set(by)):
             extra = ["at-save:frozen" if canon in frozen_save else "at-save:trainable",
                      "at-load:frozen" if canon in frozen_load else "at-load:trainable"]
-            if canon in lost:
-                extra.append("param:lost-grad")  # its gradient lost in the save's training (_rerun_group_params)
+            if canon in _rerun_group_params(spec, pred):  # worked out only where a state is lost
+                extra.append("param:lost-grad")  # its gradient lost in the save's training
             out.append(violation("OPTIM-STATE", f"{canon} had optimizer state; the {what} state has none", tags, f"kind:lost-at-{kind}", *extra))
         for canon in sorted(set(by) - ref):
             out.append(violation("OPTIM-STATE", f"{canon} has {what} optimizer state; single-process training gave it none", tags, f"kind:extra-at-{kind}"))

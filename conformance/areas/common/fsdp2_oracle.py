@@ -726,6 +726,15 @@ def group_rerun_after_frozen_embedding(spec: CaseSpec, groups, frozen: set[str],
     return False
 
 
+def rerun_group_lost_params(spec: CaseSpec, groups) -> set[str]:
+    """Canonical FQNs of the trainable parameters of the list groups that
+    group_rerun_after_frozen_embedding marks, under the case's own mask:
+    fsdp2-list-group-reentered-loses-grad loses their gradient."""
+    frozen = _frozen_fqns(spec)
+    return {fqn for grp in groups if len(grp.modules) > 1 and group_rerun_after_frozen_embedding(spec, [grp], frozen)
+            for fqn in grp.managed if fqn not in frozen}
+
+
 def _runs_twice(spec: CaseSpec, paths) -> bool:
     """Some module at ``paths`` has two names: the case's forward calls it
     under each."""
