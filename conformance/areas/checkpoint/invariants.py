@@ -39,8 +39,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     if spec.plan.api == "fsdp1":
         tags.add(f"uop:{str(spec.plan.use_orig_params).lower()}")
         kwargs = getattr(spec.plan.policy, "kwargs", ())
-        if any(k == "sharding_strategy" and v == "NO_SHARD" for _, kw in kwargs for k, v in kw):
-            tags.add("no-shard-unit")  # a unit of its own sharding strategy: NO_SHARD
+        if any(t and k == "sharding_strategy" and v == "NO_SHARD" for t, kw in kwargs for k, v in kw):
+            tags.add("no-shard-unit")  # a unit of its own sharding strategy: NO_SHARD (the root's kwargs are the root's)
     if load.api == "fsdp1":
         tags.add(f"load-uop:{str(load.use_orig_params).lower()}")
     for flag in ("rank0_only", "offload", "ignore_frozen"):

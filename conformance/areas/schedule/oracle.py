@@ -653,13 +653,19 @@ def group_mixes_accumulated_and_fresh(spec: CaseSpec, groups) -> bool:
 def unit_strategy(spec: CaseSpec, path: str) -> str:
     """FSDP1: the ShardingStrategy name of the unit at ``path`` (canonical):
     a CustomWrap policy's kwargs may give a unit its own; the rest inherit
-    the root's, the schedule's sharding_strategy (FULL_SHARD by default)."""
+    the root's, the schedule's sharding_strategy (FULL_SHARD by default).
+    The root unit is the constructor's, wrapped with the root's kwargs
+    whatever the policy's lambda returns for it (as WRAP-KWARGS expects:
+    _construct_wrap_fn wraps only modules that are not the root; thorough
+    seed 2511518773, torch 2.13.0: kwargs FULL_SHARD for '' under a
+    NO_SHARD root, whose unit ran NO_SHARD)."""
     pol = spec.plan.policy
     if spec.plan.api == "fsdp1" and isinstance(pol, CustomWrap):
         g = graph_of(spec)
+        unit = g.resolve_module(path)
         for t, kw in pol.kwargs:
             for k, v in kw:
-                if k == "sharding_strategy" and g.resolve_module(t) == g.resolve_module(path):
+                if k == "sharding_strategy" and unit != "" and g.resolve_module(t) == unit:
                     return v
     return spec.schedule.sharding_strategy if spec.schedule is not None else "FULL_SHARD"
 
