@@ -150,7 +150,7 @@ def known_engine_failure(invariant: str, spec: CaseSpec, e: ExampleFailed, known
     sc = scenario_of(invariant)
     if sc.failure_tags is None:
         return None
-    v = Violation(invariant, str(e).splitlines()[0], frozenset(sc.failure_tags(spec, sc.predict(spec)) | {f"kind:{e.verdict.lower()}"}))
+    v = Violation(invariant, str(e).splitlines()[0], frozenset(sc.failure_tags(spec, sc.predict(spec), e.world_size) | {f"kind:{e.verdict.lower()}"}))
     k = known_mod.match(v, known_failures, torch.__version__)
     return None if k is None else CaseResult(invariant, spec, KNOWN, known=[(v, k.id)])
 

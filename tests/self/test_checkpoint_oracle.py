@@ -380,7 +380,7 @@ def test_a_crash_of_a_tied_reversed_list_group_save_is_known(order, reversed_):
     tree = ModuleSpec("", "ModelSeq", children=tuple(ModuleSpec(str(i), "Linear", (ParamSpec("weight", (7, 7), False),)) for i in range(4)))
     spec = CaseSpec(tree=tree, classes=(ClassSpec("ModelSeq", "Sequential"),), ties=(TiedParam("2", "weight", "3.weight"),),
                     plan=WrapPlan(api="fsdp2", groups=(ShardGroup(order, False),)), ckpt=CheckpointPlan(steps=1))
-    tags = failure_tags(spec, predict_ckpt(spec))
+    tags = failure_tags(spec, predict_ckpt(spec), spec.ckpt.save_world)
     assert ("group:multi-no-reshard-tie-reversed" in tags) is reversed_ and "no-backward-before-save" in tags
     v = Violation("CKPT-RESHARD", "CRASH: rank 1 killed by signal 11", frozenset(tags | {"kind:crash"}))
     entry = next(e for e in known.load() if e.id == "fsdp2-tied-list-group-unsharded-save-segfault")
@@ -410,7 +410,7 @@ def test_a_list_group_reached_first_through_a_shared_name_is_the_segfault_findin
     no_alias = dataclasses.replace(spec, shared=tuple(s for s in spec.shared if s.parent != "model0.model0"))
 
     def crash(case):
-        tags = failure_tags(case, predict_ckpt(case))
+        tags = failure_tags(case, predict_ckpt(case), case.ckpt.save_world)
         v = Violation("CKPT-RESHARD", "CRASH: scenario 'ckpt-save' on 2 gloo ranks", frozenset(tags | {"kind:crash"}))
         return tags, known.match(v, known.load(), "2.13.0")
 

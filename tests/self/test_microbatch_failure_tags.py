@@ -29,8 +29,9 @@ CASE = CaseSpec.from_json((Path(__file__).parent / "data" / "mb-int-reshard-shar
 FINDING = "fsdp2-int-reshard-shard-dim1-backward-raises"
 
 
-def _hang(spec: CaseSpec, invariant: str = "MB-GRADS"):
-    v = Violation(invariant, "HANG: scenario 'microbatch' on 4 gloo ranks", frozenset(failure_tags(spec, predict_microbatch(spec)) | {"kind:hang"}))
+def _hang(spec: CaseSpec, invariant: str = "MB-GRADS", world_size: int = 4):
+    tags = failure_tags(spec, predict_microbatch(spec), world_size)
+    v = Violation(invariant, f"HANG: scenario 'microbatch' on {world_size} gloo ranks", frozenset(tags | {"kind:hang"}))
     return known.match(v, known.load(), torch.__version__)
 
 
@@ -88,3 +89,12 @@ def test_check_reports_a_known_hang_as_run_records_it(capsys):
     shard0 = dataclasses.replace(CASE, microbatch=dataclasses.replace(CASE.microbatch, shard_dim1=()))
     assert check_case_file(shard0, invariants, "gloo", 4, engine=_HangingEngine()) == 1
     assert "MB-GRADS: HANG" in capsys.readouterr().out
+
+
+def test_without_a_mesh_the_notes_are_the_pools_world():
+    """A mesh-less case runs on the pool's world (--world-size, 4 on a
+    four-GPU runner): the one-row note is that world's, not a pair's."""
+    no_mesh = dataclasses.replace(CASE, microbatch=dataclasses.replace(CASE.microbatch, mesh=None))
+    match = _hang(no_mesh, world_size=4)
+    assert match is not None and match.id == FINDING
+    assert _hang(no_mesh, world_size=2) is None  # two columns a rank: no one-row reshard

@@ -39,11 +39,11 @@ def _rows(spec: CaseSpec, rows: int) -> CaseSpec:
 
 def _hang(spec: CaseSpec, invariant: str) -> Violation:
     # as the session records a HANG: the scenario's failure tags and the verdict
-    return Violation(invariant, "HANG: scenario 'tp' on 4 gloo ranks, no result within 15.0s", frozenset(failure_tags(spec, predict_tp(spec)) | {"kind:hang"}))
+    return Violation(invariant, "HANG: scenario 'tp' on 4 gloo ranks, no result within 15.0s", frozenset(failure_tags(spec, predict_tp(spec), 4) | {"kind:hang"}))
 
 
 def _tags(spec: CaseSpec) -> set[str]:
-    return failure_tags(spec, predict_tp(spec))
+    return failure_tags(spec, predict_tp(spec), 4)
 
 
 def test_a_hang_of_a_strided_case_with_an_empty_piece_is_tagged():

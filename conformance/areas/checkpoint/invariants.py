@@ -495,7 +495,7 @@ def ranks_tags(spec: CaseSpec, pred: CkptPrediction, obs: list) -> set[str]:
     return case_tags(spec, pred)
 
 
-def failure_tags(spec: CaseSpec, pred: CkptPrediction) -> set[str]:
+def failure_tags(spec: CaseSpec, pred: CkptPrediction, world_size: int) -> set[str]:
     """A HANG or CRASH of a checkpoint example: the case's tags, the
     oracle's facts included (a rank torch itself kills in a known code path
     is then KNOWN, not CRASH)."""

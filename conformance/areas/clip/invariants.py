@@ -33,7 +33,7 @@ def error_tag(text: str) -> str:
     return "error:other"
 
 
-def failure_tags(spec: CaseSpec, pred: ClipPrediction) -> set[str]:
+def failure_tags(spec: CaseSpec, pred: ClipPrediction, world_size: int) -> set[str]:
     """The case's facts, for a HANG or CRASH that a finding describes."""
     return set(pred.tags)
 

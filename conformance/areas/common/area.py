@@ -18,8 +18,8 @@ class AreaScenario:
     returns a JSON-able dict, which ``observation.from_dict`` reads back in
     the driver; ``predict(case)`` is the oracle's side. ``ranks_tags(case,
     prediction, observations)``: the facts a rank disagreement is tagged
-    with; ``failure_tags(case, prediction)``: those of a HANG or CRASH,
-    which a known failure may then describe (None: such an example is
+    with; ``failure_tags(case, prediction, world_size)``: those of a HANG or
+    CRASH on a pool of ``world_size`` ranks, which a known failure may then describe (None: such an example is
     always a failure). ``phases``: a scenario run as several scenarios one
     after the other in one directory (a checkpoint's save and load)."""
 
@@ -28,7 +28,7 @@ class AreaScenario:
     observation: type
     predict: Callable[[Any], Any]
     ranks_tags: Callable[[Any, Any, list], set[str]] | None = None
-    failure_tags: Callable[[Any, Any], set[str]] | None = None
+    failure_tags: Callable[[Any, Any, int], set[str]] | None = None
     phases: tuple[str, ...] = ()
     # how the ranks' agreement is checked; None: every rank's comparable()
     # equal (conformance.areas.common.ranks.ranks_agree, with ranks_tags)

@@ -214,7 +214,7 @@ def ranks_tags(spec: CaseSpec, pred: InitPrediction, obs: list[InitObservation])
     return {t for t in pred.tags if t.startswith("skip:")}
 
 
-def failure_tags(spec: CaseSpec, pred: InitPrediction) -> set[str]:
+def failure_tags(spec: CaseSpec, pred: InitPrediction, world_size: int) -> set[str]:
     """A HANG or CRASH of an init_order example: the case's tags (a rank
     that torch's gloo kills on a collective mismatch is then KNOWN)."""
     return set(pred.tags)

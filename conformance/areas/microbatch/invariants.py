@@ -41,11 +41,12 @@ def case_tags(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObserva
     return _tags(spec, pred, obs.world_size)
 
 
-def failure_tags(spec: CaseSpec, pred: MicrobatchPrediction) -> set[str]:
-    """A HANG or CRASH of a microbatch example (no observation): the case's
-    tags, the oracle's notes for its mesh's world (a gloo pair without one),
-    so that a finding whose mechanism stops some ranks is KNOWN on it."""
-    world = spec.microbatch.mesh[0] * spec.microbatch.mesh[1] if spec.microbatch.mesh is not None else 2
+def failure_tags(spec: CaseSpec, pred: MicrobatchPrediction, world_size: int) -> set[str]:
+    """A HANG or CRASH of a microbatch example (no observation) on a pool of
+    ``world_size`` ranks: the case's tags, the oracle's notes for that world
+    (a mesh's is its own size), so that a finding whose mechanism stops some
+    ranks is KNOWN on it."""
+    world = spec.microbatch.mesh[0] * spec.microbatch.mesh[1] if spec.microbatch.mesh is not None else world_size
     return _tags(spec, pred, world)
 
 

@@ -79,7 +79,7 @@ def case_tags(spec: CaseSpec, pred: TpPrediction, obs: TpObservation) -> set[str
     return tags
 
 
-def failure_tags(spec: CaseSpec, pred: TpPrediction) -> set[str]:
+def failure_tags(spec: CaseSpec, pred: TpPrediction, world_size: int) -> set[str]:
     """The facts of a HANG or CRASH (no observation): what the spec alone says."""
     tags = {"api:fsdp2", pred.mesh_tag(), f"precision:{spec.tp.precision}"} | {f"style:{s}" for _, s in spec.tp.styles}
     if spec.tp.pairs:
