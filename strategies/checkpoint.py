@@ -108,7 +108,11 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
         steps=1 + draw(ints(1)), steps_after=draw(ints(2 if kind == "optim" else 1)),
     )
     if kind == "optim":
-        if api == "fsdp2" and maybe(draw, 1):
+        # requires_grad flipped after the first step: FSDP2, or FSDP1 with
+        # use_orig_params=True (its original parameters are the ones the
+        # user freezes; with use_orig_params=False they are views of a flat
+        # parameter whose requires_grad the wrap fixed)
+        if (api == "fsdp2" or spec.plan.use_orig_params) and maybe(draw, 1):
             ck = dataclasses.replace(ck, refreeze=tuple(pick_subset(draw, canon, min_size=1, max_size=2)))
         if maybe(draw, 2):
             ck = dataclasses.replace(ck, load_frozen=tuple(pick_subset(draw, canon, min_size=0, max_size=len(canon))))

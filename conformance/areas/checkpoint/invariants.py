@@ -79,6 +79,8 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("unfrozen-at-load")
         if pred.optim_empty_at_save:
             tags.add("optim-empty-at-save")
+        elif trainable_without_state(spec, pred):
+            tags.add("save:trainable-without-state")  # fsdp1-optim-state-dict-trainable-param-without-state's mechanism
         if not is_model_case(spec) and _list_group_completed_by_embedding_frozen_at_load(spec, pred):
             tags.add("group:multi-frozen-embedding-after-load")
         if not is_model_case(spec) and _list_group_completed_by_embedding_refrozen_before_save(spec, pred):
@@ -87,6 +89,16 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
             tags.add("nothing-trains-first")
             if spec.plan.api == "fsdp2" and _refreeze_in_unsharded_group(spec):
                 tags.add("refreeze:unsharded-group")
+            if spec.plan.api == "fsdp1" and spec.plan.use_orig_params and (
+                    spec.ckpt.steps > 1 or (spec.ckpt.steps_after and not pred.mask_changes)):
+                # every unit ran the first step's forward all frozen, with no
+                # backward after it, and the refreeze unfreezes a parameter
+                # that a later step of the same model trains: the save's
+                # second step, or the uninterrupted run after the save (FSDP1
+                # continues only under the save's mask)
+                # (fsdp1-unfreeze-frozen-unit-orig-params' mechanism, the
+                # schedule area's tag of the same name)
+                tags.add("unit:stale-hook-state")
         if pred.uneven_steps_in_load_unit:
             tags.add("load-unit:uneven-steps")
         if pred.fsdp1_paramless_root:
@@ -150,12 +162,13 @@ def _outside(pred: CkptPrediction, obs: CkptObservation) -> NotChecked:
 
 
 def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[str], pred: CkptPrediction | None = None,
-            lost: frozenset[str] = frozenset()) -> list[Violation] | NotChecked:
+            lost: frozenset[str] = frozenset(), spec: CaseSpec | None = None) -> list[Violation] | NotChecked:
     """One violation per distinct error (ranks may raise differently).
     ``lost``: the parameters whose gradient the save's training loses
     (_rerun_group_params)."""
     aliases = {a for group in pred.tied for a in group[1:]} if pred is not None else set()
     firsts = {group[0] for group in pred.tied} if pred is not None else set()
+    unstated = trainable_without_state(spec, pred) if pred is not None and spec is not None else frozenset()
     out, seen = [], set()
     for o in obs if isinstance(obs, list) else [obs]:
         if not o.error or (o.phase, o.error) in seen:
@@ -164,8 +177,25 @@ def _raised(inv: str, obs: CkptObservation | list[CkptObservation], tags: set[st
         etype = o.error.split(":")[0]
         where = "rank:0" if o.rank == 0 else "rank:nonzero"
         out.append(violation(inv, f"rank {o.rank}: {o.phase} raised {o.error}", tags, "kind:raised", f"phase:{o.phase}", f"error:{etype}", where,
-                      *cause_tags(o.error, aliases, firsts, lost)))
+                      *cause_tags(o.error, aliases, firsts, lost, unstated)))
     return out
+
+
+def trainable_without_state(spec: CaseSpec, pred: CkptPrediction) -> frozenset[str]:
+    """FSDP1 with use_orig_params=True: every name of the parameters that
+    require a gradient at the save but have no optimizer state there (the
+    refreeze unfroze them after the only step, or they trained in no step),
+    where some other parameter has state. FSDP1's optimizer state dict
+    gathers a unit's state by the unit's parameters that require a gradient
+    and raises for one without state ('<FQN> is not in the optimizer state':
+    fsdp1-optim-state-dict-trainable-param-without-state)."""
+    if spec.plan.api != "fsdp1" or not spec.plan.use_orig_params or is_model_case(spec) or pred.optim_empty_at_save:
+        return frozenset()
+    names = set(pred.untrained_at_save) - set(pred.frozen_at_save)
+    for group in pred.tied:
+        if names & set(group):
+            names |= set(group)
+    return frozenset(names)
 
 
 def _rerun_group_params(spec: CaseSpec, pred: CkptPrediction) -> frozenset[str]:
@@ -257,7 +287,7 @@ def _refreeze_in_unsharded_group(spec: CaseSpec) -> bool:
     return any(grp.managed and not grp.reshard and unfrozen & set(grp.managed) for grp in predict_fsdp2(spec, torch.__version__).groups)
 
 
-def cause_tags(error: str, aliases=frozenset(), firsts=frozenset(), lost=frozenset()) -> tuple[str, ...]:
+def cause_tags(error: str, aliases=frozenset(), firsts=frozenset(), lost=frozenset(), unstated=frozenset()) -> tuple[str, ...]:
     """What a CheckpointException wraps (the adapter writes 'CheckpointException:
     rank R: InnerType: message'): its type, and which of DCP's load-plan
     checks it is, so that a finding matches one cause, not every
@@ -270,6 +300,8 @@ def cause_tags(error: str, aliases=frozenset(), firsts=frozenset(), lost=frozens
         return ("cause:freed-storage",)  # a parameter read over its freed unsharded storage
     if "its data is not allocated yet" in error:
         return ("cause:data-not-allocated",)  # a freed (resized to 0) unsharded parameter used as it is
+    if "_post_backward_hook_state" in error:
+        return ("cause:post-backward-hook-state",)  # FSDP1's stale post-backward hook state of a unit
     if fsdp1_cause_tags(error):
         # FSDP1 re-registering a tied (shared) parameter whose primary was left a plain Tensor view
         return tuple(sorted(fsdp1_cause_tags(error)))
@@ -279,7 +311,7 @@ def cause_tags(error: str, aliases=frozenset(), firsts=frozenset(), lost=frozens
         return ("cause:copy-into-unsharded",)
     head, sep, rest = error.partition(": rank ")
     if head != "CheckpointException" or not sep:
-        return _optim_conversion_tags(error, aliases, firsts)
+        return _optim_conversion_tags(error, aliases, firsts, unstated)
     inner = rest.partition(": ")[2]
     itype, _, msg = inner.partition(": ")
     tags = [f"cause:{itype}"]
@@ -308,7 +340,7 @@ def cause_tags(error: str, aliases=frozenset(), firsts=frozenset(), lost=frozens
     return tuple(tags)
 
 
-def _optim_conversion_tags(error: str, aliases, firsts=frozenset()) -> tuple[str, ...]:
+def _optim_conversion_tags(error: str, aliases, firsts=frozenset(), unstated=frozenset()) -> tuple[str, ...]:
     """FSDP1's optimizer state dict (use_orig_params=True) looks each of a
     unit's parameters up by its name inside the unit: 'RuntimeError: <FQN> is
     not in the optimizer state. The FSDPParamInfo has the param keys ...'.
@@ -317,7 +349,8 @@ def _optim_conversion_tags(error: str, aliases, firsts=frozenset()) -> tuple[str
     Parameter that has several (FSDP1, use_orig_params=False, knows it only by
     its name inside the unit that flattened it: optim_state_dict_to_load's
     rekeying of the param_groups): key:first-of-shared (error:KeyError says
-    the type)."""
+    the type). key:trainable-without-state when the FQN is one of
+    ``unstated`` (trainable_without_state)."""
     itype, _, msg = error.partition(": ")
     if itype == "KeyError":
         key = msg.strip()
@@ -327,7 +360,8 @@ def _optim_conversion_tags(error: str, aliases, firsts=frozenset()) -> tuple[str
     fqn, sep, _ = msg.partition(" is not in the optimizer state")
     if itype != "RuntimeError" or not sep or " " in fqn:
         return ()
-    return ("cause:not-in-optim-state", *(("key:alias",) if fqn in aliases else ()))
+    return ("cause:not-in-optim-state", *(("key:alias",) if fqn in aliases else ()),
+            *(("key:trainable-without-state",) if fqn in unstated else ()))
 
 
 @catalog.invariant(
@@ -344,7 +378,7 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
         return _outside(pred, obs[0])
     tags = case_tags(spec, pred)
     if any(o.error for o in obs):
-        return _raised("SD-FULL", obs, tags, pred)
+        return _raised("SD-FULL", obs, tags, pred, spec=spec)
     frozen = set(pred.frozen) if spec.ckpt.ignore_frozen else set()
     want = set(pred.sd_keys) - frozen
     out = []
@@ -384,7 +418,7 @@ def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
         return _outside(pred, obs[0])
     tags = case_tags(spec, pred)
     if any(o.error for o in obs):
-        return _raised("TIES-KEPT", obs, tags, pred)
+        return _raised("TIES-KEPT", obs, tags, pred, spec=spec)
     out = []
     want = {group[0] for group in pred.tied}
     for o in obs:
@@ -420,7 +454,7 @@ def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) ->
     # (fsdp2-gloo-reduce-scatter-avg-sums)
     tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
     if obs.error:
-        return _raised("CKPT-RESHARD", obs, tags, pred, _rerun_group_params(spec, pred))
+        return _raised("CKPT-RESHARD", obs, tags, pred, _rerun_group_params(spec, pred), spec=spec)
     if not obs.values_meaningful:
         return VALUES_UNCHECKED
     out = []
@@ -450,7 +484,7 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     # (fsdp2-gloo-reduce-scatter-avg-sums)
     tags = case_tags(spec, pred) | {f"backend:{obs.backend}"}
     if obs.error:
-        return _raised("OPTIM-STATE", obs, tags, pred, _rerun_group_params(spec, pred))
+        return _raised("OPTIM-STATE", obs, tags, pred, _rerun_group_params(spec, pred), spec=spec)
     if not obs.values_meaningful:
         return VALUES_UNCHECKED
     out = []
@@ -473,7 +507,8 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
                 extra.append("param:lost-grad")  # its gradient lost in the save's training
             out.append(violation("OPTIM-STATE", f"{canon} had optimizer state; the {what} state has none", tags, f"kind:lost-at-{kind}", *extra))
         for canon in sorted(set(by) - ref):
-            out.append(violation("OPTIM-STATE", f"{canon} has {what} optimizer state; single-process training gave it none", tags, f"kind:extra-at-{kind}"))
+            extra = ("param:trainable-without-state",) if canon in trainable_without_state(spec, pred) else ()
+            out.append(violation("OPTIM-STATE", f"{canon} has {what} optimizer state; single-process training gave it none", tags, f"kind:extra-at-{kind}", *extra))
         for canon, ns in sorted(by.items()):
             if len(ns) > 1:
                 out.append(violation("OPTIM-STATE", f"tied parameter {canon} has {len(ns)} {what} state entries {ns}", tags, "kind:tie-entries"))
