@@ -130,8 +130,12 @@ def _microbatch_specs(draw: Any, base: SearchStrategy, max_groups: int, max_micr
         steps = tuple(dataclasses.replace(s, separate_reduce_scatter=True if k == 0 else pick(draw, (None, None, False, True)))
                       for k, s in enumerate(steps))
         event("microbatch: set_separate_reduce_scatter_group")
+    # post-accumulate-grad hooks on every trainable parameter (an optimizer step in backward's), a third of the time
+    grad_hooks = draw(THIRD)
+    if grad_hooks:
+        event("microbatch: register_post_accumulate_grad_hook")
     plan = MicrobatchPlan(steps, shard_dim1=shard_dim1, cpu_offload=cpu_offload, abort=abort, no_unshard_in_backward=no_bw,
-                          all_reduce_hook=hooks, custom_comms=custom, mesh=mesh)
+                          all_reduce_hook=hooks, custom_comms=custom, mesh=mesh, grad_hooks=grad_hooks)
     if abort is None and maybe(draw, 2):
         spec, plan = _draw_unused(draw, spec, plan)
     return dataclasses.replace(spec, microbatch=plan)

@@ -937,7 +937,9 @@ class MicrobatchPlan:
     reduce-scatters differ); ``mesh``: (replicate, shard), every group
     given a 2-D DeviceMesh of that shape (HSDP: set_requires_all_reduce
     then governs the replicate all-reduce), None: a 1-D mesh over every
-    rank."""
+    rank; ``grad_hooks``: every trainable sharded parameter given
+    register_post_accumulate_grad_hook (an optimizer step in backward's
+    hook), which records its calls and the gradient it sees."""
 
     microbatches: tuple[MicrobatchStep, ...] = (MicrobatchStep(),)
     shard_dim1: tuple[str, ...] = ()
@@ -948,6 +950,7 @@ class MicrobatchPlan:
     custom_comms: tuple[str, ...] = ()
     reduce_scatter_unused_params: bool = False
     mesh: tuple[int, int] | None = None
+    grad_hooks: bool = False
 
 
 def validate_microbatch(spec: "CaseSpec") -> None:
@@ -967,6 +970,8 @@ def validate_microbatch(spec: "CaseSpec") -> None:
             raise SpecError("microbatch: reshard follows an explicit unshard")
     if mb.microbatches[0].unshard is not None:
         raise SpecError("microbatch: an explicit unshard comes after the first forward (lazy init runs in it)")
+    if not isinstance(mb.grad_hooks, bool):
+        raise SpecError("microbatch: grad_hooks is a bool")
     if not set(mb.shard_dim1) <= group_modules:
         raise SpecError("microbatch: shard_dim1 names modules given to fully_shard")
     for path in mb.no_unshard_in_backward:

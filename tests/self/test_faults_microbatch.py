@@ -81,6 +81,8 @@ CASES = {
     # (in its group too), with set_reduce_scatter_unused_params(True)
     "unused-on-rank0": lambda: model(MicrobatchPlan((MicrobatchStep(sync=False, unused_on_rank0=("layers.1.proj",)), MicrobatchStep(),
                                                      MicrobatchStep(unused_on_rank0=("layers.2.proj",))), reduce_scatter_unused_params=True)),
+    # post-accumulate-grad hooks on every trainable parameter: synced twice (layers.2's after an unsynced microbatch)
+    "grad-hooks": lambda: model(MicrobatchPlan((MicrobatchStep(), NO_SYNC, MicrobatchStep()), grad_hooks=True)),
     # reduce-scatters on a group of their own, back on the shard group, then on a new one
     "separate-reduce-scatter": lambda: model(MicrobatchPlan((MicrobatchStep(separate_reduce_scatter=True),
                                                              MicrobatchStep(separate_reduce_scatter=False),
@@ -114,6 +116,8 @@ FAULTS = [
     ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-ignored", "pg:separate"),
     ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-per-group", "pg:separate"),
     ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-disable-ignored", "pg:separate"),
+    ("MB-GRADS", "grad-hooks", "grad-hooks-skipped", "kind:hook-not-run"),
+    ("MB-GRADS", "grad-hooks", "grad-hooks-before-accumulation", "kind:hook-stale"),
     ("MB-COMMS", "hsdp-2x2", "all-reduce-flag-ignored", "op:all_reduce"),
     ("MB-COMMS", "hsdp-2x2", "all-reduce-flag-ignored", "op:all_reduce_hook"),
 ]
@@ -131,6 +135,7 @@ GLOO_FAULTS = [
     ("MB-GRADS", "hooks-and-custom-comms", "all-reduce-hook-on-a-copy", "kind:grad"),
     ("MB-GRADS", "unused-on-rank0", "unused-params-nonzero-grad", "kind:grad"),
     ("MB-COMMS", "separate-reduce-scatter", "separate-rs-group-per-group", "pg:separate"),
+    ("MB-GRADS", "grad-hooks", "grad-hooks-skipped", "kind:hook-not-run"),
     ("MB-GRADS", "hsdp-1x2", "partial-reduce-dropped", "kind:grad"),
     ("MB-GRADS", "hsdp-2x1", "partial-reduce-dropped", "kind:grad"),
     ("MB-GRADS", "hsdp-2x1", "all-reduce-hook-ignored", "kind:grad"),

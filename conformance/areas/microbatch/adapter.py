@@ -20,7 +20,7 @@ from conformance.areas.common.fsdp2_adapter import error_line, fsdp2_api, full_t
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.support import fsdp2_mesh, hsdp_mesh, on_rank_device, placed
 from conformance.areas.common.training import rel_err
-from conformance.areas.microbatch.observation import GradSeen, MicrobatchObservation, ShardSeen
+from conformance.areas.microbatch.observation import GradSeen, HookSeen, MicrobatchObservation, ShardSeen
 from conformance.areas.microbatch.oracle import predict_microbatch
 from conformance.case.build import BATCH, build, is_sharded, read_attr
 from conformance.case.spec import CaseSpec
@@ -106,6 +106,7 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
     except Exception as e:
         return MicrobatchObservation(**base, error=f"fully_shard: {error_line(e)}", seconds=time.perf_counter() - t0)
     model = built.model
+    hooked = _grad_hooks(model, pred.trainable) if mb.grad_hooks else {}
     labels = {id(m): aliases.canon_of_module.get(id(m), "?") for m in model.modules()}
     iterations, error = [], None
     with contextlib.ExitStack() as stack:
@@ -116,6 +117,8 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
         if mb.abort is not None:
             error = _abort_and_reset(spec, built, model, rank, rec)
             rec.restart()  # what the aborted iteration did is not the sequence's
+            for seen in hooked.values():
+                seen.clear()
         for k in range(len(mb.microbatches)) if error is None else ():
             try:
                 iterations.append(rec.take(_microbatch(spec, built, model, k, rank, rec)))
@@ -146,8 +149,37 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
                 grads = _compare_grads(spec, model, ref, names, world)
             except Exception as e:
                 grads, read_error = [], f"full gradients: {error_line(e)}"
+    hooks = _hooks_seen(model, hooked) if error is None and read_error is None else ()
     return MicrobatchObservation(**base, error=error, iterations=tuple(iterations), grads=tuple(grads), shards=tuple(shards),
-                                 read_error=read_error, seconds=seconds)
+                                 hooks=hooks, read_error=read_error, seconds=seconds)
+
+
+def _grad_hooks(model, trainable) -> dict[str, list]:
+    """register_post_accumulate_grad_hook on every trainable (sharded)
+    parameter, as an optimizer step in backward registers it: each call
+    appends the local shard of the .grad it sees (FSDP2 runs them itself
+    after writing the sharded gradient). By FQN, the calls' gradients."""
+    out: dict[str, list] = {}
+    for f in trainable:
+        p = read_attr(model, f)
+        seen = out[f] = []
+        p.register_post_accumulate_grad_hook(
+            lambda q, seen=seen: seen.append(None if q.grad is None else _local(q.grad).detach().clone()))
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_sharded(t) else t
+
+
+def _hooks_seen(model, hooked: dict[str, list]) -> tuple[HookSeen, ...]:
+    out = []
+    for f, seen in hooked.items():
+        g = read_attr(model, f).grad
+        last = seen[-1] if seen else None
+        same = None if g is None or last is None else bool(last.shape == _local(g).shape and torch.equal(last, _local(g)))
+        out.append(HookSeen(f, len(seen), g is not None, same))
+    return tuple(out)
 
 
 class AbortedIteration(Exception):

@@ -60,7 +60,7 @@ def _tags(spec: CaseSpec, pred: MicrobatchPrediction, world: int) -> set[str]:
                        ("set-reshard-after-forward", any(s.reshard_after_forward is not None for s in steps)),
                        ("explicit-unshard", any(s.unshard is not None for s in steps)),
                        ("async-unshard", any(s.unshard_async for s in steps)), ("explicit-reshard", any(s.reshard for s in steps)),
-                       ("shard-dim1", bool(mb.shard_dim1)),
+                       ("shard-dim1", bool(mb.shard_dim1)), ("grad-hooks", mb.grad_hooks),
                        ("reshard:int", any(isinstance(g.reshard_after_forward, int) and not isinstance(g.reshard_after_forward, bool)
                                            for g in spec.plan.groups))):
         if flag:
@@ -125,8 +125,8 @@ def check_comms(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     group="schedule_api",
     api="fsdp2",
     scenario="microbatch",
-    statement="Whatever the settings drawn per microbatch (set_unshard_in_backward(False) on groups whose parameters backward does not read included), after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains; a group whose all-reduce hook scales the reduce-scatter output in place ends with its gradients scaled by that factor, and custom comms that issue the default collectives change no gradient; where rank 0 passed over some modules (set_reduce_scatter_unused_params(True)), every gradient is the mean over ranks of what each rank's own forward gives (a parameter rank 0 did not use counts zero from it); on a 2-D (replicate, shard) mesh (HSDP), reductions without the replicate all-reduce (set_requires_all_reduce(False)) lose nothing: the all-reducing one brings them in.",
-    source=DOCS,
+    statement="Whatever the settings drawn per microbatch (set_unshard_in_backward(False) on groups whose parameters backward does not read included), after the last (synced) microbatch every trainable parameter's gradient equals the large batch's (the mean over ranks, summed over microbatches, of a single-process model's), and frozen parameters have none; so too where an exception aborted a forward or backward first (after some microbatches, with gradient sync on or off) and the sequence restarted after reset_iter_state() on the root and every gradient set to None: nothing of the aborted iteration remains; a group whose all-reduce hook scales the reduce-scatter output in place ends with its gradients scaled by that factor, and custom comms that issue the default collectives change no gradient; where rank 0 passed over some modules (set_reduce_scatter_unused_params(True)), every gradient is the mean over ranks of what each rank's own forward gives (a parameter rank 0 did not use counts zero from it); on a 2-D (replicate, shard) mesh (HSDP), reductions without the replicate all-reduce (set_requires_all_reduce(False)) lose nothing: the all-reducing one brings them in; a post-accumulate-grad hook on a trainable sharded parameter (an optimizer step in backward's) runs after FSDP2 writes its sharded gradient: at least once for every parameter that ends the sequence with a gradient, seeing that gradient in .grad at its last call, and never for one that ends without.",
+    source=f"{DOCS}; Tensor.register_post_accumulate_grad_hook docstring (called after all gradients for the tensor have been accumulated: its .grad updated)",
 )
 def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObservation) -> list[Violation] | NotChecked:
     tags = case_tags(spec, pred, obs) | {backend_tag(obs)}
@@ -136,8 +136,9 @@ def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
     if obs.read_error:
         return [violation("MB-GRADS", f"reading what FSDP left after the last microbatch raised ({obs.read_error})", tags,
                           "kind:raised", "at:read")]
+    out += _hook_violations(obs, tags)
     if not obs.values_meaningful:
-        return VALUES_UNCHECKED
+        return out or VALUES_UNCHECKED
     frozen = set(pred.frozen)
     for g in obs.grads:
         if g.fqn in frozen:
@@ -152,6 +153,22 @@ def check_grads(spec: CaseSpec, pred: MicrobatchPrediction, obs: MicrobatchObser
             out.append(violation("MB-GRADS", f"{g.fqn}: gradient off the large batch's by {g.err:.3g} (relative, > {GRAD_RTOL:g})", tags, "kind:grad", *stale))
     if not obs.grads:
         return NotChecked("no gradient compared")
+    return out
+
+
+def _hook_violations(obs: MicrobatchObservation, tags: set[str]) -> list[Violation]:
+    """MicrobatchPlan.grad_hooks: what each parameter's post-accumulate-grad
+    hook saw against the gradient it ends with (structure: every tier)."""
+    out = []
+    for h in obs.hooks:
+        if h.has_grad and not h.calls:
+            out.append(violation("MB-GRADS", f"{h.fqn} has a gradient but its post-accumulate-grad hook never ran", tags, "kind:hook-not-run"))
+        elif h.has_grad and h.last_is_final is False:
+            out.append(violation("MB-GRADS", f"{h.fqn}: the gradient its post-accumulate-grad hook last saw is not the one it ends with "
+                                 f"({h.calls} calls)", tags, "kind:hook-stale"))
+        elif not h.has_grad and h.calls:
+            out.append(violation("MB-GRADS", f"{h.fqn} ends without a gradient but its post-accumulate-grad hook ran {h.calls} times", tags,
+                                 "kind:hook-without-grad"))
     return out
 
 

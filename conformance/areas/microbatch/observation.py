@@ -27,6 +27,14 @@ class ShardSeen:
 
 
 @dataclass(frozen=True)
+class HookSeen:
+    fqn: str
+    calls: int  # the parameter's post-accumulate-grad hook ran this often over the sequence
+    has_grad: bool  # the parameter ends the sequence with a gradient
+    last_is_final: bool | None  # the .grad its last call saw is the final one (None: no call, or no final gradient)
+
+
+@dataclass(frozen=True)
 class MicrobatchObservation(Record):
     api: str
     rank: int
@@ -37,6 +45,7 @@ class MicrobatchObservation(Record):
     iterations: tuple[IterationSeen, ...] = ()
     grads: tuple[GradSeen, ...] = ()
     shards: tuple[ShardSeen, ...] = ()
+    hooks: tuple[HookSeen, ...] = ()  # MicrobatchPlan.grad_hooks
     read_error: str | None = None  # reading the parameters or the gradients' full values after the last microbatch raised
     seconds: float = 0.0
 
@@ -46,6 +55,6 @@ class MicrobatchObservation(Record):
 
     def comparable(self) -> dict:
         d = self.to_dict()
-        for k in ("rank", "seconds", "grads", "read_error"):
+        for k in ("rank", "seconds", "grads", "hooks", "read_error"):
             d.pop(k)
         return d
