@@ -190,33 +190,10 @@ def all_reduce_hook_on_a_copy():
     return mock.patch.object(_fsdp_param_group, "foreach_reduce", foreach_reduce)
 
 
-@fault("grad-hooks-skipped")
-def grad_hooks_skipped():
-    """The reduce-scatter no longer runs the sharded parameters'
-    post-accumulate-grad hooks (the mutant fsdp2-post-accumulate-grad-hooks-skipped):
-    each parameter's hooks are hidden while FSDP2 writes its gradient."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-
-    orig = _fsdp_param_group.foreach_reduce
-
-    def foreach_reduce(fsdp_params, *args, **kwargs):
-        params = [fp.sharded_param for fp in fsdp_params]
-        saved = [getattr(p, "_post_accumulate_grad_hooks", None) for p in params]
-        for p in params:
-            p._post_accumulate_grad_hooks = None
-        try:
-            return orig(fsdp_params, *args, **kwargs)
-        finally:
-            for p, hooks in zip(params, saved):
-                p._post_accumulate_grad_hooks = hooks
-
-    return mock.patch.object(_fsdp_param_group, "foreach_reduce", foreach_reduce)
-
-
-@fault("grad-hooks-before-accumulation")
-def grad_hooks_before_accumulation():
-    """Each parameter's post-accumulate-grad hooks run before FSDP2 adds the
-    reduced gradient to the one accumulated: they see the previous .grad."""
+def _hooks_moved(run_before: bool):
+    """FSDP2's reduce with each sharded parameter's post-accumulate-grad
+    hooks hidden while it writes the gradient, after running them first
+    where ``run_before`` (they then see the previous .grad)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     orig = _fsdp_param_group.foreach_reduce
@@ -225,7 +202,7 @@ def grad_hooks_before_accumulation():
         params = [fp.sharded_param for fp in fsdp_params]
         saved = [getattr(p, "_post_accumulate_grad_hooks", None) for p in params]
         for p, hooks in zip(params, saved):
-            for hook in (hooks or {}).values():
+            for hook in (hooks or {}).values() if run_before else ():
                 hook(p)
             p._post_accumulate_grad_hooks = None
         try:
@@ -235,6 +212,20 @@ def grad_hooks_before_accumulation():
                 p._post_accumulate_grad_hooks = hooks
 
     return mock.patch.object(_fsdp_param_group, "foreach_reduce", foreach_reduce)
+
+
+@fault("grad-hooks-skipped")
+def grad_hooks_skipped():
+    """The reduce-scatter no longer runs the sharded parameters'
+    post-accumulate-grad hooks (the mutant fsdp2-post-accumulate-grad-hooks-skipped)."""
+    return _hooks_moved(run_before=False)
+
+
+@fault("grad-hooks-before-accumulation")
+def grad_hooks_before_accumulation():
+    """Each parameter's post-accumulate-grad hooks run before FSDP2 adds the
+    reduced gradient to the one accumulated: they see the previous .grad."""
+    return _hooks_moved(run_before=True)
 
 
 @fault("custom-all-gather-ignored")
