@@ -128,6 +128,11 @@ def is_sharded(t: torch.Tensor) -> bool:
     return hasattr(t, "device_mesh")
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor; a plain tensor as it is."""
+    return t.to_local() if is_sharded(t) else t
+
+
 def read_attr(obj, path: str):
     for part in path.split(".") if path else ():
         obj = getattr(obj, part)  # FSDP1 wrappers forward attribute access

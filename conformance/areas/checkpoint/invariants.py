@@ -498,6 +498,7 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
         return by
 
     ref = set(obs.optim_ref)
+    unstated = trainable_without_state(spec, pred)
     for what, names, kind in (("saved", obs.optim_saved, "save"), ("loaded", obs.optim_loaded, "load")):
         by = entries(names)
         for canon in sorted(ref - set(by)):
@@ -507,7 +508,7 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
                 extra.append("param:lost-grad")  # its gradient lost in the save's training
             out.append(violation("OPTIM-STATE", f"{canon} had optimizer state; the {what} state has none", tags, f"kind:lost-at-{kind}", *extra))
         for canon in sorted(set(by) - ref):
-            extra = ("param:trainable-without-state",) if canon in trainable_without_state(spec, pred) else ()
+            extra = ("param:trainable-without-state",) if canon in unstated else ()
             out.append(violation("OPTIM-STATE", f"{canon} has {what} optimizer state; single-process training gave it none", tags, f"kind:extra-at-{kind}", *extra))
         for canon, ns in sorted(by.items()):
             if len(ns) > 1:

@@ -29,7 +29,7 @@ from conformance.areas.common.support import add_rank_buffers, cached_layout, ca
 from conformance.areas.common.timing import Stopwatch
 from conformance.areas.common.training import make_optimizer, reference_loss, reference_noise, stable, train_close
 from conformance.areas.hsdp.observation import HsdpObservation, LocalSeen, StepSeen, ValueSeen
-from conformance.case.build import build, is_sharded, read_attr
+from conformance.case.build import build, is_sharded, local_part, read_attr
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
 from conformance.paths import scratch_dir
@@ -62,10 +62,6 @@ def digest(t: torch.Tensor | None) -> str:
         t = t.to_local()
     raw = t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
     return f"{tuple(t.shape)}:{hashlib.sha1(raw).hexdigest()[:16]}"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_sharded(t) else t
 
 
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -113,7 +109,7 @@ def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as this rank holds it (a DTensor's local shard, an
     FSDP1 flat parameter or view), by its name in the wrapped model: a copy
     (the optimizer updates the shards in place)."""
-    return {a1.clean(n): _local(p.detach()).clone() for n, p in model.named_parameters()}
+    return {a1.clean(n): local_part(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def layout(spec: CaseSpec, model: nn.Module, aliases) -> tuple[LocalSeen, ...]:

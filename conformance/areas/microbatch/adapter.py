@@ -22,7 +22,7 @@ from conformance.areas.common.support import fsdp2_mesh, hsdp_mesh, on_rank_devi
 from conformance.areas.common.training import rel_err
 from conformance.areas.microbatch.observation import GradSeen, HookSeen, MicrobatchObservation, ShardSeen
 from conformance.areas.microbatch.oracle import predict_microbatch
-from conformance.case.build import BATCH, build, is_sharded, read_attr
+from conformance.case.build import BATCH, build, is_sharded, local_part, read_attr
 from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of
 
@@ -118,7 +118,7 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
             error = _abort_and_reset(spec, built, model, rank, rec)
             rec.restart()  # what the aborted iteration did is not the sequence's
             for seen in hooked.values():
-                seen.clear()
+                seen.update(calls=0, last=None)
         for k in range(len(mb.microbatches)) if error is None else ():
             try:
                 iterations.append(rec.take(_microbatch(spec, built, model, k, rank, rec)))
@@ -154,31 +154,30 @@ def observe(spec: CaseSpec) -> MicrobatchObservation:
                                  hooks=hooks, read_error=read_error, seconds=seconds)
 
 
-def _grad_hooks(model, trainable) -> dict[str, list]:
+def _grad_hooks(model, trainable) -> dict[str, dict]:
     """register_post_accumulate_grad_hook on every trainable (sharded)
-    parameter, as an optimizer step in backward registers it: each call
-    appends the local shard of the .grad it sees (FSDP2 runs them itself
-    after writing the sharded gradient). By FQN, the calls' gradients."""
-    out: dict[str, list] = {}
+    parameter, as an optimizer step in backward registers it (FSDP2 runs
+    them itself after writing the sharded gradient). By FQN: how often its
+    hook ran and the local shard of the .grad its last call saw."""
+    out: dict[str, dict] = {}
     for f in trainable:
-        p = read_attr(model, f)
-        seen = out[f] = []
-        p.register_post_accumulate_grad_hook(
-            lambda q, seen=seen: seen.append(None if q.grad is None else _local(q.grad).detach().clone()))
+        seen = out[f] = {"calls": 0, "last": None}
+
+        def hook(q, seen=seen):
+            seen["calls"] += 1
+            seen["last"] = None if q.grad is None else local_part(q.grad).detach().clone()
+
+        read_attr(model, f).register_post_accumulate_grad_hook(hook)
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_sharded(t) else t
-
-
-def _hooks_seen(model, hooked: dict[str, list]) -> tuple[HookSeen, ...]:
+def _hooks_seen(model, hooked: dict[str, dict]) -> tuple[HookSeen, ...]:
     out = []
     for f, seen in hooked.items():
         g = read_attr(model, f).grad
-        last = seen[-1] if seen else None
-        same = None if g is None or last is None else bool(last.shape == _local(g).shape and torch.equal(last, _local(g)))
-        out.append(HookSeen(f, len(seen), g is not None, same))
+        last = seen["last"]
+        same = None if g is None or last is None else bool(last.shape == local_part(g).shape and torch.equal(last, local_part(g)))
+        out.append(HookSeen(f, seen["calls"], g is not None, same))
     return tuple(out)
 
 
