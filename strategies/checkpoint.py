@@ -16,7 +16,7 @@ from hypothesis.strategies import SearchStrategy
 from conformance.areas.checkpoint.oracle import predict_ckpt
 from conformance.areas.common.training_oracle import predict_training
 from conformance.case.graph import ModelGraph
-from conformance.case.spec import CKPT_OPTIMIZERS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan
+from conformance.case.spec import CKPT_OPTIMIZERS, CKPT_PRECISIONS, LOAD_PATHS, CaseSpec, CheckpointPlan, ModuleWrap, WrapPlan
 from conformance.strategies._common import check_int, ints, maybe, pick, pick_subset
 from conformance.strategies.cases import case_specs
 from conformance.strategies.groups import draw_groups, fsdp2_case_specs
@@ -81,10 +81,18 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
         # offload under FSDP1 on a CPU device breaks ranks (a recorded
         # finding; a hung rank costs a deadline): drawn now and then
         offload = maybe(draw, 1) if api == "fsdp2" else draw(ints(11)) == 11
+        # a checkpoint of a model in use (one forward before it) and mixed
+        # precision: the state dict is full precision all the same (FSDP1's
+        # buffers too, which its forward cast to buffer_dtype)
+        warm = maybe(draw, 1)
+        precisions = [p for p in CKPT_PRECISIONS if api == "fsdp1" or not p.buffer_dtype]
+        precision = pick(draw, precisions) if maybe(draw, 1) else None
+        event(f"full state dict: warm {warm}, precision {precision is not None}")
         ck = CheckpointPlan(
             save_world=save_world, full_sd=way, offload=offload,
             rank0_only=way == "fsdp1-full" and maybe(draw, 1),
             ignore_frozen=way == "dcp-full" and maybe(draw, 1),
+            warm=warm, precision=precision,
         )
         return dataclasses.replace(spec, ckpt=ck)
     if kind == "ties":
@@ -139,7 +147,8 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
 
 def checkpoint_specs(kind: str, *, api: str | None = None, max_modules: int = 8) -> SearchStrategy[CaseSpec]:
     """Checkpoint cases for one invariant family: ``full`` (SD-FULL: how the
-    full state dict is taken), ``ties`` (TIES-KEPT: a load path; cases with
+    full state dict is taken, of a model that ran a forward or not, under
+    mixed precision or not), ``ties`` (TIES-KEPT: a load path; cases with
     ties or shared modules), ``reshard`` (CKPT-RESHARD: save and load plans
     and world sizes, optimizer) and ``optim`` (OPTIM-STATE: as reshard, plus
     requires_grad changes before the save and at the load). Trees have

@@ -29,6 +29,7 @@ from conformance.areas.schedule.oracle import predict_schedule
 from conformance.case.model_case import ModelCase
 from conformance.case.spec import (
     CKPT_OPTIMIZERS,
+    CKPT_PRECISIONS,
     CUSTOM_KWARGS,
     FSDP1_STRATEGIES,
     LOAD_PATHS,
@@ -301,8 +302,13 @@ def _with_ckpt(draw, m: _Model, case: ModelCase, kind: str, freeze, policy_kinds
         # FSDP1's offload_to_cpu on a CPU device breaks ranks (a recorded
         # finding of the generated cases; a hung rank costs the deadline):
         # not drawn on a model
+        # a checkpoint of the model in use (a forward first), under bf16
+        # mixed precision or not (float16 left out: not every op of a real
+        # model has a float16 kernel on CPU)
+        precisions = [p for p in CKPT_PRECISIONS if "float16" not in (p.param_dtype, p.buffer_dtype) and (api == "fsdp1" or not p.buffer_dtype)]
         ck = CheckpointPlan(save_world=save_world, full_sd=way, offload=api == "fsdp2" and maybe(draw, 1),
-                            rank0_only=way == "fsdp1-full" and maybe(draw, 1), ignore_frozen=way == "dcp-full" and maybe(draw, 1))
+                            rank0_only=way == "fsdp1-full" and maybe(draw, 1), ignore_frozen=way == "dcp-full" and maybe(draw, 1),
+                            warm=maybe(draw, 1), precision=pick(draw, precisions) if maybe(draw, 1) else None)
         return dataclasses.replace(case, ckpt=ck)
     if kind == "ties":
         paths = LOAD_PATHS if api == "fsdp2" else tuple(p for p in LOAD_PATHS if p != "set_model_state_dict-broadcast")

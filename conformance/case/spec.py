@@ -249,7 +249,10 @@ class CheckpointPlan:
     ``full_sd``/``rank0_only``/``offload``/``ignore_frozen``: how SD-FULL takes
     the full state dict; ``load_path``: how TIES-KEPT loads one;
     ``warm``: TIES-KEPT's model runs one forward before the load (a load
-    into a model in use, FSDP2's lazy init done)."""
+    into a model in use, FSDP2's lazy init done), SD-FULL's one before the
+    state dict (a checkpoint of a model in use); ``precision``: SD-FULL's
+    mixed precision (one of CKPT_PRECISIONS: FSDP1's MixedPrecision,
+    FSDP2's MixedPrecisionPolicy; buffer_dtype FSDP1's only)."""
 
     save_world: int = 2
     load_world: int = 2
@@ -265,6 +268,7 @@ class CheckpointPlan:
     ignore_frozen: bool = False
     load_path: str = "load_state_dict"
     warm: bool = False
+    precision: Precision | None = None
 
 
 # ---- gradient clipping (clip area) -------------------------------------------
@@ -702,6 +706,18 @@ CLIP_PRECISIONS = (
     Precision(param_dtype="bfloat16"),
     Precision(param_dtype="bfloat16", reduce_dtype="float32"),
     Precision(param_dtype="bfloat16", keep_low_precision_grads=True),
+)
+
+# The checkpoint area's mixed precision (CheckpointPlan.precision, SD-FULL):
+# compute in bf16 or fp16 (the state dict still full precision), FSDP1's
+# buffers cast to buffer_dtype at the first forward (saved in full
+# precision all the same), or buffer_dtype alone.
+CKPT_PRECISIONS = (
+    Precision(param_dtype="bfloat16"),
+    Precision(param_dtype="float16"),
+    Precision(param_dtype="bfloat16", buffer_dtype="bfloat16"),
+    Precision(param_dtype="float16", buffer_dtype="float16"),
+    Precision(buffer_dtype="bfloat16"),
 )
 
 
@@ -1362,7 +1378,7 @@ def _validate_methods(spec: CaseSpec, paths: set[str]) -> None:
             raise SpecError(f"train plan {t!r}: divide_factor must be > 0")
 
 
-def validate_ckpt_plan(c: "CheckpointPlan") -> None:
+def validate_ckpt_plan(c: "CheckpointPlan", api: str) -> None:
     """What a CheckpointPlan must be whatever its model (the FQNs it names
     and its load plan are checked against the model)."""
     if not all(isinstance(w, int) and 1 <= w <= MAX_WORLD for w in (c.save_world, c.load_world)):
@@ -1371,11 +1387,15 @@ def validate_ckpt_plan(c: "CheckpointPlan") -> None:
         raise SpecError(f"checkpoint plan {c!r}: optimizer one of {CKPT_OPTIMIZERS}, steps >= 1, steps_after >= 0")
     if c.full_sd not in FULL_SD_WAYS or c.load_path not in LOAD_PATHS:
         raise SpecError(f"checkpoint plan {c!r}: full_sd one of {FULL_SD_WAYS}, load_path one of {LOAD_PATHS}")
+    if c.precision is not None and c.precision not in CKPT_PRECISIONS:
+        raise SpecError(f"checkpoint plan: precision must be one of CKPT_PRECISIONS, not {c.precision!r}")
+    if c.precision is not None and c.precision.buffer_dtype and api != "fsdp1":
+        raise SpecError("checkpoint plan: buffer_dtype is FSDP1's (MixedPrecision)")
 
 
 def _validate_ckpt(spec: CaseSpec, fqns: set[str]) -> None:
     c = spec.ckpt
-    validate_ckpt_plan(c)
+    validate_ckpt_plan(c, spec.plan.api)
     for f in c.refreeze + (c.load_frozen or ()):
         if f not in fqns:
             raise SpecError(f"checkpoint plan names unknown parameter {f!r}")

@@ -40,6 +40,34 @@ def full_sd_perturbed():
     return mock.patch.object(sd, "_get_model_state_dict", wrong)
 
 
+@fault("buffers-not-upcast")
+def buffers_not_upcast():
+    """FSDP1's state dicts no longer cast the buffers back from
+    MixedPrecision's buffer_dtype: a checkpoint holds them in bf16."""
+    from torch.distributed.fsdp import _state_dict_utils
+
+    return mock.patch.object(_state_dict_utils, "_cast_buffers_to_dtype_and_device", lambda *a, **k: None)
+
+
+@fault("params-unsharded-low-precision")
+def params_unsharded_low_precision():
+    """FSDP1's state dict unshards the parameters in param_dtype (the
+    handle no longer forces full precision outside forward and backward)."""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    return mock.patch.object(FlatParamHandle, "_force_full_precision", property(lambda self: False))
+
+
+@fault("fsdp2-state-dict-not-resharded")
+def fsdp2_state_dict_not_resharded():
+    """FSDP2 registers no pre-save hook: a group that kept its parameters
+    unsharded after forward (the root's) hands state_dict the unsharded
+    param_dtype tensors, not the sharded float32 DTensors."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return mock.patch.object(FSDPParamGroup, "_register_state_dict_hooks", lambda self: None)
+
+
 @fault("frozen-not-ignored")
 def frozen_not_ignored():
     """ignore_frozen_params is dropped on the way to FSDP."""
@@ -182,6 +210,18 @@ def full_perturbed(spec: CaseSpec) -> dict:
 def full_frozen_kept(spec: CaseSpec) -> dict:
     with FAULTS["frozen-not-ignored"]():
         return _adapter().observe_full(spec).to_dict()
+
+
+def _full_under(name: str):
+    def observe(spec: CaseSpec) -> dict:
+        with FAULTS[name]():
+            return _adapter().observe_full(spec).to_dict()
+
+    return observe
+
+
+for _name in ("buffers-not-upcast", "params-unsharded-low-precision", "fsdp2-state-dict-not-resharded"):
+    scenario(f"fault:ckpt-full:{_name}", test_only=True)(_full_under(_name))
 
 
 @scenario("fault:ckpt-ties:load-assigns", test_only=True)

@@ -17,7 +17,19 @@ import pytest
 # the driver checks scenario names too: register the fault scenarios here as well
 import tests.self.faults_checkpoint  # noqa: E402,F401
 from conformance.areas.checkpoint.observation import CkptObservation
-from conformance.case.spec import CaseSpec, CheckpointPlan, ClassSpec, ModuleSpec, ParamSpec, ShardGroup, TiedParam, WrapPlan
+from conformance.case.spec import (
+    BufferSpec,
+    CaseSpec,
+    CheckpointPlan,
+    ClassSpec,
+    ModuleSpec,
+    ModuleWrap,
+    ParamSpec,
+    Precision,
+    ShardGroup,
+    TiedParam,
+    WrapPlan,
+)
 from conformance.run.runner import FAIL, PASS, evaluate, observations
 
 pytestmark = [pytest.mark.selfcheck, pytest.mark.gloo]
@@ -38,6 +50,25 @@ def lm(ckpt: CheckpointPlan, *, frozen_bias: bool = True) -> CaseSpec:
     ))
     return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), ties=(TiedParam("head", "weight", "embed.weight"),),
                     plan=WrapPlan(api="fsdp2", groups=(ShardGroup(("block",)),)), ckpt=ckpt, seed=3)
+
+
+def mixed(api: str) -> CaseSpec:
+    """A checkpoint of a model in use under mixed precision: the root's
+    scale and a Block's w, a buffer in Block and one in proj0; FSDP1 with
+    Block as a unit and every buffer in a unit that manages parameters
+    (FULL_STATE_DICT, bf16 parameters and buffers), FSDP2 with the root a
+    group that keeps its parameters unsharded after the forward."""
+    block = ModuleSpec("block", "Block", (ParamSpec("w", (3,)),), (BufferSpec("running", (3,)),), children=(
+        ModuleSpec("proj0", "Linear", (ParamSpec("weight", (3, 3)), ParamSpec("bias", (3,)))),
+    ))
+    tree = ModuleSpec("", "Model", (ParamSpec("scale", (3,)),), (BufferSpec("running", (3,)),), children=(block,))
+    if api == "fsdp1":
+        plan = WrapPlan(api="fsdp1", policy=ModuleWrap(("Block",)))
+        ck = CheckpointPlan(full_sd="fsdp1-full", warm=True, precision=Precision(param_dtype="bfloat16", buffer_dtype="bfloat16"))
+    else:
+        plan = WrapPlan(api="fsdp2", groups=(ShardGroup(("block",)),))
+        ck = CheckpointPlan(full_sd="dcp-full", warm=True, precision=Precision(param_dtype="bfloat16"))
+    return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), plan=plan, ckpt=ck, seed=3)
 
 
 ROUNDTRIP = CheckpointPlan(save_world=2, load_world=2, load_plan=WrapPlan(api="fsdp1", use_orig_params=True), optimizer="Adam", steps=2, steps_after=1)
@@ -68,6 +99,10 @@ def assert_caught(res, kind):
 VALUES = [
     ("SD-FULL", lm(CheckpointPlan(full_sd="dcp-full")), "fault:ckpt-full:full-sd-perturbed", None, "kind:values"),
     ("SD-FULL", lm(CheckpointPlan(full_sd="dcp-full", ignore_frozen=True)), "fault:ckpt-full:frozen-not-ignored", None, "kind:frozen-kept"),
+    # under mixed precision after a forward: a dtype is structure, checked on every tier
+    ("SD-FULL", mixed("fsdp1"), "fault:ckpt-full:buffers-not-upcast", None, "kind:dtype"),
+    ("SD-FULL", mixed("fsdp1"), "fault:ckpt-full:params-unsharded-low-precision", None, "kind:dtype"),
+    ("SD-FULL", mixed("fsdp2"), "fault:ckpt-full:fsdp2-state-dict-not-resharded", None, "kind:dtype"),
     ("TIES-KEPT", lm(CheckpointPlan(load_path="set_model_state_dict")), "fault:ckpt-ties:load-assigns", None, "kind:untied"),
     # untied: assign=True unties a tie (the finding load-state-dict-assign-unties)
     ("TIES-KEPT", dataclasses.replace(lm(CheckpointPlan(load_path="load_state_dict-assign")), ties=()),

@@ -18,11 +18,12 @@ import torch.nn as nn
 from torch.distributed.tensor import distribute_tensor
 
 from conformance.areas.checkpoint.observation import CkptObservation
-from conformance.areas.checkpoint.oracle import with_mask
+from conformance.areas.checkpoint.oracle import predict_ckpt, with_mask
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err1
 from conformance.areas.common.fsdp2_adapter import load_cause
+from conformance.areas.common.precision_adapter import wrap_kwargs
 from conformance.areas.common.support import on_rank_device, placed, rank_device
 from conformance.areas.common.training import NOISE_FACTOR, TRAIN_ATOL, TRAIN_RTOL, diverged, make_optimizer, noise, reference_loss
 from conformance.case.build import build, is_sharded, read_attr
@@ -295,6 +296,22 @@ def full_state_dict(spec: CaseSpec, model: nn.Module) -> dict:
     return sd.get_model_state_dict(model, options=opts)
 
 
+def _wrap_precise(spec: CaseSpec, built) -> nn.Module:
+    """The case's wrap under its checkpoint plan's mixed precision."""
+    extra = wrap_kwargs(spec, spec.ckpt.precision)
+    if spec.plan.api == "fsdp1":
+        return a1.wrap(spec, built, **extra)
+    a2.shard(spec, built, extra)
+    return built.model
+
+
+def _same_values(a, b) -> bool:
+    """Shape and values equal, ``a`` read in ``b``'s dtype (its dtype is
+    compared on its own)."""
+    a, b = a.detach(), b.detach()
+    return a.shape == b.shape and bool(torch.equal(a.to(b.dtype).cpu(), b.cpu()))
+
+
 def observe_full(spec: CaseSpec) -> CkptObservation:
     base = _base("sd-full", spec)
     if (why := missing_api(spec)) is not None:
@@ -302,19 +319,43 @@ def observe_full(spec: CaseSpec) -> CkptObservation:
     built, ref = placed(build(spec)), placed(build(spec))
     t0 = time.perf_counter()
     try:
-        model = wrap(spec, built)
+        model = _wrap_precise(spec, built) if spec.ckpt.precision is not None else wrap(spec, built)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap")
+    if spec.ckpt.warm:  # a model in use: one forward (no backward) before the state dict
+        try:
+            with torch.no_grad():
+                step_loss(spec, built, model, 0)
+            err = None
+        except ERRORS as e:
+            err = _err(e)
+        if (err := _agreed_error(err)) is not None:
+            return CkptObservation(**base, error=err, phase="forward")
     try:
         got = full_state_dict(spec, model)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="state_dict")
-    seconds = time.perf_counter() - t0  # wrapping and the full state dict: FSDP's (or DCP's) work
+    seconds = time.perf_counter() - t0  # wrapping, the forward and the full state dict: FSDP's (or DCP's) work
     want = ref.model.state_dict()
-    wrong = tuple(sorted(k for k, v in got.items() if k in want and not _same(v, want[k])))
+    pred = predict_ckpt(spec)
+    if pred.buffer_dtype:
+        # cast to buffer_dtype by the forward and kept there: saved in full
+        # precision, at the values the forward left
+        low = getattr(torch, pred.buffer_dtype)
+        for k in pred.rounded_buffers:
+            if k in want and want[k].is_floating_point():
+                want[k] = want[k].to(low).to(want[k].dtype)
+    common = [k for k in got if k in want and isinstance(got[k], torch.Tensor)]
+    wrong = tuple(sorted(k for k in common if _plain(got[k]) and not _same_values(got[k], want[k])))
+    dtypes = tuple(sorted(k for k in common if got[k].dtype != want[k].dtype))
     not_plain = tuple(sorted(k for k, v in got.items() if not _plain(v) or (spec.ckpt.offload and v.device.type != "cpu")))
-    return CkptObservation(**base, keys=tuple(sorted(got)), wrong_values=wrong, not_plain=not_plain,
-                           seconds=(("fsdp", seconds),))
+    rounded = ()
+    if spec.ckpt.precision is not None and spec.ckpt.precision.buffer_dtype:
+        # the wrong values that are the unwrapped model's rounded through buffer_dtype
+        low = getattr(torch, spec.ckpt.precision.buffer_dtype)
+        rounded = tuple(k for k in wrong if want[k].is_floating_point() and _same_values(got[k], want[k].to(low).to(want[k].dtype)))
+    return CkptObservation(**base, keys=tuple(sorted(got)), wrong_values=wrong, wrong_dtypes=dtypes, not_plain=not_plain,
+                           rounded=rounded, seconds=(("fsdp", seconds),))
 
 
 # ---- TIES-KEPT ------------------------------------------------------------------------

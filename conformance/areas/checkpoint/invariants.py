@@ -27,6 +27,9 @@ catalog = Catalog()
 DOC_DCP_SD = "torch.distributed.checkpoint.state_dict: StateDictOptions, get_model_state_dict / get_optimizer_state_dict / set_state_dict docstrings"
 DOC_DCP = "torch.distributed.checkpoint save / load docstrings (load-time resharding: 'supports loading into a different world size')"
 DOC_FSDP1_SD = "FullyShardedDataParallel.state_dict_type / FullStateDictConfig (offload_to_cpu, rank0_only) / SHARDED_STATE_DICT docstrings"
+DOC_MP = ("MixedPrecision docstring (param_dtype: 'for model checkpointing, the parameters are always saved in full precision'; "
+          "buffer_dtype: cast 'in the first forward pass and keeps them in that dtype thereafter. For model checkpointing, "
+          "the buffers are saved in full precision except for LOCAL_STATE_DICT'); MixedPrecisionPolicy docstring (the sharded parameters stay in the original dtype)")
 DOC_FSDP2 = "fully_shard docstring (parameters are DTensors; meta-device init then to_empty); torch.nn.Module.load_state_dict (assign)"
 
 
@@ -46,6 +49,12 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     for flag in ("rank0_only", "offload", "ignore_frozen"):
         if getattr(ck, flag):
             tags.add(flag)
+    if ck.precision is not None:
+        tags.add(f"precision:{ck.precision.param_dtype or 'none'}")
+        if ck.precision.buffer_dtype:
+            tags.add(f"buffer_dtype:{ck.precision.buffer_dtype}")
+    if not ck.warm:
+        tags.add("before-first-forward")  # SD-FULL: the state dict; TIES-KEPT: the load
     if ck.warm:
         tags.add("load-after-forward")
         if spec.plan.api == "fsdp2" and _group_unsharded_after_forward(spec):
@@ -370,8 +379,8 @@ def _optim_conversion_tags(error: str, aliases, firsts=frozenset(), unstated=fro
     api="fsdp1|fsdp2",
     scenario="ckpt-full",
     all_ranks=True,
-    statement="A full model state dict (FSDP1 FULL_STATE_DICT incl. rank0_only / offload_to_cpu; get_model_state_dict(full_state_dict=True) incl. cpu_offload) holds exactly the unwrapped model's keys and values as plain tensors (with ignore_frozen_params: no frozen parameter); ranks that rank0_only / cpu_offload leave out get an empty dict.",
-    source=f"{DOC_FSDP1_SD}; {DOC_DCP_SD} (full_state_dict, cpu_offload: 'only the rank0 will get the state_dict', ignore_frozen_params)",
+    statement="A full model state dict (FSDP1 FULL_STATE_DICT incl. rank0_only / offload_to_cpu; get_model_state_dict(full_state_dict=True) incl. cpu_offload) holds exactly the unwrapped model's keys and values as plain tensors in their dtypes (with ignore_frozen_params: no frozen parameter); ranks that rank0_only / cpu_offload leave out get an empty dict. So too after a forward and under mixed precision (MixedPrecision / MixedPrecisionPolicy: parameters saved in full precision; FSDP1's buffers, cast to buffer_dtype by the first forward, saved in full precision at the values that cast left).",
+    source=f"{DOC_FSDP1_SD}; {DOC_DCP_SD} (full_state_dict, cpu_offload: 'only the rank0 will get the state_dict', ignore_frozen_params); {DOC_MP}",
 )
 def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation] | NotChecked:
     if pred.applicable or obs[0].skipped:
@@ -398,9 +407,19 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
             kind = ("kind:frozen-alias-kept" if extra <= second_names else "kind:frozen-kept") if frozen and extra <= frozen else "kind:keys"
             out.append(violation("SD-FULL", f"rank {o.rank}: keys {set_diff(got, want)}", tags, kind))
         if o.wrong_values and o.values_meaningful:
-            out.append(violation("SD-FULL", f"rank {o.rank}: values of {list(o.wrong_values)} differ from the unwrapped model's", tags, "kind:values"))
+            # values:rounded-buffers: every wrong value is a buffer's, rounded through buffer_dtype
+            rounded = ("values:rounded-buffers",) if set(o.wrong_values) <= set(o.rounded) & set(pred.buffers) else ()
+            out.append(violation("SD-FULL", f"rank {o.rank}: values of {list(o.wrong_values)} differ from the unwrapped model's", tags, "kind:values", *rounded))
         if o.not_plain:
             out.append(violation("SD-FULL", f"rank {o.rank}: {list(o.not_plain)} are not plain (CPU) tensors", tags, "kind:not-plain"))
+        if o.wrong_dtypes:
+            # a dtype is structure: checked on every tier. dtype-keys:*: which
+            # keys: only buffers; only buffers of units that manage no
+            # parameter, nor does any unit enclosing them
+            which = set(o.wrong_dtypes)
+            only = (("dtype-keys:buffers-only",) if which <= set(pred.buffers) else ()) + (
+                ("dtype-keys:paramless-units",) if which <= set(pred.buffers_in_paramless_units) else ())
+            out.append(violation("SD-FULL", f"rank {o.rank}: {list(o.wrong_dtypes)} are not in the unwrapped model's dtype (full precision)", tags, "kind:dtype", *only))
     return out
 
 

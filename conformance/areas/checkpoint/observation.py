@@ -21,7 +21,9 @@ class CkptObservation(Record):
     skipped: str | None = None  # an API this torch lacks: why the case could not run
     # SD-FULL: the full state dict against the unwrapped model's
     keys: tuple[str, ...] = ()
-    wrong_values: tuple[str, ...] = ()  # keys whose shape, dtype or values differ
+    wrong_values: tuple[str, ...] = ()  # keys whose shape or values differ (TIES-KEPT: or dtype)
+    wrong_dtypes: tuple[str, ...] = ()  # SD-FULL: keys whose dtype differs from the unwrapped model's
+    rounded: tuple[str, ...] = ()  # SD-FULL: wrong values that are the unwrapped model's rounded through buffer_dtype
     not_plain: tuple[str, ...] = ()  # keys holding a DTensor / ShardedTensor or a non-CPU tensor where CPU was asked
     # TIES-KEPT
     ties: tuple[tuple[str, bool], ...] = ()  # (canonical FQN, every alias is one Parameter)
@@ -53,6 +55,6 @@ class CkptObservation(Record):
         are per rank by design (rank0_only, cpu_offload: the others get an
         empty dict): SD-FULL and the others check those rank by rank."""
         d = self.to_dict()
-        for k in ("rank", "seconds", "save", "keys", "wrong_values", "not_plain", "error", "phase"):
+        for k in ("rank", "seconds", "save", "keys", "wrong_values", "wrong_dtypes", "rounded", "not_plain", "error", "phase"):
             d.pop(k)
         return d

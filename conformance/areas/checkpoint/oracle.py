@@ -52,6 +52,16 @@ class CkptPrediction:
     # every parameter is frozen in the last step before the save: its forward
     # runs no backward, so reshard_after_forward=False groups stay unsharded
     no_backward_before_save: bool = False
+    # SD-FULL under FSDP1's MixedPrecision(buffer_dtype=...): that dtype;
+    # after a forward, the buffer keys (every alias) the forward cast to it,
+    # whose values the full precision state dict holds rounded through it
+    # (MixedPrecision: buffers are cast in the first forward and kept in
+    # buffer_dtype; checkpoints save them in full precision)
+    buffer_dtype: str | None = None
+    rounded_buffers: tuple[str, ...] = ()
+    # the buffer keys whose unit and every enclosing unit manage no
+    # parameter (a unit's state-dict hook returns early when it has none)
+    buffers_in_paramless_units: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=512)
@@ -89,7 +99,34 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
         uneven_steps_in_load_unit=_uneven_steps_in_load_unit(spec, g, initial, at_save, at_load),
         fsdp1_paramless_root=_fsdp1_paramless_root(spec),
         no_backward_before_save=(initial if ck.steps == 1 else at_save) >= set(ids),
+        **_rounded_buffers(spec, g, buffers),
     )
+
+
+def _rounded_buffers(spec: CaseSpec, g: ModelGraph, buffers: tuple[str, ...]) -> dict:
+    """FSDP1 casts every floating buffer of the wrapped model to its units'
+    buffer_dtype in the root's first forward (the case's buffers are
+    float32; no unit's class is one MixedPrecision leaves out, no policy
+    gives a unit other kwargs for it): the buffers rounded after a forward
+    (warm). Which buffers sit in units that manage no parameter, their own
+    and every enclosing one."""
+    ck = spec.ckpt
+    pr = ck.precision if ck is not None else None
+    if spec.plan.api != "fsdp1" or pr is None or not pr.buffer_dtype or not buffers:
+        return {}
+    out = {"buffer_dtype": pr.buffer_dtype, "rounded_buffers": buffers if ck.warm else ()}
+    p1 = predict_fsdp1(dataclasses.replace(spec, ckpt=None))
+    if p1.error is None:
+        managed = {u.path: bool(u.managed) for u in p1.units}
+
+        def enclosing(path: str) -> list[str]:
+            return [u for u in managed if u == "" or path == u or path.startswith(u + ".")]
+
+        def canonical(key: str) -> str:
+            return g.module_path[g.resolve_module(key.rpartition(".")[0])]
+
+        out["buffers_in_paramless_units"] = tuple(k for k in buffers if not any(managed[u] for u in enclosing(canonical(k))))
+    return out
 
 
 def _fsdp1_paramless_root(spec: CaseSpec) -> bool:

@@ -34,6 +34,8 @@ def _imports(spec: CaseSpec) -> str:
     plain = sorted({i for imps, _ in pol for i in imps if not i.startswith("from")})
     froms = sorted({i for imps, _ in pol for i in imps if i.startswith("from")})
     fsdp = ["FullStateDictConfig", "FullyShardedDataParallel as FSDP", "StateDictType"] + (["fully_shard"] if any(p.api == "fsdp2" for p in plans) else [])
+    if spec.ckpt.precision is not None:
+        fsdp.append("MixedPrecision" if spec.plan.api == "fsdp1" else "MixedPrecisionPolicy")
     fsdp += sorted({n for _, names in pol for n in names})
     return "\n".join([
         *sorted({"import functools", "import os", "import shutil", "import socket", "import sys", "import tempfile", *plain}), "",
@@ -80,7 +82,16 @@ def show(what, obj):
 def full_state_dict():
     model, mods = build(FROZEN_AT_SAVE)
     want = {k: v.clone() for k, v in model.state_dict().items()}
+    if BUFFER_DTYPE is not None and WARM:
+        # MixedPrecision(buffer_dtype): the first forward casts the buffers and
+        # keeps them so; a checkpoint saves them in full precision
+        low = getattr(torch, BUFFER_DTYPE)
+        for k in BUFFERS:
+            want[k] = want[k].to(low).to(want[k].dtype)
     model = wrap(model, mods, SAVE_PLAN)
+    if WARM:  # a model in use: one forward before the state dict
+        with torch.no_grad():
+            model(torch.linspace(-1.0, 1.0, 2))
     if FULL_SD == "fsdp1-full":
         cfg = FullStateDictConfig(offload_to_cpu=OFFLOAD, rank0_only=RANK0_ONLY)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
@@ -93,9 +104,12 @@ def full_state_dict():
         want = {k: v for k, v in want.items() if k not in FROZEN_NAMES}
     if sorted(got) != sorted(want):
         WRONG.append(f"[rank {dist.get_rank()}] the full state dict has keys {sorted(got)}, expected {sorted(want)}")
-    differ = sorted(k for k, v in got.items() if k in want and not torch.equal(full(v), want[k]))
+    differ = sorted(k for k, v in got.items() if k in want and not torch.equal(full(v).to(want[k].dtype), want[k]))
     if differ:
         WRONG.append(f"[rank {dist.get_rank()}] the full state dict's values of {differ} differ from the unwrapped model's")
+    dtypes = {k: str(v.dtype) for k, v in got.items() if k in want and v.dtype != want[k].dtype}
+    if dtypes:
+        WRONG.append(f"[rank {dist.get_rank()}] the full state dict holds {dtypes}, not the unwrapped model's dtype ({sorted({str(want[k].dtype) for k in dtypes})})")
 
 
 def ties_kept():
@@ -305,6 +319,7 @@ def _wrap_code(spec: CaseSpec, var: dict[str, str]) -> str:
     """wrap(model, mods, plan): plan is ("fsdp1", index) / ("fsdp2", index)
     into the case's two plans (0: save, 1: load)."""
     plans = [spec.plan, spec.ckpt.load_plan or spec.plan]
+    pr = spec.ckpt.precision  # the save plan's (SD-FULL)
     out = ["def wrap(model, mods, plan, param_init_fn=None):", "    api, i = plan"]
     for i, plan in enumerate(plans):
         out.append(f"    if i == {i}:")
@@ -312,14 +327,22 @@ def _wrap_code(spec: CaseSpec, var: dict[str, str]) -> str:
             case = _with_plan(spec, plan)
             pol = policy_code(case, {p: f"mods[{p!r}]" for p in var})
             out.append(textwrap.indent(pol, "        "))
-            out.append(f"        return FSDP(model, auto_wrap_policy=policy, device_id=DEVICE, use_orig_params={plan.use_orig_params}, param_init_fn=param_init_fn)")
+            mp = f", mixed_precision=MixedPrecision({_dtypes(pr)})" if pr is not None and i == 0 else ""
+            out.append(f"        return FSDP(model, auto_wrap_policy=policy, device_id=DEVICE, use_orig_params={plan.use_orig_params}, param_init_fn=param_init_fn{mp})")
         else:
             for grp in shard_order(_with_plan(spec, plan), ModelGraph(spec)):
                 target = "[" + ", ".join(f"mods[{m!r}]" for m in grp.modules) + "]" if len(grp.modules) > 1 else f"mods[{grp.modules[0]!r}]"
                 kw = "" if grp.reshard_after_forward is None else f", reshard_after_forward={grp.reshard_after_forward}"
+                if pr is not None and i == 0:
+                    kw += f", mp_policy=MixedPrecisionPolicy({_dtypes(pr)})"
                 out.append(f"        fully_shard({target}{kw})")
             out.append("        return model")
     return "\n".join(out) + "\n"
+
+
+def _dtypes(pr) -> str:
+    """A Precision's dtypes as MixedPrecision / MixedPrecisionPolicy kwargs."""
+    return ", ".join(f"{k}=torch.{getattr(pr, k)}" for k in ("param_dtype", "reduce_dtype", "buffer_dtype") if getattr(pr, k))
 
 
 def _with_plan(spec: CaseSpec, plan: WrapPlan) -> CaseSpec:
@@ -369,7 +392,9 @@ def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "",
         f"LOAD_PLAN = ({(ck.load_plan or spec.plan).api!r}, 1)",
         f"OPTIMIZER, STEPS = {ck.optimizer!r}, {ck.steps}",
         f"FULL_SD, OFFLOAD, RANK0_ONLY, IGNORE_FROZEN = {ck.full_sd!r}, {ck.offload}, {ck.rank0_only}, {ck.ignore_frozen}",
-        f"LOAD_PATH, WARM = {ck.load_path!r}, {ck.warm!r}  # WARM: a forward before the load",
+        f"LOAD_PATH, WARM = {ck.load_path!r}, {ck.warm!r}  # WARM: a forward before the load (full: before the state dict)",
+        f"BUFFER_DTYPE = {ck.precision.buffer_dtype if ck.precision else None!r}  # MixedPrecision's (the save plan's mixed precision: see wrap)",
+        f"BUFFERS = {[k for k in graph.state_dict_keys() if k not in {f for f, _ in graph.named_parameters(remove_duplicate=False)}]!r}",
         f"SAVE_WORLD, LOAD_WORLD = {ck.save_world}, {ck.load_world}  # the case's world sizes",
         f"FROZEN_NAMES = {sorted({a for _, pid in graph.named_parameters() if not graph.requires_grad(pid) for a in graph.aliases(pid)})!r}",
     ]) + "\n"
