@@ -297,7 +297,7 @@ def full_state_dict(spec: CaseSpec, model: nn.Module) -> dict:
 
 
 def _wrap_precise(spec: CaseSpec, built) -> nn.Module:
-    """The case's wrap under its checkpoint plan's mixed precision."""
+    """The case's wrap under its checkpoint plan's mixed precision (None: as wrap)."""
     extra = wrap_kwargs(spec, spec.ckpt.precision)
     if spec.plan.api == "fsdp1":
         return a1.wrap(spec, built, **extra)
@@ -319,7 +319,7 @@ def observe_full(spec: CaseSpec) -> CkptObservation:
     built, ref = placed(build(spec)), placed(build(spec))
     t0 = time.perf_counter()
     try:
-        model = _wrap_precise(spec, built) if spec.ckpt.precision is not None else wrap(spec, built)
+        model = _wrap_precise(spec, built)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap")
     if spec.ckpt.warm:  # a model in use: one forward (no backward) before the state dict
