@@ -12,7 +12,7 @@ float32. With one parameter in the root unit (the control) the root's buffer
 is float32 too.
 
 Run: python fsdp1-mp-paramless-unit-buffers-saved-low-precision.py
-Also: torchrun --nproc-per-node 2 fsdp1-mp-paramless-unit-buffers-saved-low-precision.py
+Run: torchrun --nproc-per-node 2 fsdp1-mp-paramless-unit-buffers-saved-low-precision.py
 """
 
 import os

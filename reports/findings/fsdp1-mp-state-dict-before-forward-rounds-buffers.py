@@ -11,7 +11,7 @@ and the model's buffers stay bfloat16 although no forward ran. The control,
 the same model without buffer_dtype, saves 1.0001.
 
 Run: python fsdp1-mp-state-dict-before-forward-rounds-buffers.py
-Also: torchrun --nproc-per-node 2 fsdp1-mp-state-dict-before-forward-rounds-buffers.py
+Run: torchrun --nproc-per-node 2 fsdp1-mp-state-dict-before-forward-rounds-buffers.py
 """
 
 import os
