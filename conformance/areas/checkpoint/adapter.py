@@ -322,15 +322,8 @@ def observe_full(spec: CaseSpec) -> CkptObservation:
         model = _wrap_precise(spec, built)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap")
-    if spec.ckpt.warm:  # a model in use: one forward (no backward) before the state dict
-        try:
-            with torch.no_grad():
-                step_loss(spec, built, model, 0)
-            err = None
-        except ERRORS as e:
-            err = _err(e)
-        if (err := _agreed_error(err)) is not None:
-            return CkptObservation(**base, error=err, phase="forward")
+    if spec.ckpt.warm and (err := _forward(spec, built, model, 0)) is not None:  # a model in use: one forward first
+        return CkptObservation(**base, error=err, phase="forward")
     try:
         got = full_state_dict(spec, model)
     except ERRORS as e:
@@ -406,15 +399,8 @@ def observe_ties(spec: CaseSpec) -> CkptObservation:
             model = wrap(spec, built, meta_init=meta)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap")
-    if spec.ckpt.warm:  # a model in use: one forward before the load (FSDP2's lazy init done)
-        try:
-            with torch.no_grad():
-                step_loss(spec, built, model, 1)
-            err = None
-        except ERRORS as e:
-            err = _err(e)
-        if (err := _agreed_error(err)) is not None:
-            return CkptObservation(**base, error=err, phase="forward-before-load")
+    if spec.ckpt.warm and (err := _forward(spec, built, model, 1)) is not None:  # a model in use (FSDP2's lazy init done)
+        return CkptObservation(**base, error=err, phase="forward-before-load")
     try:
         if path in ("load_state_dict", "load_state_dict-assign") and not (path.endswith("assign") and spec.plan.api == "fsdp1"):
             _load_state_dict(spec, model, source, assign=path.endswith("assign"))
@@ -453,6 +439,18 @@ def observe_ties(spec: CaseSpec) -> CkptObservation:
             losses = (got, step_loss(spec, ref, ref.model, 0).item())
     return CkptObservation(**base, ties=ties, params_before=before, params_after=after,
                            wrong_values=wrong, forward_loss=losses, seconds=(("fsdp", seconds),))
+
+
+def _forward(spec: CaseSpec, built, model: nn.Module, step: int) -> str | None:
+    """One forward without backward on step ``step``'s batch; what raised,
+    agreed between the ranks (_agreed_error), or None."""
+    try:
+        with torch.no_grad():
+            step_loss(spec, built, model, step)
+        err = None
+    except ERRORS as e:
+        err = _err(e)
+    return _agreed_error(err)
 
 
 def _agreed_error(err: str | None) -> str | None:
