@@ -431,6 +431,27 @@ def test_a_rank_that_fails_to_start_names_why():
         RankPool(1, "gloo", DEADLINE, preload=("tests.self.broken_start",))
 
 
+def test_a_start_that_times_out_is_tried_once_more(tmp_path, monkeypatch):
+    """No rank raised, one was not ready in time (seen under load on 2
+    cores): the pool starts fresh ranks once more, and says so in its
+    events, with where the stuck rank was."""
+    monkeypatch.setenv("FSDP_CONFORMANCE_STUCK_ONCE", str(tmp_path / "stuck-once"))
+    with pytest.warns(RuntimeWarning, match="did not start .*, started again"):
+        pool = RankPool(2, "gloo", DEADLINE, startup_deadline=8.0, preload=("tests.self.stuck_start",))
+    try:
+        assert pool.generation == 2 and len(pool.events) == 1, pool.events
+        assert "rank 0 of 2 did not start (not ready after 8s), started again: rank 0 at _stuck_in_init (stuck_start.py:" in pool.events[0]
+        check_echo(pool.run("echo", small_spec(3)), 3, pool.pids)
+    finally:
+        pool.close()
+
+
+def test_a_start_that_times_out_twice_names_where_the_rank_was(monkeypatch):
+    monkeypatch.setenv("FSDP_CONFORMANCE_STUCK_ONCE", "always")
+    with pytest.raises(PoolStartError, match=r"rank 0 of 1 did not start \(not ready after 5s\): rank 0 at _stuck_in_init \(stuck_start\.py:\d+\)"):
+        RankPool(1, "gloo", DEADLINE, startup_deadline=5.0, preload=("tests.self.stuck_start",))
+
+
 @pytest.mark.gloo
 def test_a_pool_closed_before_it_was_waited_for_leaves_no_process():
     p = RankPool(2, "gloo", DEADLINE, wait=False)
