@@ -677,13 +677,7 @@ class RankPool:
         stacks to its log (faulthandler, SIGUSR1); the innermost frames of
         the first one's main thread, or what says it never reached that."""
         live = [self._ranks[i] for i in missing if not self._rank_dead(self._ranks[i])]
-        before = {r.rank: r.log_size() for r in live}
-        for r in live:
-            try:
-                os.kill(r.pid, signal.SIGUSR1)
-            except OSError:
-                pass
-        _wait_quiet(live, before)
+        before = _dump_stacks(live)
         for r in live:
             frames = _main_frames(r.read_log(before[r.rank]))
             if frames:
@@ -833,13 +827,7 @@ class RankPool:
         server = self._server
         server.drain(0.0)
         live = [r for r in self._ranks if r.rank not in dead and not self._rank_dead(r)]
-        before = {r.rank: r.log_size() for r in live}
-        for r in live:
-            try:
-                os.kill(r.pid, signal.SIGUSR1)
-            except OSError:
-                pass
-        _wait_quiet(live, before)
+        before = _dump_stacks(live)
         exited = [r for r in self._ranks if r.rank not in before]
         server.drain(2.0, lambda: all(r.pid in server.exits for r in exited))
         states = []
@@ -964,6 +952,20 @@ class _IdleWatch:
 
 def _strip(msg: dict) -> dict:
     return {k: v for k, v in msg.items() if k not in ("op", "id")}
+
+
+def _dump_stacks(ranks: list[_Rank]) -> dict[int, int]:
+    """Ask each rank for its threads' stacks (SIGUSR1: faulthandler writes
+    them to its log) and wait until they are written; {rank: its log's size
+    before the dump}."""
+    before = {r.rank: r.log_size() for r in ranks}
+    for r in ranks:
+        try:
+            os.kill(r.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    _wait_quiet(ranks, before)
+    return before
 
 
 def _wait_quiet(ranks: list[_Rank], before: dict[int, int], limit: float = 2.0) -> None:

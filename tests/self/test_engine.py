@@ -431,16 +431,26 @@ def test_a_rank_that_fails_to_start_names_why():
         RankPool(1, "gloo", DEADLINE, preload=("tests.self.broken_start",))
 
 
+def _stuck_pool(world_size: int, startup_deadline: float) -> RankPool:
+    """A pool whose rank 0 hangs in init_process_group (tests.self.stuck_start),
+    its fork server started and ready first: the deadline then times the
+    ranks' start only, not the server importing torch (seconds under load)."""
+    pool = RankPool(world_size, "gloo", DEADLINE, startup_deadline=startup_deadline, preload=("tests.self.stuck_start",), wait=False)
+    pool._server.wait_ready(time.monotonic() + 120)
+    return pool
+
+
 def test_a_start_that_times_out_is_tried_once_more(tmp_path, monkeypatch):
     """No rank raised, one was not ready in time (seen under load on 2
     cores): the pool starts fresh ranks once more, and says so in its
     events, with where the stuck rank was."""
     monkeypatch.setenv("FSDP_CONFORMANCE_STUCK_ONCE", str(tmp_path / "stuck-once"))
-    with pytest.warns(RuntimeWarning, match="did not start .*, started again"):
-        pool = RankPool(2, "gloo", DEADLINE, startup_deadline=8.0, preload=("tests.self.stuck_start",))
+    pool = _stuck_pool(2, 5.0)
     try:
+        with pytest.warns(RuntimeWarning, match="did not start .*, started again"):
+            pool.wait_ready()
         assert pool.generation == 2 and len(pool.events) == 1, pool.events
-        assert "rank 0 of 2 did not start (not ready after 8s), started again: rank 0 at _stuck_in_init (stuck_start.py:" in pool.events[0]
+        assert "rank 0 of 2 did not start (not ready after 5s), started again: rank 0 at _stuck_in_init (stuck_start.py:" in pool.events[0]
         check_echo(pool.run("echo", small_spec(3)), 3, pool.pids)
     finally:
         pool.close()
@@ -448,8 +458,14 @@ def test_a_start_that_times_out_is_tried_once_more(tmp_path, monkeypatch):
 
 def test_a_start_that_times_out_twice_names_where_the_rank_was(monkeypatch):
     monkeypatch.setenv("FSDP_CONFORMANCE_STUCK_ONCE", "always")
-    with pytest.raises(PoolStartError, match=r"rank 0 of 1 did not start \(not ready after 5s\): rank 0 at _stuck_in_init \(stuck_start\.py:\d+\)"):
-        RankPool(1, "gloo", DEADLINE, startup_deadline=5.0, preload=("tests.self.stuck_start",))
+    pool = _stuck_pool(1, 3.0)
+    try:
+        with pytest.raises(PoolStartError, match=r"rank 0 of 1 did not start \(not ready after 3s\): rank 0 at _stuck_in_init \(stuck_start\.py:\d+\)"):
+            with pytest.warns(RuntimeWarning, match="started again"):
+                pool.wait_ready()
+        assert pool.generation == 2
+    finally:
+        pool.close()
 
 
 @pytest.mark.gloo
