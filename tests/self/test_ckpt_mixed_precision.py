@@ -149,3 +149,39 @@ def test_the_repro_wraps_with_the_precision_and_runs_the_forward():
         assert f"BUFFER_DTYPE = {precision.buffer_dtype!r}" in script
     no_mp = ckpt_script(dataclasses.replace(case(root_param=True), ckpt=CheckpointPlan(full_sd="fsdp1-full")), title="SD-FULL")
     assert "mixed_precision=" not in no_mp and "import MixedPrecision" not in no_mp and ", MixedPrecision" not in no_mp
+
+
+# ---- a forward first reaches fsdp2-tied-list-group-unsharded-save-segfault ----------
+
+def tied_list_group(order: tuple[str, str]) -> CaseSpec:
+    """Thorough seed 1984394500 (torch 2.13.0, gloo): fully_shard([proj1,
+    proj0], reshard_after_forward=False), proj0.weight tied to proj1.weight,
+    a bf16 forward, then the full state dict: reading proj0.weight's value
+    raised 'data is not allocated yet', or the rank died (signal 11)."""
+    from conformance.case.spec import ShardGroup, TiedParam
+
+    kids = tuple(ModuleSpec(n, "Linear", (ParamSpec("weight", (1, 1)),)) for n in ("proj0", "proj1"))
+    return CaseSpec(tree=ModuleSpec("", "Model", children=kids), classes=(ClassSpec("Model"),),
+                    ties=(TiedParam("proj0", "weight", "proj1.weight"),),
+                    plan=WrapPlan(api="fsdp2", groups=(ShardGroup(order, reshard_after_forward=False),)),
+                    ckpt=CheckpointPlan(warm=True, precision=Precision(param_dtype="bfloat16")))
+
+
+def _known(spec: CaseSpec, *extra: str):
+    from conformance.areas.checkpoint.invariants import case_tags
+    from conformance.case.violation import Violation
+    from conformance.run import known
+
+    tags = frozenset(case_tags(spec, predict_ckpt(spec)) | {"backend:gloo", *extra})
+    got = known.match(Violation("SD-FULL", "[SD-FULL] rank 0: ...", tags), known.load(), "2.13.0")
+    return got.id if got is not None else None
+
+
+def test_a_freed_value_read_after_a_forward_is_the_tied_list_group_finding():
+    read = ("kind:raised", "phase:read", "error:RuntimeError", "cause:data-not-allocated")
+    reversed_, in_order = tied_list_group(("proj1", "proj0")), tied_list_group(("proj0", "proj1"))
+    for form in (read, ("kind:crash",)):
+        assert _known(reversed_, *form) == "fsdp2-tied-list-group-unsharded-save-segfault", form
+        assert _known(in_order, *form) is None, form  # listed in registration order: the hook is reached first
+        cold = dataclasses.replace(reversed_, ckpt=dataclasses.replace(reversed_.ckpt, warm=False))
+        assert _known(cold, *form) is None, form  # no forward: the group is sharded at the save

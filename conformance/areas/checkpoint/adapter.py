@@ -339,14 +339,19 @@ def observe_full(spec: CaseSpec) -> CkptObservation:
             if k in want and want[k].is_floating_point():
                 want[k] = want[k].to(low).to(want[k].dtype)
     common = [k for k in got if k in want and isinstance(got[k], torch.Tensor)]
-    wrong = tuple(sorted(k for k in common if _plain(got[k]) and not _same_values(got[k], want[k])))
     dtypes = tuple(sorted(k for k in common if got[k].dtype != want[k].dtype))
     not_plain = tuple(sorted(k for k, v in got.items() if not _plain(v) or (spec.ckpt.offload and v.device.type != "cpu")))
     rounded = ()
-    if spec.ckpt.precision is not None and spec.ckpt.precision.buffer_dtype:
-        # the wrong values that are the unwrapped model's rounded through buffer_dtype
-        low = getattr(torch, spec.ckpt.precision.buffer_dtype)
-        rounded = tuple(k for k in wrong if want[k].is_floating_point() and _same_values(got[k], want[k].to(low).to(want[k].dtype)))
+    try:
+        # reading a value can raise: a tensor whose storage FSDP freed during
+        # the same state_dict() call (thorough seed 1984394500)
+        wrong = tuple(sorted(k for k in common if _plain(got[k]) and not _same_values(got[k], want[k])))
+        if spec.ckpt.precision is not None and spec.ckpt.precision.buffer_dtype:
+            # the wrong values that are the unwrapped model's rounded through buffer_dtype
+            low = getattr(torch, spec.ckpt.precision.buffer_dtype)
+            rounded = tuple(k for k in wrong if want[k].is_floating_point() and _same_values(got[k], want[k].to(low).to(want[k].dtype)))
+    except ERRORS as e:
+        return CkptObservation(**base, error=_err(e), phase="read")
     return CkptObservation(**base, keys=tuple(sorted(got)), wrong_values=wrong, wrong_dtypes=dtypes, not_plain=not_plain,
                            rounded=rounded, seconds=(("fsdp", seconds),))
 

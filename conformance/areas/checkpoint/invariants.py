@@ -56,6 +56,7 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     if not ck.warm:
         tags.add("before-first-forward")  # SD-FULL: the state dict; TIES-KEPT: the load
     if ck.warm:
+        tags.add("forward-first")  # SD-FULL: a forward, no backward, before the state dict; TIES-KEPT: before the load
         tags.add("load-after-forward")
         if spec.plan.api == "fsdp2" and _group_unsharded_after_forward(spec):
             # a group that does not reshard after forward (the root's
