@@ -111,15 +111,16 @@ def test_paramless_units_are_those_with_no_parameter_up_to_the_root():
 def test_a_buffer_of_a_paramless_unit_saved_low_precision_is_known():
     spec = case(root_param=False)
     assert verdict(spec).verdict == PASS
-    res = verdict(spec, wrong_dtypes=("running",))
+    res = verdict(spec, wrong_dtypes=(("running", "bfloat16"),))
     assert res.verdict == KNOWN and {fid for _, fid in res.known} == {PARAMLESS}, res.describe()
     assert all("dtype-keys:paramless-units" in v.tags for v, _ in res.known)
 
 
 @pytest.mark.parametrize("spec,wrong", [
-    (case(root_param=True), ("running",)),  # the root has a parameter: its hook casts back
-    (case(root_param=False), ("running", "block.proj0.weight")),  # a parameter in bf16: another bug
-], ids=["root-with-param", "a-parameter"])
+    (case(root_param=True), (("running", "bfloat16"),)),  # the root has a parameter: its hook casts back
+    (case(root_param=False), (("running", "bfloat16"), ("block.proj0.weight", "bfloat16"))),  # a parameter in bf16: another bug
+    (case(root_param=False), (("running", "float64"),)),  # not buffer_dtype: another bug
+], ids=["root-with-param", "a-parameter", "another-dtype"])
 def test_a_buffer_saved_low_precision_elsewhere_fails(spec, wrong):
     res = verdict(spec, wrong_dtypes=wrong)
     assert res.verdict == FAIL and not res.known, res.describe()

@@ -312,6 +312,11 @@ def _same_values(a, b) -> bool:
     return a.shape == b.shape and bool(torch.equal(a.to(b.dtype).cpu(), b.cpu()))
 
 
+def _through(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded through ``dtype``, in its own dtype."""
+    return t.to(dtype).to(t.dtype)
+
+
 def observe_full(spec: CaseSpec) -> CkptObservation:
     base = _base("sd-full", spec)
     if (why := missing_api(spec)) is not None:
@@ -331,25 +336,22 @@ def observe_full(spec: CaseSpec) -> CkptObservation:
     seconds = time.perf_counter() - t0  # wrapping, the forward and the full state dict: FSDP's (or DCP's) work
     want = ref.model.state_dict()
     pred = predict_ckpt(spec)
-    if pred.buffer_dtype:
+    low = getattr(torch, pred.buffer_dtype) if pred.buffer_dtype else None
+    for k in pred.rounded_buffers:
         # cast to buffer_dtype by the forward and kept there: saved in full
         # precision, at the values the forward left
-        low = getattr(torch, pred.buffer_dtype)
-        for k in pred.rounded_buffers:
-            if k in want and want[k].is_floating_point():
-                want[k] = want[k].to(low).to(want[k].dtype)
+        if k in want and want[k].is_floating_point():
+            want[k] = _through(want[k], low)
     common = [k for k in got if k in want and isinstance(got[k], torch.Tensor)]
-    dtypes = tuple(sorted(k for k in common if got[k].dtype != want[k].dtype))
+    dtypes = tuple(sorted((k, str(got[k].dtype).removeprefix("torch.")) for k in common if got[k].dtype != want[k].dtype))
     not_plain = tuple(sorted(k for k, v in got.items() if not _plain(v) or (spec.ckpt.offload and v.device.type != "cpu")))
-    rounded = ()
     try:
         # reading a value can raise: a tensor whose storage FSDP freed during
         # the same state_dict() call (thorough seed 1984394500)
         wrong = tuple(sorted(k for k in common if _plain(got[k]) and not _same_values(got[k], want[k])))
-        if spec.ckpt.precision is not None and spec.ckpt.precision.buffer_dtype:
-            # the wrong values that are the unwrapped model's rounded through buffer_dtype
-            low = getattr(torch, spec.ckpt.precision.buffer_dtype)
-            rounded = tuple(k for k in wrong if want[k].is_floating_point() and _same_values(got[k], want[k].to(low).to(want[k].dtype)))
+        # the wrong values that are the unwrapped model's rounded through buffer_dtype
+        rounded = () if low is None else tuple(
+            k for k in wrong if want[k].is_floating_point() and _same_values(got[k], _through(want[k], low)))
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="read")
     return CkptObservation(**base, keys=tuple(sorted(got)), wrong_values=wrong, wrong_dtypes=dtypes, not_plain=not_plain,

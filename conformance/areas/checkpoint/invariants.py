@@ -57,7 +57,6 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
         tags.add("before-first-forward")  # SD-FULL: the state dict; TIES-KEPT: the load
     if ck.warm:
         tags.add("forward-first")  # SD-FULL: a forward, no backward, before the state dict; TIES-KEPT: before the load
-        tags.add("load-after-forward")
         if spec.plan.api == "fsdp2" and _group_unsharded_after_forward(spec):
             # a group that does not reshard after forward (the root's
             # reshard_after_forward None -> False, or False given): its
@@ -415,12 +414,14 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
             out.append(violation("SD-FULL", f"rank {o.rank}: {list(o.not_plain)} are not plain (CPU) tensors", tags, "kind:not-plain"))
         if o.wrong_dtypes:
             # a dtype is structure: checked on every tier. dtype-keys:*: which
-            # keys: only buffers; only buffers of units that manage no
-            # parameter, nor does any unit enclosing them
-            which = set(o.wrong_dtypes)
+            # keys: only buffers; only buffers left in buffer_dtype, of units
+            # that manage no parameter, nor does any unit enclosing them
+            which = {k for k, _ in o.wrong_dtypes}
+            low = {d for _, d in o.wrong_dtypes} == {pred.buffer_dtype}
             only = (("dtype-keys:buffers-only",) if which <= set(pred.buffers) else ()) + (
-                ("dtype-keys:paramless-units",) if which <= set(pred.buffers_in_paramless_units) else ())
-            out.append(violation("SD-FULL", f"rank {o.rank}: {list(o.wrong_dtypes)} are not in the unwrapped model's dtype (full precision)", tags, "kind:dtype", *only))
+                ("dtype-keys:paramless-units",) if low and which <= set(pred.buffers_in_paramless_units) else ())
+            out.append(violation("SD-FULL", f"rank {o.rank}: {dict(o.wrong_dtypes)} are not in the unwrapped model's dtype (full precision)",
+                                 tags, "kind:dtype", *only))
     return out
 
 

@@ -22,7 +22,7 @@ class CkptObservation(Record):
     # SD-FULL: the full state dict against the unwrapped model's
     keys: tuple[str, ...] = ()
     wrong_values: tuple[str, ...] = ()  # keys whose shape or values differ (TIES-KEPT: or dtype)
-    wrong_dtypes: tuple[str, ...] = ()  # SD-FULL: keys whose dtype differs from the unwrapped model's
+    wrong_dtypes: tuple[tuple[str, str], ...] = ()  # SD-FULL: (key, its dtype) where that differs from the unwrapped model's
     rounded: tuple[str, ...] = ()  # SD-FULL: wrong values that are the unwrapped model's rounded through buffer_dtype
     not_plain: tuple[str, ...] = ()  # keys holding a DTensor / ShardedTensor or a non-CPU tensor where CPU was asked
     # TIES-KEPT
