@@ -106,8 +106,11 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
         # a load into a model that has run (lazy init done): where the load
         # happens after wrapping (not meta init, not FSDP1's assign before it)
         warm = path != "meta-to_empty" and not (api == "fsdp1" and path == "load_state_dict-assign") and maybe(draw, 1)
-        event(f"load into a model that ran: {warm}")
-        return dataclasses.replace(spec, ckpt=CheckpointPlan(save_world=save_world, load_path=path, warm=warm))
+        # under mixed precision: the load reaches the full-precision
+        # parameters, and the next forward computes (in param_dtype) with them
+        precision = pick(draw, [p for p in CKPT_PRECISIONS if api == "fsdp1" or not p.buffer_dtype]) if maybe(draw, 1) else None
+        event(f"load into a model that ran: {warm}, precision {precision is not None}")
+        return dataclasses.replace(spec, ckpt=CheckpointPlan(save_world=save_world, load_path=path, warm=warm, precision=precision))
     load_api = pick(draw, (api, "fsdp2" if api == "fsdp1" else "fsdp1"))
     load_plan = draw_load_plan(draw, spec, load_api)
     load_world = pick(draw, WORLDS)
@@ -148,8 +151,9 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
 def checkpoint_specs(kind: str, *, api: str | None = None, max_modules: int = 8) -> SearchStrategy[CaseSpec]:
     """Checkpoint cases for one invariant family: ``full`` (SD-FULL: how the
     full state dict is taken, of a model that ran a forward or not, under
-    mixed precision or not), ``ties`` (TIES-KEPT: a load path; cases with
-    ties or shared modules), ``reshard`` (CKPT-RESHARD: save and load plans
+    mixed precision or not), ``ties`` (TIES-KEPT: a load path, into a model
+    that ran a forward or not, under mixed precision or not; cases with ties
+    or shared modules), ``reshard`` (CKPT-RESHARD: save and load plans
     and world sizes, optimizer) and ``optim`` (OPTIM-STATE: as reshard, plus
     requires_grad changes before the save and at the load). Trees have
     dimensions 1..8, so world sizes 2 and 3 give uneven and empty shards.

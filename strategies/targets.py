@@ -314,7 +314,10 @@ def _with_ckpt(draw, m: _Model, case: ModelCase, kind: str, freeze, policy_kinds
         paths = LOAD_PATHS if api == "fsdp2" else tuple(p for p in LOAD_PATHS if p != "set_model_state_dict-broadcast")
         if api == "fsdp1":  # flat parameters have no per-name Parameter to tie
             case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, use_orig_params=True))
-        return dataclasses.replace(case, ckpt=CheckpointPlan(save_world=save_world, load_path=pick(draw, paths)))
+        # under bf16 mixed precision or not (as full)
+        precisions = [p for p in CKPT_PRECISIONS if "float16" not in (p.param_dtype, p.buffer_dtype) and (api == "fsdp1" or not p.buffer_dtype)]
+        return dataclasses.replace(case, ckpt=CheckpointPlan(save_world=save_world, load_path=pick(draw, paths),
+                                                             precision=pick(draw, precisions) if maybe(draw, 1) else None))
     load_api = pick(draw, (api, "fsdp2" if api == "fsdp1" else "fsdp1"))
     load_plan = _plan(draw, m.ref, load_api, policy_kinds)
     ck = CheckpointPlan(save_world=save_world, load_world=pick(draw, CKPT_WORLDS), load_plan=load_plan,

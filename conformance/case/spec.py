@@ -250,9 +250,10 @@ class CheckpointPlan:
     the full state dict; ``load_path``: how TIES-KEPT loads one;
     ``warm``: TIES-KEPT's model runs one forward before the load (a load
     into a model in use, FSDP2's lazy init done), SD-FULL's one before the
-    state dict (a checkpoint of a model in use); ``precision``: SD-FULL's
-    mixed precision (one of CKPT_PRECISIONS: FSDP1's MixedPrecision,
-    FSDP2's MixedPrecisionPolicy; buffer_dtype FSDP1's only)."""
+    state dict (a checkpoint of a model in use); ``precision``: the mixed
+    precision of SD-FULL's and TIES-KEPT's wrap (one of CKPT_PRECISIONS:
+    FSDP1's MixedPrecision, FSDP2's MixedPrecisionPolicy; buffer_dtype
+    FSDP1's only)."""
 
     save_world: int = 2
     load_world: int = 2

@@ -127,6 +127,48 @@ def load_post_hook_keeps_old_shards():
     return mock.patch.object(FSDPParam, "reset_sharded_param", reset)
 
 
+@fault("fsdp1-low-precision-shard-kept")
+def fsdp1_low_precision_shard_kept():
+    """FSDP1 keeps the param_dtype copy of each shard between forwards and
+    casts it once (a saved cast): a load after the first forward writes the
+    full-precision shard, and the next forward computes with the old copy."""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    from torch.distributed.utils import _alloc_storage
+
+    cast = set()
+
+    def use(self):
+        flat = self.flat_param
+        if id(flat) not in cast:
+            cast.add(id(flat))
+            _alloc_storage(flat._mp_shard, flat._local_shard.size())
+            flat._mp_shard.copy_(flat._local_shard)
+        flat.data = flat._mp_shard
+
+    return mock.patch.multiple(FlatParamHandle, _use_low_precision_shard=use, _free_low_precision_sharded_param=lambda self: None)
+
+
+@fault("fsdp2-cast-shard-kept")
+def fsdp2_cast_shard_kept():
+    """FSDP2 keeps each group's all-gather inputs cast to param_dtype (cast
+    once, a saved cast): a load after the first forward writes the float32
+    shards, and the all-gathers keep sending the old bf16 copies."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    orig = _fsdp_collectives._get_param_all_gather_inputs
+    kept: dict[tuple, list] = {}
+
+    def inputs(fsdp_params):
+        if not any(p.param_dtype is not None for p in fsdp_params):
+            return orig(fsdp_params)
+        key = tuple(id(p) for p in fsdp_params)
+        if key not in kept:
+            kept[key] = [[t.clone() for t in ts] for ts in orig(fsdp_params)]
+        return kept[key]
+
+    return mock.patch.object(_fsdp_collectives, "_get_param_all_gather_inputs", inputs)
+
+
 @fault("load-skips-model")
 def load_skips_model():
     """dcp.load reads the optimizer but leaves the model's tensors as the
@@ -240,6 +282,18 @@ def ties_stale(spec: CaseSpec) -> dict:
 def ties_stale_after_use(spec: CaseSpec) -> dict:
     with FAULTS["load-post-hook-keeps-old-shards"]():
         return _adapter().observe_ties(spec).to_dict()
+
+
+def _ties_under(name: str):
+    def observe(spec: CaseSpec) -> dict:
+        with FAULTS[name]():
+            return _adapter().observe_ties(spec).to_dict()
+
+    return observe
+
+
+for _name in ("fsdp1-low-precision-shard-kept", "fsdp2-cast-shard-kept"):
+    scenario(f"fault:ckpt-ties:{_name}", test_only=True)(_ties_under(_name))
 
 
 @scenario("fault:ckpt-load:load-skips-model", test_only=True)

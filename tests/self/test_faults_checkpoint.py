@@ -71,6 +71,15 @@ def mixed(api: str) -> CaseSpec:
     return CaseSpec(tree=tree, classes=(ClassSpec("Model"), ClassSpec("Block")), plan=plan, ckpt=ck, seed=3)
 
 
+def loaded_mixed(api: str) -> CaseSpec:
+    """lm's model, bf16 compute, one forward, then load_state_dict of a full
+    state dict (FSDP1: use_orig_params=True, Block a unit)."""
+    spec = lm(CheckpointPlan(load_path="load_state_dict", warm=True, precision=Precision(param_dtype="bfloat16")))
+    if api == "fsdp1":
+        spec = dataclasses.replace(spec, plan=WrapPlan(api="fsdp1", use_orig_params=True, policy=ModuleWrap(("Block",))))
+    return spec
+
+
 ROUNDTRIP = CheckpointPlan(save_world=2, load_world=2, load_plan=WrapPlan(api="fsdp1", use_orig_params=True), optimizer="Adam", steps=2, steps_after=1)
 ROUNDTRIP_FSDP2 = dataclasses.replace(ROUNDTRIP, load_plan=WrapPlan(api="fsdp2"))
 
@@ -109,6 +118,11 @@ VALUES = [
      "fault:ckpt-ties:lazy-init-keeps-old-shards", None, "kind:forward-stale"),
     ("TIES-KEPT", dataclasses.replace(lm(CheckpointPlan(load_path="load_state_dict-assign", warm=True)), ties=()),
      "fault:ckpt-ties:load-post-hook-keeps-old-shards", None, "kind:forward-stale"),
+    # under mixed precision, into a model that ran: the next forward casts
+    # the loaded full-precision values again (a param_dtype copy kept from
+    # before the load computes with the old ones)
+    ("TIES-KEPT", loaded_mixed("fsdp1"), "fault:ckpt-ties:fsdp1-low-precision-shard-kept", None, "kind:forward-stale"),
+    ("TIES-KEPT", loaded_mixed("fsdp2"), "fault:ckpt-ties:fsdp2-cast-shard-kept", None, "kind:forward-stale"),
     pytest.param("CKPT-RESHARD", lm(ROUNDTRIP), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
     # FSDP2 at the load: FSDP1's get_optimizer_state_dict raises for a
     # parameter without state (a red verdict too, but not the kind asked for)

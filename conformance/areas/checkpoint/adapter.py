@@ -109,7 +109,10 @@ def load_spec(spec: CaseSpec) -> CaseSpec:
     return with_mask(dataclasses.replace(spec, plan=ck.load_plan or spec.plan), frozen)
 
 
-def wrap(spec: CaseSpec, built, meta_init: bool = False) -> nn.Module:
+def wrap(spec: CaseSpec, built, meta_init: bool = False, precise: bool = False) -> nn.Module:
+    """The case's wrap; ``precise``: under its checkpoint plan's mixed
+    precision (none where the plan has none)."""
+    extra = wrap_kwargs(spec, spec.ckpt.precision if precise else None)
     if spec.plan.api == "fsdp1":
         if meta_init:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -118,9 +121,9 @@ def wrap(spec: CaseSpec, built, meta_init: bool = False) -> nn.Module:
             # its own (the case's modules have no reset_parameters)
             return FSDP(built.model, auto_wrap_policy=a1.make_policy(spec, built), device_id=rank_device(),
                         use_orig_params=spec.plan.use_orig_params,
-                        param_init_fn=lambda m: m.to_empty(device=rank_device(), recurse=False))
-        return a1.wrap(spec, built)
-    a2.shard(spec, built)
+                        param_init_fn=lambda m: m.to_empty(device=rank_device(), recurse=False), **extra)
+        return a1.wrap(spec, built, **extra)
+    a2.shard(spec, built, extra)
     if meta_init:
         built.model.to_empty(device=rank_device())
     return built.model
@@ -296,15 +299,6 @@ def full_state_dict(spec: CaseSpec, model: nn.Module) -> dict:
     return sd.get_model_state_dict(model, options=opts)
 
 
-def _wrap_precise(spec: CaseSpec, built) -> nn.Module:
-    """The case's wrap under its checkpoint plan's mixed precision (None: as wrap)."""
-    extra = wrap_kwargs(spec, spec.ckpt.precision)
-    if spec.plan.api == "fsdp1":
-        return a1.wrap(spec, built, **extra)
-    a2.shard(spec, built, extra)
-    return built.model
-
-
 def _same_values(a, b) -> bool:
     """Shape and values equal, ``a`` read in ``b``'s dtype (its dtype is
     compared on its own)."""
@@ -324,7 +318,7 @@ def observe_full(spec: CaseSpec) -> CkptObservation:
     built, ref = placed(build(spec)), placed(build(spec))
     t0 = time.perf_counter()
     try:
-        model = _wrap_precise(spec, built)
+        model = wrap(spec, built, precise=True)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap")
     if spec.ckpt.warm and (err := _forward(spec, built, model, 0)) is not None:  # a model in use: one forward first
@@ -401,9 +395,9 @@ def observe_ties(spec: CaseSpec) -> CkptObservation:
             # FSDP1 loads full state dicts into its flat parameters; assign=True
             # is for the module before wrapping (weights loaded, then wrapped)
             built.model.load_state_dict(source, assign=True)
-            model = wrap(spec, built)
+            model = wrap(spec, built, precise=True)
         else:
-            model = wrap(spec, built, meta_init=meta)
+            model = wrap(spec, built, meta_init=meta, precise=True)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap")
     if spec.ckpt.warm and (err := _forward(spec, built, model, 1)) is not None:  # a model in use (FSDP2's lazy init done)
@@ -442,8 +436,15 @@ def observe_ties(spec: CaseSpec) -> CkptObservation:
             return CkptObservation(**base, error=_err(e), phase="forward")
         ref = placed(build(spec))
         ref.model.load_state_dict(source)
-        with torch.no_grad():
-            losses = (got, step_loss(spec, ref, ref.model, 0).item())
+        try:
+            # under mixed precision the forward computes in param_dtype: the
+            # reference is the same wrap of a model built with the loaded
+            # state (FSDP's own pipeline, nothing loaded into it)
+            reference = ref.model if spec.ckpt.precision is None else wrap(spec, ref, precise=True)
+            with torch.no_grad():
+                losses = (got, step_loss(spec, ref, reference, 0).item())
+        except ERRORS as e:
+            return CkptObservation(**base, error=_err(e), phase="reference")
     return CkptObservation(**base, ties=ties, params_before=before, params_after=after,
                            wrong_values=wrong, forward_loss=losses, seconds=(("fsdp", seconds),))
 

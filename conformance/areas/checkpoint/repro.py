@@ -114,7 +114,7 @@ def full_state_dict():
 
 def ties_kept():
     model, mods = build(FROZEN_AT_SAVE)
-    other, _ = build(FROZEN_AT_SAVE, seed=1)
+    other, other_mods = build(FROZEN_AT_SAVE, seed=1)
     source = {k: v.detach().clone() for k, v in other.state_dict().items()}
     n_before = len(list(model.parameters()))
 
@@ -164,11 +164,16 @@ def ties_kept():
     if len(list(model.parameters())) != n_before:
         WRONG.append(f"the model has {len(list(model.parameters()))} parameters after the load, {n_before} before")
     if dist.get_backend() != "fake":  # the first forward after the load computes with the loaded values
+        if PRECISE:
+            # mixed precision computes in param_dtype: the reference is the
+            # same wrap of a model built with the loaded state
+            other = wrap(other, other_mods, SAVE_PLAN)
         with torch.no_grad():
             got = (model(torch.linspace(-1.0, 1.0, 2)) ** 2).sum().item()
             want = (other(torch.linspace(-1.0, 1.0, 2)) ** 2).sum().item()
         if not abs(got - want) <= 1e-5 + 1e-3 * abs(want):
-            WRONG.append(f"the first forward after the load gives loss {got!r}; the unwrapped model with the loaded state gives {want!r}")
+            what = "the same wrap of a model built with the loaded state" if PRECISE else "the unwrapped model with the loaded state"
+            WRONG.append(f"the first forward after the load gives loss {got!r}; {what} gives {want!r}")
 
 
 def train(model, mods, opt):
@@ -319,7 +324,7 @@ def _wrap_code(spec: CaseSpec, var: dict[str, str]) -> str:
     """wrap(model, mods, plan): plan is ("fsdp1", index) / ("fsdp2", index)
     into the case's two plans (0: save, 1: load)."""
     plans = [spec.plan, spec.ckpt.load_plan or spec.plan]
-    pr = spec.ckpt.precision  # the save plan's (SD-FULL)
+    pr = spec.ckpt.precision  # the save plan's (SD-FULL, TIES-KEPT)
     out = ["def wrap(model, mods, plan, param_init_fn=None):", "    api, i = plan"]
     for i, plan in enumerate(plans):
         out.append(f"    if i == {i}:")
@@ -393,6 +398,7 @@ def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "",
         f"OPTIMIZER, STEPS = {ck.optimizer!r}, {ck.steps}",
         f"FULL_SD, OFFLOAD, RANK0_ONLY, IGNORE_FROZEN = {ck.full_sd!r}, {ck.offload}, {ck.rank0_only}, {ck.ignore_frozen}",
         f"LOAD_PATH, WARM = {ck.load_path!r}, {ck.warm!r}  # WARM: a forward before the load (full: before the state dict)",
+        f"PRECISE = {ck.precision is not None!r}  # the save plan under mixed precision (see wrap)",
         f"BUFFER_DTYPE = {ck.precision.buffer_dtype if ck.precision else None!r}  # MixedPrecision's (the save plan's mixed precision: see wrap)",
         f"BUFFERS = {[k for k in graph.state_dict_keys() if k not in {f for f, _ in graph.named_parameters(remove_duplicate=False)}]!r}",
         f"SAVE_WORLD, LOAD_WORLD = {ck.save_world}, {ck.load_world}  # the case's world sizes",
