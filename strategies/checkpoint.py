@@ -61,6 +61,12 @@ def _trains_after_load(spec: CaseSpec) -> bool:
     return load.api == "fsdp2" or fsdp1_trainable(dataclasses.replace(spec, plan=load))
 
 
+def per_parameter(spec: CaseSpec) -> bool:
+    """Optimizers over the original parameters at the save and the load
+    (FSDP2, or FSDP1 with use_orig_params=True): parameter groups by name."""
+    return all(p.api == "fsdp2" or p.use_orig_params for p in (spec.plan, spec.ckpt.load_plan or spec.plan))
+
+
 def _fits(spec: CaseSpec) -> bool:
     try:
         return not predict_ckpt(spec).applicable and (spec.plan.api == "fsdp2" or fsdp1_trainable(spec))
@@ -142,7 +148,12 @@ def _checkpoint_specs(draw: Any, kind: str, bases: dict) -> CaseSpec:
         # load is checked, training after it is not
         out = dataclasses.replace(out, ckpt=dataclasses.replace(out.ckpt, steps_after=0))
         event("resume: no steps (FSDP1 load side not trainable)")
-    event(f"load: {out.ckpt.load_plan.api} on {load_world}; optimizer {ck.optimizer}")
+    if per_parameter(out) and maybe(draw, 1):
+        # the optimizer as training scripts build it: matrices, and the rest
+        # at another learning rate without weight decay (one of them empty
+        # where the model has no parameter of that kind)
+        out = dataclasses.replace(out, ckpt=dataclasses.replace(out.ckpt, param_groups=2))
+    event(f"load: {out.ckpt.load_plan.api} on {load_world}; optimizer {ck.optimizer}, {out.ckpt.param_groups} param group(s)")
     if out.ckpt.refreeze or out.ckpt.load_frozen is not None:
         event("freeze change")
     return out
@@ -154,8 +165,9 @@ def checkpoint_specs(kind: str, *, api: str | None = None, max_modules: int = 8)
     mixed precision or not), ``ties`` (TIES-KEPT: a load path, into a model
     that ran a forward or not, under mixed precision or not; cases with ties
     or shared modules), ``reshard`` (CKPT-RESHARD: save and load plans
-    and world sizes, optimizer) and ``optim`` (OPTIM-STATE: as reshard, plus
-    requires_grad changes before the save and at the load). Trees have
+    and world sizes, optimizer and its param_groups) and ``optim``
+    (OPTIM-STATE: as reshard, plus requires_grad changes before the save and
+    at the load). Trees have
     dimensions 1..8, so world sizes 2 and 3 give uneven and empty shards.
     ``api``: the API the case is saved under ("fsdp1" or "fsdp2"; it may
     load under the other); None draws it."""

@@ -51,6 +51,7 @@ from conformance.case.spec import (
 )
 from conformance.case.target import TargetError, base_graph, cached_target
 from conformance.strategies._common import check_kinds, check_strategy, ints, maybe, pick, pick_subset
+from conformance.strategies.checkpoint import per_parameter
 from conformance.strategies.policies import APIS, POLICY_KINDS
 from conformance.strategies.schedule import draw_precision
 
@@ -334,6 +335,10 @@ def _with_ckpt(draw, m: _Model, case: ModelCase, kind: str, freeze, policy_kinds
         if fallback.api == "fsdp1":
             fallback = dataclasses.replace(fallback, use_orig_params=True)
         out = dataclasses.replace(out, ckpt=dataclasses.replace(ck, load_plan=fallback))
+    if per_parameter(out) and maybe(draw, 1):
+        # the optimizer as training scripts build it (matrices, and the rest
+        # at another learning rate without weight decay)
+        out = dataclasses.replace(out, ckpt=dataclasses.replace(out.ckpt, param_groups=2))
     return out
 
 

@@ -171,7 +171,7 @@ def _validate_lifecycle(case: ModelCase) -> None:
         raise SpecError(f"train plan {t!r}: optimizer one of {OPTIMIZERS}, steps >= 1, lr > 0")
     if case.ckpt is not None:
         # the FQNs it names are checked against the model (check_case)
-        validate_ckpt_plan(case.ckpt, case.plan.api)
+        validate_ckpt_plan(case.ckpt, case.plan)
         if case.ckpt.load_plan is not None:
             _validate_plan(case.ckpt.load_plan)
             if case.ckpt.load_plan.ignored_modules or case.ckpt.load_plan.ignored_params:

@@ -253,7 +253,10 @@ class CheckpointPlan:
     state dict (a checkpoint of a model in use); ``precision``: the mixed
     precision of SD-FULL's and TIES-KEPT's wrap (one of CKPT_PRECISIONS:
     FSDP1's MixedPrecision, FSDP2's MixedPrecisionPolicy; buffer_dtype
-    FSDP1's only)."""
+    FSDP1's only). ``param_groups``: the round trip's optimizer, 1 group or 2
+    as training scripts split them (the matrices, and every other parameter
+    at another learning rate without weight decay: per-parameter groups, so
+    FSDP2 or FSDP1 with use_orig_params=True at the save and at the load)."""
 
     save_world: int = 2
     load_world: int = 2
@@ -270,6 +273,7 @@ class CheckpointPlan:
     load_path: str = "load_state_dict"
     warm: bool = False
     precision: Precision | None = None
+    param_groups: int = 1
 
 
 # ---- gradient clipping (clip area) -------------------------------------------
@@ -1379,7 +1383,7 @@ def _validate_methods(spec: CaseSpec, paths: set[str]) -> None:
             raise SpecError(f"train plan {t!r}: divide_factor must be > 0")
 
 
-def validate_ckpt_plan(c: "CheckpointPlan", api: str) -> None:
+def validate_ckpt_plan(c: "CheckpointPlan", plan: "WrapPlan") -> None:
     """What a CheckpointPlan must be whatever its model (the FQNs it names
     and its load plan are checked against the model)."""
     if not all(isinstance(w, int) and 1 <= w <= MAX_WORLD for w in (c.save_world, c.load_world)):
@@ -1390,13 +1394,18 @@ def validate_ckpt_plan(c: "CheckpointPlan", api: str) -> None:
         raise SpecError(f"checkpoint plan {c!r}: full_sd one of {FULL_SD_WAYS}, load_path one of {LOAD_PATHS}")
     if c.precision is not None and c.precision not in CKPT_PRECISIONS:
         raise SpecError(f"checkpoint plan: precision must be one of CKPT_PRECISIONS, not {c.precision!r}")
-    if c.precision is not None and c.precision.buffer_dtype and api != "fsdp1":
+    if c.precision is not None and c.precision.buffer_dtype and plan.api != "fsdp1":
         raise SpecError("checkpoint plan: buffer_dtype is FSDP1's (MixedPrecision)")
+    if c.param_groups not in (1, 2):
+        raise SpecError(f"checkpoint plan: param_groups must be 1 or 2, not {c.param_groups!r}")
+    if c.param_groups == 2 and not all(p.api == "fsdp2" or p.use_orig_params for p in (plan, c.load_plan or plan)):
+        raise SpecError("checkpoint plan: param_groups=2 needs per-parameter optimizers at the save and the load "
+                        "(FSDP2, or FSDP1 with use_orig_params=True)")
 
 
 def _validate_ckpt(spec: CaseSpec, fqns: set[str]) -> None:
     c = spec.ckpt
-    validate_ckpt_plan(c, spec.plan.api)
+    validate_ckpt_plan(c, spec.plan)
     for f in c.refreeze + (c.load_frozen or ()):
         if f not in fqns:
             raise SpecError(f"checkpoint plan names unknown parameter {f!r}")

@@ -169,6 +169,43 @@ def fsdp2_cast_shard_kept():
     return mock.patch.object(_fsdp_collectives, "_get_param_all_gather_inputs", inputs)
 
 
+@fault("hyperparameters-as-built")
+def hyperparameters_as_built():
+    """set_state_dict keeps each param group's hyperparameters as the load
+    side built its optimizer (lr, weight_decay ...), not the saved ones: a
+    learning-rate schedule's progress is lost at every resume."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    orig = sd._split_optim_state_dict
+
+    def split(model, optim, optim_state_dict, info):
+        out = orig(model, optim, optim_state_dict, info)
+        for got, built in zip(out["param_groups"], optim.param_groups):
+            got.update({k: v for k, v in built.items() if k != "params"})
+        return out
+
+    return mock.patch.object(sd, "_split_optim_state_dict", split)
+
+
+@fault("param-groups-hyperparameters-reversed")
+def param_groups_hyperparameters_reversed():
+    """set_state_dict hands the saved param groups' hyperparameters to the
+    optimizer's groups in reverse order (a group mapping bug): each group
+    trains on with another group's learning rate."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    orig = sd._split_optim_state_dict
+
+    def split(model, optim, optim_state_dict, info):
+        out = orig(model, optim, optim_state_dict, info)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in out["param_groups"]]
+        for g, h in zip(out["param_groups"], reversed(hyper)):
+            g.update(h)
+        return out
+
+    return mock.patch.object(sd, "_split_optim_state_dict", split)
+
+
 @fault("load-skips-model")
 def load_skips_model():
     """dcp.load reads the optimizer but leaves the model's tensors as the
@@ -300,6 +337,18 @@ for _name in ("fsdp1-low-precision-shard-kept", "fsdp2-cast-shard-kept"):
 def load_skips(spec: CaseSpec, dir: str) -> dict:
     with FAULTS["load-skips-model"]():
         return _adapter().load(spec, dir)
+
+
+def _load_under(name: str):
+    def load(spec: CaseSpec, dir: str) -> dict:
+        with FAULTS[name]():
+            return _adapter().load(spec, dir)
+
+    return load
+
+
+for _name in ("hyperparameters-as-built", "param-groups-hyperparameters-reversed"):
+    scenario(f"fault:ckpt-load:{_name}", test_only=True)(_load_under(_name))
 
 
 @scenario("fault:ckpt-load:optim-state-dropped", test_only=True)

@@ -82,6 +82,7 @@ def loaded_mixed(api: str) -> CaseSpec:
 
 ROUNDTRIP = CheckpointPlan(save_world=2, load_world=2, load_plan=WrapPlan(api="fsdp1", use_orig_params=True), optimizer="Adam", steps=2, steps_after=1)
 ROUNDTRIP_FSDP2 = dataclasses.replace(ROUNDTRIP, load_plan=WrapPlan(api="fsdp2"))
+TWO_GROUPS = dataclasses.replace(ROUNDTRIP_FSDP2, param_groups=2)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +125,11 @@ VALUES = [
     ("TIES-KEPT", loaded_mixed("fsdp1"), "fault:ckpt-ties:fsdp1-low-precision-shard-kept", None, "kind:forward-stale"),
     ("TIES-KEPT", loaded_mixed("fsdp2"), "fault:ckpt-ties:fsdp2-cast-shard-kept", None, "kind:forward-stale"),
     pytest.param("CKPT-RESHARD", lm(ROUNDTRIP), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:load-skips-model"), "kind:model"),
+    # the saved hyperparameters (a learning-rate schedule's step before the
+    # save) restored to the right groups: the optimizer as training scripts
+    # build it, the matrices and the rest at another learning rate
+    pytest.param("CKPT-RESHARD", lm(TWO_GROUPS), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:hyperparameters-as-built"), "kind:param-groups"),
+    pytest.param("CKPT-RESHARD", lm(TWO_GROUPS), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:param-groups-hyperparameters-reversed"), "kind:param-groups"),
     # FSDP2 at the load: FSDP1's get_optimizer_state_dict raises for a
     # parameter without state (a red verdict too, but not the kind asked for)
     pytest.param("OPTIM-STATE", lm(ROUNDTRIP_FSDP2), "ckpt-roundtrip", ("ckpt-save", "fault:ckpt-load:optim-state-dropped"), "kind:lost-at-load"),

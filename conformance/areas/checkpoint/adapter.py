@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import distribute_tensor
 
 from conformance.areas.checkpoint.observation import CkptObservation
-from conformance.areas.checkpoint.oracle import predict_ckpt, with_mask
+from conformance.areas.checkpoint.oracle import matrix_names, predict_ckpt, with_mask
 from conformance.areas.common import fsdp1_adapter as a1
 from conformance.areas.common import fsdp2_adapter as a2
 from conformance.areas.common.fsdp2_adapter import error_line as _err1
@@ -32,6 +32,8 @@ from conformance.case.spec import CaseSpec
 from conformance.case.target import graph_of, target_loss
 
 LR = 0.05
+OTHER_LR = 0.5  # param_groups=2: the second group's learning rate, a fraction of LR
+LR_DECAY = 0.8  # the schedule step before the save (_schedule)
 
 
 # ---- torch version differences -------------------------------------------------
@@ -129,10 +131,27 @@ def wrap(spec: CaseSpec, built, meta_init: bool = False, precise: bool = False) 
     return built.model
 
 
-def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    # every parameter, frozen ones included: a parameter that trains later
-    # (or trained before) keeps its place and its state
-    return make_optimizer(name, model.parameters(), LR)
+def _optimizer(spec: CaseSpec, model: nn.Module) -> torch.optim.Optimizer:
+    """The case's optimizer over every parameter, frozen ones included (a
+    parameter that trains later, or trained before, keeps its place and its
+    state); with param_groups=2 the matrices at LR and every other parameter
+    a group of its own at LR * OTHER_LR without weight decay."""
+    ck = spec.ckpt
+    if ck.param_groups == 1:
+        return make_optimizer(ck.optimizer, model.parameters(), LR)
+    matrices = matrix_names(spec)
+    groups: tuple[list, list] = ([], [])
+    for name, p in model.named_parameters():
+        groups[a1.clean(name) not in matrices].append(p)
+    return make_optimizer(ck.optimizer, [{"params": groups[0]}, {"params": groups[1], "lr": LR * OTHER_LR, "weight_decay": 0.0}], LR)
+
+
+def _schedule(opt: torch.optim.Optimizer) -> None:
+    """A learning-rate schedule's step, taken before the save: the saved
+    hyperparameters differ from the ones the load side builds its optimizer
+    with, so that the load must restore them."""
+    for g in opt.param_groups:
+        g["lr"] = g["lr"] * LR_DECAY
 
 
 def step_loss(spec: CaseSpec, built, model: nn.Module, step: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -173,11 +192,12 @@ def single_process(spec: CaseSpec, *, until_save: bool, dtype: torch.dtype | Non
     ref = placed(build(spec))
     if dtype is not None:
         ref.model.to(dtype)
-    opt = _optimizer(ck.optimizer, ref.model)
+    opt = _optimizer(spec, ref.model)
     for step in range(ck.steps):
         train_step(spec, ref, ref.model, opt, step, dtype)
         if step == 0 and ck.refreeze:
             flip(ref.model, ck.refreeze, spec)
+    _schedule(opt)
     if until_save:
         return ref.model, opt
     apply_load_mask(spec, ref.model)
@@ -525,11 +545,12 @@ def save(spec: CaseSpec, dir: str) -> dict:
     try:
         with _timed(times, "fsdp"):  # wrapping and training steps
             model = wrap(spec, built)
-            opt = _optimizer(ck.optimizer, model)
+            opt = _optimizer(spec, model)
             for step in range(ck.steps):
                 train_step(spec, built, model, opt, step)
                 if step == 0 and ck.refreeze:
                     flip(built.model, ck.refreeze, spec)
+            _schedule(opt)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="train").to_dict()
     with _timed(times, "dcp"):
@@ -587,7 +608,7 @@ def load(spec: CaseSpec, dir: str) -> dict:
     try:
         with _timed(times, "fsdp"):
             model = wrap(lspec, built)
-            opt = _optimizer(ck.optimizer, model)
+            opt = _optimizer(lspec, model)
     except ERRORS as e:
         return CkptObservation(**base, error=_err(e), phase="wrap").to_dict()
     with _timed(times, "dcp"):

@@ -49,6 +49,11 @@ def case_tags(spec: CaseSpec, pred: CkptPrediction | None = None) -> set[str]:
     for flag in ("rank0_only", "offload", "ignore_frozen"):
         if getattr(ck, flag):
             tags.add(flag)
+    if ck.param_groups > 1:
+        tags.add(f"param-groups:{ck.param_groups}")  # the round trip's optimizer: matrices, and the rest at another lr
+        if pred is not None and pred.empty_group:
+            # no matrix: the first group is empty (not-last); matrices only: the second (last)
+            tags.add(f"param-groups:empty-{pred.empty_group}")
     if ck.precision is not None:
         tags.add(f"precision:{ck.precision.param_dtype or 'none'}")
         if ck.precision.buffer_dtype:

@@ -62,6 +62,10 @@ class CkptPrediction:
     # the buffer keys whose unit and every enclosing unit manage no
     # parameter (a unit's state-dict hook returns early when it has none)
     buffers_in_paramless_units: tuple[str, ...] = ()
+    # the round trip's optimizer has an empty param group: "not-last" (a
+    # model without matrices: the first of its two groups), "last" (a model
+    # of matrices only: the second), "" (none)
+    empty_group: str = ""
 
 
 @functools.lru_cache(maxsize=512)
@@ -99,8 +103,25 @@ def predict_ckpt(spec: CaseSpec) -> CkptPrediction:
         uneven_steps_in_load_unit=_uneven_steps_in_load_unit(spec, g, initial, at_save, at_load),
         fsdp1_paramless_root=_fsdp1_paramless_root(spec),
         no_backward_before_save=(initial if ck.steps == 1 else at_save) >= set(ids),
+        empty_group=_empty_group(ck.param_groups, [len(g.param_info[p].shape) >= 2 for p in ids]),
         **_rounded_buffers(spec, g, buffers),
     )
+
+
+def _empty_group(groups: int, matrix: list[bool]) -> str:
+    """Which of the round trip's two param groups has no parameter (see
+    CkptPrediction.empty_group)."""
+    if groups < 2:
+        return ""
+    return "not-last" if not any(matrix) else "last" if all(matrix) else ""
+
+
+def matrix_names(spec: CaseSpec) -> frozenset[str]:
+    """Every name (aliases included) of a parameter of dimension 2 or more:
+    the first of the round trip's two param_groups (training scripts decay
+    the matrices' weights, not biases, norms and scales)."""
+    g = graph_of(spec)
+    return frozenset(f for f, pid in g.named_parameters(remove_duplicate=False) if len(g.param_info[pid].shape) >= 2)
 
 
 def _rounded_buffers(spec: CaseSpec, g: ModelGraph, buffers: tuple[str, ...]) -> dict:

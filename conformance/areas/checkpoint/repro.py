@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
+from conformance.areas.checkpoint.oracle import matrix_names
 from conformance.areas.common.fsdp2_oracle import shard_order
 from conformance.areas.common.repro import (
     FSDP2_RUNTIME,
@@ -53,8 +54,14 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def optimizer(params):
-    params = list(params)
+def optimizer(model):
+    """Every parameter; PARAM_GROUPS 2: the MATRICES, and the rest at half
+    the learning rate without weight decay."""
+    params = list(model.parameters())
+    if PARAM_GROUPS == 2:
+        names = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+        params = [{"params": [p for n, p in names if n in MATRICES]},
+                  {"params": [p for n, p in names if n not in MATRICES], "lr": 0.025, "weight_decay": 0.0}]
     if OPTIMIZER == "Adam":
         return torch.optim.Adam(params, lr=0.05, eps=1e-3)
     if OPTIMIZER == "AdamW":
@@ -177,7 +184,8 @@ def ties_kept():
 
 
 def train(model, mods, opt):
-    """The steps before the save (REFREEZE flips requires_grad after the first)."""
+    """The steps before the save (REFREEZE flips requires_grad after the
+    first), then a learning-rate schedule's step (the load must restore it)."""
     for i in range(STEPS):
         step(model, opt, i)
         if i == 0 and REFREEZE:
@@ -185,6 +193,8 @@ def train(model, mods, opt):
                 if f"{path_}.{name}".lstrip(".") in REFREEZE:
                     p = getattr(mods[path_], name)
                     p.requires_grad_(not p.requires_grad)
+    for g in opt.param_groups:
+        g["lr"] *= 0.8
 
 
 def with_state(names):
@@ -196,7 +206,7 @@ def with_state(names):
 def save(path):
     model, mods = build(FROZEN_AT_SAVE)
     model = wrap(model, mods, SAVE_PLAN)
-    opt = optimizer(model.parameters())
+    opt = optimizer(model)
     train(model, mods, opt)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "ckpt"))
@@ -206,7 +216,7 @@ def save(path):
         torch.save(saved, os.path.join(path, "saved.pt"))
     show("optimizer state saved for", sorted(saved["optim"]["state"]))
     ref, ref_mods = build(FROZEN_AT_SAVE)  # single-process training: which parameters the optimizer gave state
-    ref_opt = optimizer(ref.parameters())
+    ref_opt = optimizer(ref)
     train(ref, ref_mods, ref_opt)
     want = with_state(n for n, p in ref.named_parameters() if ref_opt.state.get(p))
     if with_state(saved["optim"]["state"]) != want:
@@ -217,7 +227,7 @@ def save(path):
 def load(path):
     model, mods = build(FROZEN_AT_LOAD)
     model = wrap(model, mods, LOAD_PLAN)
-    opt = optimizer(model.parameters())
+    opt = optimizer(model)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     try:
@@ -238,6 +248,10 @@ def load(path):
                for k, v in st.items() if not torch.equal(torch.as_tensor(got_optim["state"][f].get(k, float("nan"))), torch.as_tensor(v))]
     if changed:
         WRONG.append(f"[rank {dist.get_rank()}] the loaded optimizer state of {changed} differs from the saved")
+    groups = [{k: (sorted(v) if k == "params" else v) for k, v in g.items()} for g in got_optim["param_groups"]]
+    want = [{k: (sorted(v) if k == "params" else v) for k, v in g.items()} for g in saved["optim"]["param_groups"]]
+    if groups != want:
+        WRONG.append(f"[rank {dist.get_rank()}] after the load the param_groups are {groups}, saved {want}")
 
 
 def first_failure(e):
@@ -396,6 +410,8 @@ def ckpt_script(spec: CaseSpec, violations: list | None = None, title: str = "",
         f"SAVE_PLAN = ({spec.plan.api!r}, 0)",
         f"LOAD_PLAN = ({(ck.load_plan or spec.plan).api!r}, 1)",
         f"OPTIMIZER, STEPS = {ck.optimizer!r}, {ck.steps}",
+        f"PARAM_GROUPS = {ck.param_groups}  # 2: the matrices, and the rest at another learning rate",
+        f"MATRICES = {sorted(matrix_names(spec))!r}",
         f"FULL_SD, OFFLOAD, RANK0_ONLY, IGNORE_FROZEN = {ck.full_sd!r}, {ck.offload}, {ck.rank0_only}, {ck.ignore_frozen}",
         f"LOAD_PATH, WARM = {ck.load_path!r}, {ck.warm!r}  # WARM: a forward before the load (full: before the state dict)",
         f"PRECISE = {ck.precision is not None!r}  # the save plan under mixed precision (see wrap)",
