@@ -436,7 +436,7 @@ def check_full(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
     api="fsdp1|fsdp2",
     scenario="ckpt-ties",
     all_ranks=True,
-    statement="Every load path (load_state_dict incl. assign=True, set_model_state_dict incl. broadcast_from_rank0, meta-device init + to_empty + load) loads the values and leaves tied names sharing one Parameter, with the parameter count unchanged; the first forward after the load computes with the loaded values.",
+    statement="Every load path (load_state_dict incl. assign=True, set_model_state_dict incl. broadcast_from_rank0, meta-device init + to_empty + load) loads the values and leaves tied names sharing one Parameter, with the parameter count unchanged; the first forward after the load computes with the loaded values (under mixed precision: as the same wrap of a model built with the loaded state computes, in param_dtype), whether or not the model ran a forward before the load.",
     source=f"{DOC_DCP_SD} (set_model_state_dict, broadcast_from_rank0); {DOC_FSDP2}; FullyShardedDataParallel param_init_fn",
 )
 def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation]) -> list[Violation] | NotChecked:
@@ -470,7 +470,7 @@ def check_ties(spec: CaseSpec, pred: CkptPrediction, obs: list[CkptObservation])
     group="checkpoint",
     api="fsdp1|fsdp2",
     scenario="ckpt-roundtrip",
-    statement="State saved with torch.distributed.checkpoint under one API, plan and world size loads under another (FSDP1 sharded <-> FSDP2, other wrap policy / grouping, world size 1, 2, 3) to the same model values, optimizer state and hyperparameters.",
+    statement="State saved with torch.distributed.checkpoint under one API, plan and world size loads under another (FSDP1 sharded <-> FSDP2, other wrap policy / grouping, world size 1, 2, 3) to the same model values, optimizer state and hyperparameters: each param group's as saved (a learning-rate schedule's step before the save; one group, or two as training scripts split them), whatever the load side built its optimizer with.",
     source=f"{DOC_DCP}; {DOC_DCP_SD} (get_state_dict / set_state_dict: 'can support different parallelisms, FSDP1, FSDP2'); {DOC_FSDP1_SD}",
 )
 def check_reshard(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> list[Violation] | NotChecked:
