@@ -543,7 +543,21 @@ def fsdp2_case_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
     called = {c.method for c in spec.calls}
     if any(i in called and m.register and m.module in fsdp and any(s.op == "call" for s in m.steps) for i, m in enumerate(spec.methods)):
         tags.add("method-calls-self")  # a registered method that runs its module's forward hooks inside
+        multi = [g.modules for g in pred.groups if len(g.modules) > 1]
+        if any(i in called and m.register and any(s.op == "call" for s in m.steps)
+               and any(m.module in mods and any(not _within(x, m.module) for x in mods) for mods in multi)
+               for i, m in enumerate(spec.methods)):
+            # the self-call's post-forward leaves the method module's list
+            # group idle with another of its modules not run: the group's
+            # forward stays incomplete until a later root post-forward
+            # completes it (fsdp2-forward-method-calls-self)
+            tags.add("group:multi-self-call-partial")
     return tags
+
+
+def _within(path: str, root: str) -> bool:
+    """Whether module path ``path`` is ``root`` or inside it."""
+    return root == "" or path == root or path.startswith(root + ".")
 
 
 def list_group_tags(spec: CaseSpec, pred: FSDP2Prediction) -> set[str]:
