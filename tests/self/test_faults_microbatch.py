@@ -27,7 +27,7 @@ from conformance.case.spec import (
     WrapPlan,
 )
 from conformance.run import known
-from conformance.run.runner import FAIL, KNOWN, PASS, evaluate, observations
+from conformance.run.runner import FAIL, KNOWN, PASS, UNCHECKED, evaluate, observations
 from tests.self import faults_microbatch  # noqa: F401  (registers the fault scenarios in the driver)
 
 pytestmark = pytest.mark.selfcheck
@@ -156,6 +156,14 @@ def test_cases_hold_on_unmodified_torch(case, fake_engine):
     for invariant in ("MB-COMMS", "MB-SHARDED"):
         res = run(invariant, spec, fake_engine)
         assert res.verdict == PASS, res.describe()
+
+
+def test_mb_grads_on_the_fake_tier_passes_on_hooks_compared_and_is_unchecked_without(fake_engine):
+    """The fake tier compares no gradient values, but the post-accumulate-grad
+    hooks are structure: with hooks drawn the example was checked (PASS),
+    without them nothing was (UNCHECKED)."""
+    assert run("MB-GRADS", CASES["grad-hooks"](), fake_engine).verdict == PASS
+    assert run("MB-GRADS", CASES["no-sync"](), fake_engine).verdict == UNCHECKED
 
 
 @pytest.mark.parametrize("invariant,case,fault,kind", FAULTS, ids=[f"{f[0]}-{f[2]}-{f[3]}" for f in FAULTS])
