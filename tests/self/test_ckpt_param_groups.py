@@ -69,3 +69,32 @@ def test_two_groups_need_per_parameter_optimizers_at_the_save_and_the_load():
         dataclasses.replace(NORM, ckpt=dataclasses.replace(NORM.ckpt, load_plan=WrapPlan(api="fsdp1", use_orig_params=False)))
     with pytest.raises(SpecError, match="param_groups must be 1 or 2"):
         _with(NORM, groups=3)
+
+
+# ---- a resume off single-process training from state FSDP1 saved for a parameter that had none ----
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_resume_off_the_reference_only_for_the_stateless_parameter_is_that_finding():
+    """ci seed 30144: FSDP1 (use_orig_params=True) saved on 3 ranks, a
+    LayerNorm weight frozen in the one step and unfrozen after it; get_state_dict
+    gave it Adam state (a step count) it never had, and the resume steps it as
+    a second step. The resume difference of that parameter alone is
+    fsdp1-optim-state-dict-trainable-param-without-state; of another parameter
+    it is not."""
+    from conformance.areas.checkpoint.invariants import check_optim
+    from conformance.areas.checkpoint.observation import CkptObservation
+
+    spec = CaseSpec.from_json((DATA / "ckpt-unfrozen-adam-resume.json").read_text())
+    pred = predict_ckpt(spec)
+
+    def obs(diff):
+        return CkptObservation(kind="roundtrip", api="fsdp1", rank=0, world_size=2, backend="gloo", torch_version="2.13.0",
+                               optim_ref=tuple(sorted(set(pred.trainable) - {"0.0.weight"})), resume_ref_diff=diff)
+
+    for diff, want in ((("0.0.weight",), "fsdp1-optim-state-dict-trainable-param-without-state"), (("0.1.bias",), None)):
+        vs = [v for v in check_optim(spec, pred, obs(diff)) if "kind:resume-reference" in v.tags]
+        assert len(vs) == 1
+        k = known.match(vs[0], known.load(), "2.13.0")
+        assert (k.id if k else None) == want, vs[0].tags

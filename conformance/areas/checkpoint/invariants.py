@@ -544,7 +544,11 @@ def check_optim(spec: CaseSpec, pred: CkptPrediction, obs: CkptObservation) -> l
     if obs.optim_diff:
         out.append(violation("OPTIM-STATE", f"loaded optimizer state {list(obs.optim_diff)[:8]} differs from the saved", tags, "kind:state-changed", *_diff_tags(obs.optim_diff)))
     if obs.resume_ref_diff:
-        out.append(violation("OPTIM-STATE", f"after the resume {list(obs.resume_ref_diff)[:8]} differ from single-process training", tags, "kind:resume-reference"))
+        # every parameter that differs had no state at the save (trainable, never stepped): state saved for
+        # it anyway (an Adam step count) steps it otherwise than single-process training's first step
+        extra = ("param:trainable-without-state",) if set(obs.resume_ref_diff) <= unstated else ()
+        out.append(violation("OPTIM-STATE", f"after the resume {list(obs.resume_ref_diff)[:8]} differ from single-process training", tags,
+                             "kind:resume-reference", *extra))
     if obs.resume_cont_diff:
         out.append(violation("OPTIM-STATE", f"after the resume {list(obs.resume_cont_diff)[:8]} differ from uninterrupted training", tags, "kind:resume-uninterrupted"))
     return out
