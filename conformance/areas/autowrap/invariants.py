@@ -321,6 +321,16 @@ def _frozen_mismatch(
     return out
 
 
+def _shared_parent_mix(spec: CaseSpec, err) -> set[str]:
+    """mix:shared-parent: the mixed unit holds a parameter of a module that a
+    shared module is registered under as its second name (a size policy may
+    count the shared module's parameters there again and make that parent a
+    unit of its own: fsdp1-callable-policy-wraps-shared-module-twice)."""
+    parents = {s.parent for s in getattr(spec, "shared", ())}
+    owners = {f.rpartition(".")[0] for f in tuple(err.trainable) + tuple(err.frozen)}
+    return {"mix:shared-parent"} if parents & owners else set()
+
+
 @catalog.invariant(
     "FROZEN-ERROR",
     scenario=STRUCTURE,
@@ -336,7 +346,8 @@ def check_frozen_error(spec: CaseSpec, pred: FSDP1Prediction, obs: WrapObservati
     unit_tag = "unit:root" if pred.error.path == "" else "unit:nonroot"
     where = pred.error.path or "<root>"
     if obs.error is None:
-        return [violation("FROZEN-ERROR", f"no error although unit {where} mixes requires_grad", tags, unit_tag, "kind:no-error")]
+        return [violation("FROZEN-ERROR", f"no error although unit {where} mixes requires_grad", tags | _shared_parent_mix(spec, pred.error),
+                          unit_tag, "kind:no-error")]
     if obs.error.category != "ValueError":
         return [violation("FROZEN-ERROR", f"raised {obs.error.category}, not ValueError, for unit {where}: {obs.error.text.splitlines()[0]!r}", tags | error_tags(obs), unit_tag, "kind:wrong-type")]
     return _frozen_mismatch("FROZEN-ERROR", obs.error, pred.error, tags, numbers=False, spec=spec, units=pred.units)
